@@ -1,0 +1,59 @@
+"""mlx-train: a training framework for MLX.
+
+Example::
+
+    from mlx_train.training import Trainer
+    trainer = Trainer(model=model, optimizer=optimizer, batch_size=32)
+    history = trainer.train(train_dataset=(x, y), val_dataset=(vx, vy), epochs=10)
+"""
+
+from __future__ import annotations
+
+# The optimized BLAS must be loaded before anything imports mlx.core (Linux CPU; see _blas.py).
+from mlx_train import _blas
+
+_blas.preload()
+
+from mlx_train.errors import (  # noqa: E402
+    CheckpointError,
+    ConfigError,
+    DataError,
+    DeviceError,
+    DistributedError,
+    MLXTrainError,
+    OutOfMemoryError,
+)
+
+__version__ = "0.1.0"
+
+# Heavier pieces load on first use so `import mlx_train` stays cheap.
+_LAZY = {
+    "TrainConfig": "mlx_train.config",
+    "DeviceConfig": "mlx_train.device",
+    "DistributedConfig": "mlx_train.distributed",
+    "MemoryOptimizer": "mlx_train.memory",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'mlx_train' has no attribute '{name}'")
+
+
+__all__ = [
+    "CheckpointError",
+    "ConfigError",
+    "DataError",
+    "DeviceError",
+    "DistributedError",
+    "MLXTrainError",
+    "OutOfMemoryError",
+    "TrainConfig",
+    "DeviceConfig",
+    "DistributedConfig",
+    "MemoryOptimizer",
+    "__version__",
+]
