@@ -1,0 +1,312 @@
+"""CheckpointManager: atomic, asynchronous checkpoint saves with keep-last-N plus best-K retention.
+
+Example::
+
+    manager = CheckpointManager("runs/a/checkpoints", keep_last=3, keep_best=1, monitor="val_loss")
+    manager.save(300, {"model": dict(tree_flatten(model.parameters()))}, {"epoch": 2}, {"val_loss": 0.41})
+    manager.wait()                      # only needed before reading what was just written
+    arrays, state = load_checkpoint(manager.resolve("auto"))
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import threading
+import time
+import uuid
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_train.checkpointing.format import (
+    FORMAT, FORMAT_VERSION, STATE_FILE, STEP_DIR, TMP_DIR, CheckpointInfo, Torn, info_from,
+    newest_complete, scan, step_name, survey, validate_checkpoint,
+)
+from mlx_train.checkpointing.storage import MANIFEST, open_store, split_location
+from mlx_train.errors import CheckpointError, ConfigError
+
+GROUP_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint was skipped (torn, corrupt, leftover) or old ones could not be deleted."""
+
+
+@dataclass
+class _Job:
+    step: int
+    tmp: str
+    arrays: dict[str, dict[str, mx.array]]
+    state_json: bytes
+    metrics: dict
+
+
+def _pause_point(point: str, where: str) -> None:
+    # Test hook, not a feature: MLX_TRAIN_SAVE_PAUSE_AFTER=<file name, or "commit"> makes the writer
+    # announce itself on stderr and sleep right after writing that file (or after the final rename),
+    # so a test can SIGKILL the process half-way through a save. MLX_TRAIN_SAVE_PAUSE_SECONDS: how long.
+    if os.environ.get("MLX_TRAIN_SAVE_PAUSE_AFTER") != point:
+        return
+    print(f"mlx-train test hook: save paused after {point} in {where}", file=sys.stderr, flush=True)
+    time.sleep(float(os.environ.get("MLX_TRAIN_SAVE_PAUSE_SECONDS", "3600")))
+
+
+def _exists(path: str) -> bool:
+    parent, name = split_location(path)
+    store = open_store(parent)
+    return store.isdir(name) or store.size(name) is not None
+
+
+def _plain(value, where: str):
+    """``value`` as JSON-able Python (tuples -> lists, scalar arrays -> numbers), or CheckpointError."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, dict):
+        for key in value:
+            if not isinstance(key, str):
+                raise CheckpointError(f"{where} has the key {key!r} ({type(key).__name__}); JSON keys must be "
+                                      "strings, and a silent conversion would change the key on resume: use str keys")
+        return {key: _plain(item, f"{where}[{key!r}]") for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(item, f"{where}[{i}]") for i, item in enumerate(value)]
+    if isinstance(value, (np.generic, np.ndarray, mx.array)) and value.size == 1 and value.ndim == 0:
+        return value.item()
+    raise CheckpointError(f"{where} is a {type(value).__name__}, which cannot be saved as JSON: keep numbers, "
+                          "strings, lists and dicts in state and pass arrays in the arrays argument")
+
+
+def _snapshot(arrays) -> dict[str, dict[str, mx.array]]:
+    """Check the groups and copy the dicts (not the arrays: mx arrays are immutable)."""
+    if not isinstance(arrays, dict):
+        raise CheckpointError(f"arrays must be a dict of group name -> {{name: mx.array}}, got "
+                              f"{type(arrays).__name__}: e.g. {{'model': dict(tree_flatten(model.parameters()))}}")
+    snapshot = {}
+    for group, flat in arrays.items():
+        if not isinstance(group, str) or not GROUP_NAME.match(group):
+            raise CheckpointError(f"array group name {group!r} cannot be a file name: use letters, digits, _ . -")
+        if not isinstance(flat, dict):
+            raise CheckpointError(f"arrays[{group!r}] must be a flat dict name -> mx.array, got "
+                                  f"{type(flat).__name__}: flatten it with tree_flatten(tree, destination={{}})")
+        snapshot[group] = {}
+        for key, value in flat.items():
+            if isinstance(value, (np.ndarray, np.generic)):
+                value = mx.array(value)
+            if not isinstance(key, str) or not isinstance(value, mx.array):
+                raise CheckpointError(f"arrays[{group!r}][{key!r}] is a {type(value).__name__}; each group must map "
+                                      "str names to mx.array (plain numbers belong in state)")
+            snapshot[group][key] = value
+    try:
+        mx.eval(snapshot)  # normally a no-op; guarantees the writer thread only copies finished buffers
+    except RuntimeError as error:
+        if "Stream" not in str(error):
+            raise
+        raise CheckpointError(f"save() got arrays that are not evaluated yet, on a thread without an MLX "
+                              f"stream ({error}): call mx.eval on them first, or save from the thread that "
+                              "computed them") from None
+    return snapshot
+
+
+class CheckpointManager:
+    """Save, list, prune and find checkpoints in one directory (local path or fsspec URL).
+
+    One process writes to a directory (rank 0 in distributed runs). ``keep_last=None`` keeps
+    everything; the most recently saved complete checkpoint is never deleted. ``mode`` is
+    ``"min"``, ``"max"`` or ``"auto"`` (max when the monitor name contains "acc").
+
+    Example::
+
+        manager = CheckpointManager("memory://run", keep_last=2, keep_best=1, monitor="val_loss")
+        manager.save(10, {"model": {"w": mx.zeros((2,))}}, {"epoch": 0}, {"val_loss": 1.0})
+        manager.wait()
+        assert manager.latest().step == 10
+    """
+
+    def __init__(self, directory: str, keep_last: int | None = 3, keep_best: int = 0,
+                 monitor: str = "val_loss", mode: str = "min", async_save: bool = True) -> None:
+        if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 0):
+            raise ConfigError(f"keep_last must be None (keep all) or an int >= 0, got {keep_last!r}")
+        if isinstance(keep_best, bool) or not isinstance(keep_best, int) or keep_best < 0:
+            raise ConfigError(f"keep_best must be an int >= 0, got {keep_best!r}")
+        if mode not in ("min", "max", "auto"):
+            raise ConfigError(f"mode must be 'min', 'max' or 'auto', got {mode!r}")
+        self.directory = directory
+        self.keep_last, self.keep_best, self.monitor = keep_last, keep_best, monitor
+        self.mode = mode if mode != "auto" else ("max" if "acc" in monitor else "min")
+        self.async_save = async_save
+        self._store = open_store(directory)
+        self._executor: ThreadPoolExecutor | None = None
+        self._pending: Future | None = None
+        self._inflight: str | None = None  # temporary directory of the save in flight: not a leftover
+        self._lock = threading.Lock()  # directory scans never interleave with a commit or a deletion
+        self._reported: set[str] = set()
+
+    # ------------------------------------------------------------------ saving
+    def save(self, step: int, arrays: dict[str, dict[str, mx.array]], state: dict,
+             metrics: dict | None = None) -> str:
+        """Save a checkpoint of ``step`` and return its path; returns before writing when async.
+
+        Validation and the JSON encoding of ``state`` happen now, so later changes to the
+        caller's dicts do not leak in. A failed earlier background save is re-raised here.
+        """
+        self.wait()
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise CheckpointError(f"step must be an int >= 0, got {step!r}")
+        job = _Job(step, f"{step_name(step)}.tmp-{uuid.uuid4().hex[:8]}", _snapshot(arrays),
+                   json.dumps(_plain(state, "state"), indent=1).encode(), _plain(dict(metrics or {}), "metrics"))
+        self._inflight = job.tmp
+        if not self.async_save:
+            self._write(job)
+        else:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(1, thread_name_prefix="mlx-train-checkpoint")
+            self._pending = self._executor.submit(self._write, job)
+        return self._store.url(step_name(step))
+
+    def wait(self) -> None:
+        """Block until the pending save is written; re-raise its error (a CheckpointError) if it failed."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        """Wait for the pending save and stop the writer thread."""
+        try:
+            self.wait()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def _write(self, job: _Job) -> None:
+        store, final = self._store, step_name(job.step)
+        try:
+            store.makedirs(job.tmp)
+            records = {}
+            for group, flat in job.arrays.items():
+                records[f"{group}.safetensors"] = store.write_safetensors(f"{job.tmp}/{group}.safetensors", flat)
+                _pause_point(f"{group}.safetensors", store.url(job.tmp))
+            records[STATE_FILE] = store.write_bytes(f"{job.tmp}/{STATE_FILE}", job.state_json)
+            _pause_point(STATE_FILE, store.url(job.tmp))
+            manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "step": job.step,
+                        "saved_at": time.time(), "metrics": job.metrics, "mlx_version": mx.__version__,
+                        "files": {name: {"size": r.size, "sha256": r.sha256} for name, r in records.items()}}
+            store.write_bytes(f"{job.tmp}/{MANIFEST}", json.dumps(manifest, indent=1).encode())
+            _pause_point(MANIFEST, store.url(job.tmp))
+            with self._lock:
+                store.commit(job.tmp, final, [*records, MANIFEST])
+                self._inflight = None
+        except Exception as error:
+            self._discard(job.tmp)
+            raise CheckpointError(
+                f"saving checkpoint {store.url(final)} failed ({type(error).__name__}: {error}); earlier "
+                "checkpoints are untouched: fix the cause (disk space, permissions, network) and save again"
+            ) from error
+        except BaseException:
+            self._discard(job.tmp)
+            raise
+        _pause_point("commit", store.url(final))
+        try:
+            with self._lock:
+                self._apply_retention()
+        except Exception as error:  # the new checkpoint is complete; failing to prune must not lose it
+            warnings.warn(f"could not delete old checkpoints in {store.display} ({type(error).__name__}: "
+                          f"{error}); they keep using space until removed", CheckpointWarning, stacklevel=2)
+
+    def _discard(self, tmp: str) -> None:
+        self._inflight = None
+        try:
+            self._store.remove_tree(tmp)
+        except Exception:
+            pass  # a leftover tmp directory is ignored when reading and removed by a later save
+
+    def _apply_retention(self) -> None:
+        store = self._store
+        names, leftovers = scan(store)
+        for name in leftovers:  # from interrupted saves or deletions (one writer per directory)
+            store.remove_tree(name)
+        if self.keep_last is None:
+            return
+        complete = [info_from(store, name, manifest) for name, manifest in survey(store)]
+        scored = [info for info in complete if info.metric(self.monitor) is not None]
+        sign = 1.0 if self.mode == "min" else -1.0
+        scored.sort(key=lambda info: (sign * info.metric(self.monitor), info.step))  # ties: the older one
+        last = complete[-self.keep_last:] if self.keep_last else []
+        keep = {info.path for info in complete[-1:] + last + scored[: self.keep_best]}
+        for info in complete:
+            if info.path not in keep:
+                store.remove_tree(split_location(info.path)[1])
+
+    # ------------------------------------------------------------------ reading
+    def checkpoints(self) -> list[CheckpointInfo]:
+        """Complete checkpoints, oldest save first (manifest present, every file of its recorded size)."""
+        with self._lock:
+            self._report_leftovers()
+            return [info_from(self._store, name, manifest) for name, manifest in survey(self._store, self._report)]
+
+    def latest(self) -> CheckpointInfo | None:
+        """The most recently saved checkpoint that passes every check (sha256 of each file included).
+
+        Torn or corrupt checkpoints are skipped and reported once each as a CheckpointWarning.
+        """
+        skipped: list[tuple[str, Torn]] = []
+        with self._lock:
+            self._report_leftovers()
+            info = newest_complete(self._store, on_torn=lambda name, torn: skipped.append((name, torn)))
+        for name, torn in skipped:
+            self._report(name, torn, info)
+        return info
+
+    def resolve(self, resume: str | None) -> str | None:
+        """Turn a ``resume`` argument into a checkpoint path: "auto" -> latest() or None; a path -> checked path.
+
+        A path may be a checkpoint, a directory of checkpoints (its newest complete one is used)
+        or a checkpoint name inside this manager's directory (``"step-00000200"``).
+        """
+        if resume is None or resume == "":
+            return None
+        if resume == "auto":
+            info = self.latest()
+            return info.path if info else None
+        path = resume
+        if not _exists(path) and _exists(self._store.url(path)):
+            path = self._store.url(path)  # a name inside this directory, e.g. "step-00000200"
+        parent, name = split_location(path)
+        parent_store = open_store(parent)
+        if not STEP_DIR.match(name) and not TMP_DIR.match(name) and parent_store.isdir(name) \
+                and parent_store.size(f"{name}/{MANIFEST}") is None:
+            info = CheckpointManager(path, keep_last=None, async_save=False).latest()
+            if info is None:
+                raise CheckpointError(f"there is no complete checkpoint in {path} to resume from: pass a "
+                                      "checkpoint such as <dir>/step-00000300, or start without --resume")
+            return info.path
+        return validate_checkpoint(path, None if _exists(path) else self._store).path
+
+    def _report_leftovers(self) -> None:
+        for name in scan(self._store)[1]:
+            if name != self._inflight:
+                self._report(name, Torn("is a temporary directory left by an interrupted save "
+                                        "(ignored; safe to delete)"), None, leftover=True)
+
+    def _report(self, name: str, torn: Torn, using: CheckpointInfo | None = None, leftover: bool = False) -> None:
+        if name in self._reported:
+            return
+        self._reported.add(name)
+        if leftover:
+            instead = ""
+        elif using is not None:
+            instead = f"; skipped it, using {using.path}"
+        else:
+            instead = "; skipped it"
+        warnings.warn(f"checkpoint {self._store.url(name)} {torn.reason}{instead}", CheckpointWarning, stacklevel=3)
