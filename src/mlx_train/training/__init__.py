@@ -1,0 +1,25 @@
+"""Training: the Trainer, the DataLoader and the callbacks.
+
+Example::
+
+    from mlx_train.training import Trainer, DataLoader, ModelCheckpoint, EarlyStopping
+"""
+
+from mlx_train.data import DataLoader
+from mlx_train.training.callbacks import Callback, EarlyStopping, ModelCheckpoint
+from mlx_train.training.distributed import DistributedTrainer
+from mlx_train.training.loggers import MetricsLogger, ProgressBar
+from mlx_train.training.losses import CrossEntropyLoss
+from mlx_train.training.trainer import Trainer
+
+__all__ = [
+    "Callback",
+    "CrossEntropyLoss",
+    "DataLoader",
+    "DistributedTrainer",
+    "EarlyStopping",
+    "MetricsLogger",
+    "ModelCheckpoint",
+    "ProgressBar",
+    "Trainer",
+]

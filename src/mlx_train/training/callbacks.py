@@ -1,0 +1,311 @@
+"""Callbacks: a small set of events, plain values in, a flag to stop.
+
+Events (override only those you need; the Trainer skips the rest):
+``on_fit_start(trainer)``, ``on_epoch_start(trainer, epoch)``, ``on_batch_end(trainer, step)``,
+``on_report(trainer, logs)``, ``on_validation_end(trainer, logs)``,
+``on_epoch_end(trainer, epoch, logs)``, ``on_checkpoint(trainer, path)``,
+``on_fit_end(trainer, history)``, ``on_exception(trainer, error)``.
+
+``logs`` are plain Python floats (``loss``, ``learning_rate``, ``val_loss``, ...). A callback stops
+training by setting ``trainer.stop_training = True``. State that must survive a resume is returned
+by ``state_dict()`` (JSON values and ``mx.array`` leaves) and given back to ``load_state_dict()``.
+
+mlx-lm's ``TrainingCallback`` (``on_train_loss_report(info)``, ``on_val_loss_report(info)``)
+works as is: pass it in ``callbacks=[...]``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+import warnings
+from typing import Any
+
+import mlx.core as mx
+from mlx.utils import tree_flatten, tree_unflatten
+
+from mlx_train.errors import ConfigError
+
+EVENTS = (
+    "on_fit_start",
+    "on_epoch_start",
+    "on_batch_end",
+    "on_report",
+    "on_validation_end",
+    "on_epoch_end",
+    "on_checkpoint",
+    "on_fit_end",
+    "on_exception",
+)
+
+
+class Callback:
+    """Base class for callbacks; every event is a no-op until overridden.
+
+    Example::
+
+        class PrintLoss(Callback):
+            def on_report(self, trainer, logs):
+                print(logs["step"], logs["loss"])
+    """
+
+    def on_fit_start(self, trainer) -> None: ...
+    def on_epoch_start(self, trainer, epoch: int) -> None: ...
+    def on_batch_end(self, trainer, step: int) -> None: ...
+    def on_report(self, trainer, logs: dict) -> None: ...
+    def on_validation_end(self, trainer, logs: dict) -> None: ...
+    def on_epoch_end(self, trainer, epoch: int, logs: dict) -> None: ...
+    def on_checkpoint(self, trainer, path: str) -> None: ...
+    def on_fit_end(self, trainer, history: dict) -> None: ...
+    def on_exception(self, trainer, error: BaseException) -> None: ...
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+class MLXLMCallback(Callback):
+    """Adapts an mlx-lm ``TrainingCallback`` (two report hooks) to the event set."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def on_report(self, trainer, logs: dict) -> None:
+        if hasattr(self.inner, "on_train_loss_report"):
+            self.inner.on_train_loss_report({
+                "iteration": logs["step"],
+                "train_loss": logs["loss"],
+                "learning_rate": logs["learning_rate"],
+                "iterations_per_second": logs["steps_per_second"],
+                "tokens_per_second": logs.get("tokens_per_second", logs["samples_per_second"]),
+                "trained_tokens": logs.get("trained_tokens", logs["trained_samples"]),
+                "peak_memory": logs["peak_memory_gb"],
+            })
+
+    def on_validation_end(self, trainer, logs: dict) -> None:
+        if hasattr(self.inner, "on_val_loss_report"):
+            self.inner.on_val_loss_report(
+                {"iteration": logs["step"], "val_loss": logs["val_loss"], "val_time": logs["val_time"]}
+            )
+
+
+def as_callback(obj: Any) -> Callback:
+    """Accept our callbacks, duck-typed ones, and mlx-lm's TrainingCallback."""
+    if isinstance(obj, Callback):
+        return obj
+    if any(hasattr(obj, e) for e in EVENTS):
+        return obj
+    if hasattr(obj, "on_train_loss_report") or hasattr(obj, "on_val_loss_report"):
+        return MLXLMCallback(obj)
+    raise ConfigError(
+        f"{type(obj).__name__} is not a callback: it has none of the events {', '.join(EVENTS)} "
+        "(nor mlx-lm's on_train_loss_report / on_val_loss_report)"
+    )
+
+
+def _overrides(cb: Any, event: str) -> bool:
+    method = getattr(cb, event, None)
+    if method is None:
+        return False
+    base = getattr(Callback, event)
+    return getattr(method, "__func__", method) is not base
+
+
+class CallbackList:
+    """Calls each event on the callbacks that define it (others cost nothing)."""
+
+    def __init__(self, callbacks: list[Any]) -> None:
+        self.callbacks = [as_callback(c) for c in callbacks]
+        self._by_event = {e: [getattr(c, e) for c in self.callbacks if _overrides(c, e)] for e in EVENTS}
+
+    def has(self, event: str) -> bool:
+        return bool(self._by_event[event])
+
+    def call(self, event: str, *args: Any) -> None:
+        for method in self._by_event[event]:
+            method(*args)
+
+    def keys(self) -> list[str]:
+        """Stable names for checkpointed callback state: class name, with an index for repeats."""
+        seen: dict[str, int] = {}
+        names = []
+        for c in self.callbacks:
+            base = type(c).__name__
+            names.append(base if base not in seen else f"{base}_{seen[base]}")
+            seen[base] = seen.get(base, 0) + 1
+        return names
+
+    def state(self) -> tuple[dict, dict[str, mx.array]]:
+        """(JSON state, arrays) of every callback that has state."""
+        json_state, arrays = {}, {}
+        for key, c in zip(self.keys(), self.callbacks):
+            if not hasattr(c, "state_dict"):
+                continue
+            flat = tree_flatten(c.state_dict(), is_leaf=lambda x: isinstance(x, mx.array))
+            plain = [(k, v) for k, v in flat if not isinstance(v, mx.array)]
+            for k, v in flat:
+                if isinstance(v, mx.array):
+                    arrays[f"{key}/{k}"] = v
+            json_state[key] = {"values": dict(plain), "arrays": [k for k, v in flat if isinstance(v, mx.array)]}
+        return json_state, arrays
+
+    def load_state(self, json_state: dict, arrays: dict[str, mx.array]) -> None:
+        for key, c in zip(self.keys(), self.callbacks):
+            if key not in json_state or not hasattr(c, "load_state_dict"):
+                continue
+            entry = json_state[key]
+            flat = list(entry["values"].items()) + [(k, arrays[f"{key}/{k}"]) for k in entry["arrays"]]
+            c.load_state_dict(tree_unflatten(flat) if flat else {})
+
+
+def _resolve_mode(monitor: str, mode: str) -> str:
+    if mode not in ("auto", "min", "max"):
+        raise ConfigError(f"mode must be 'auto', 'min' or 'max', got '{mode}'")
+    if mode != "auto":
+        return mode
+    return "max" if "acc" in monitor or monitor.endswith("f1") else "min"
+
+
+class _Monitor:
+    """Tracks the best value of one metric."""
+
+    def __init__(self, monitor: str, mode: str, min_delta: float = 0.0) -> None:
+        self.monitor, self.mode, self.min_delta = monitor, _resolve_mode(monitor, mode), abs(min_delta)
+        self.best = math.inf if self.mode == "min" else -math.inf
+
+    def value(self, logs: dict) -> float | None:
+        if self.monitor not in logs:
+            warnings.warn(
+                f"{type(self).__name__}: metric '{self.monitor}' is not in the logs "
+                f"(available: {', '.join(sorted(logs))}); nothing is monitored this epoch",
+                stacklevel=3,
+            )
+            return None
+        return float(logs[self.monitor])
+
+    def improved(self, value: float) -> bool:
+        if self.mode == "min":
+            return value < self.best - self.min_delta
+        return value > self.best + self.min_delta
+
+
+class EarlyStopping(Callback, _Monitor):
+    """Stop when a monitored metric stops improving.
+
+    Example::
+
+        EarlyStopping(monitor="val_loss", patience=3, min_delta=1e-4, restore_best_weights=True)
+    """
+
+    def __init__(
+        self,
+        monitor: str = "val_loss",
+        patience: int = 3,
+        min_delta: float = 0.0,
+        mode: str = "auto",
+        restore_best_weights: bool = False,
+    ) -> None:
+        _Monitor.__init__(self, monitor, mode, min_delta)
+        if patience < 0:
+            raise ConfigError(f"EarlyStopping patience must be >= 0, got {patience}")
+        self.patience, self.restore_best_weights = patience, restore_best_weights
+        self.wait, self.stopped_epoch, self.best_epoch = 0, None, None
+        self.best_weights: dict[str, mx.array] | None = None
+
+    def on_epoch_end(self, trainer, epoch: int, logs: dict) -> None:
+        value = self.value(logs)
+        if value is None:
+            return
+        if self.improved(value):
+            self.best, self.wait, self.best_epoch = value, 0, epoch
+            if self.restore_best_weights:
+                # mx arrays are immutable and replaced each step, so keeping references is a snapshot.
+                self.best_weights = dict(tree_flatten(trainer.model.parameters()))
+            return
+        self.wait += 1
+        if self.wait >= self.patience:
+            self.stopped_epoch = epoch
+            trainer.stop_training = True
+            if self.restore_best_weights and self.best_weights is not None:
+                trainer.model.update(tree_unflatten(list(self.best_weights.items())))
+            trainer.log(
+                f"early stopping at epoch {epoch + 1}: {self.monitor} did not improve for {self.patience} "
+                f"epoch(s); best {self.monitor} {self.best:.4f} at epoch {self.best_epoch + 1}"
+            )
+
+    def state_dict(self) -> dict:
+        state = {"best": self.best, "wait": self.wait, "best_epoch": self.best_epoch, "stopped_epoch": self.stopped_epoch}
+        if self.best_weights is not None:
+            state["best_weights"] = dict(self.best_weights)
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.best, self.wait = state["best"], state["wait"]
+        self.best_epoch, self.stopped_epoch = state.get("best_epoch"), state.get("stopped_epoch")
+        weights = state.get("best_weights")
+        self.best_weights = dict(tree_flatten(weights)) if weights else None
+
+
+class ModelCheckpoint(Callback, _Monitor):
+    """Save the model's weights (safetensors) at the end of an epoch, or only when it improves.
+
+    ``filepath`` may contain ``{epoch}`` and metric placeholders (``{val_loss:.3f}``). Weights are
+    written as safetensors, never pickle: a ``.pt``/``.pth``/``.pkl``/``.h5`` suffix is replaced
+    by ``.safetensors`` (with a note).
+
+    Example::
+
+        ModelCheckpoint(filepath="best_model.safetensors", monitor="val_loss", save_best_only=True)
+    """
+
+    def __init__(
+        self,
+        filepath: str,
+        monitor: str = "val_loss",
+        save_best_only: bool = False,
+        mode: str = "auto",
+        every_n_epochs: int = 1,
+    ) -> None:
+        _Monitor.__init__(self, monitor, mode)
+        root, ext = os.path.splitext(filepath)
+        if ext in (".pt", ".pth", ".pkl", ".pickle", ".h5", ".ckpt", ".npz", ""):
+            warnings.warn(f"ModelCheckpoint writes safetensors, never pickle: saving to {root}.safetensors", stacklevel=2)
+            filepath = root + ".safetensors"
+        self.filepath, self.save_best_only, self.every_n_epochs = filepath, save_best_only, every_n_epochs
+        self.last_saved: str | None = None
+
+    def on_epoch_end(self, trainer, epoch: int, logs: dict) -> None:
+        if (epoch + 1) % self.every_n_epochs or not getattr(trainer, "is_main", True):
+            return
+        if self.save_best_only:
+            value = self.value(logs)
+            if value is None or not self.improved(value):
+                return
+            self.best = value
+        path = self.filepath.format(epoch=epoch + 1, **logs)
+        directory = os.path.dirname(path)
+        if directory:
+            os.makedirs(directory, exist_ok=True)
+        tmp = f"{path}.tmp-{os.getpid()}.safetensors"
+        mx.save_safetensors(tmp, dict(tree_flatten(trainer.model.parameters())), metadata={"epoch": str(epoch + 1)})
+        os.replace(tmp, path)
+        self.last_saved = path
+
+    def state_dict(self) -> dict:
+        return {"best": self.best, "last_saved": self.last_saved}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.best, self.last_saved = state["best"], state.get("last_saved")
+
+
+class Timer:
+    """Wall-clock helper used by the loggers."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start

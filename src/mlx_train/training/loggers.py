@@ -1,0 +1,164 @@
+"""Progress display and the run directory's metrics files."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import sys
+import time
+from typing import Any, TextIO
+
+from mlx_train.training.callbacks import Callback
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        if value != 0 and (abs(value) < 1e-3 or abs(value) >= 1e5):
+            return f"{value:.3e}"
+        return f"{value:.4f}"
+    return str(value)
+
+
+def format_report(logs: dict) -> str:
+    """One line for a training report, as mlx-lm users expect to read it."""
+    parts = [f"step {logs['step']}", f"epoch {logs['epoch'] + 1}", f"loss {logs['loss']:.4f}",
+             f"lr {logs['learning_rate']:.3e}"]
+    if "tokens_per_second" in logs:
+        parts.append(f"{logs['tokens_per_second']:.0f} tok/s")
+    parts.append(f"{logs['samples_per_second']:.0f} samples/s")
+    if logs.get("grad_norm"):
+        parts.append(f"grad_norm {logs['grad_norm']:.3f}")
+    parts.append(f"peak mem {logs['peak_memory_gb']:.3f} GB")
+    return " | ".join(parts)
+
+
+def format_epoch(epoch: int, epochs: int | None, logs: dict, seconds: float) -> str:
+    shown = {k: v for k, v in logs.items() if k not in ("epoch", "step")}
+    body = "  ".join(f"{k} {_fmt(v)}" for k, v in shown.items())
+    total = f"/{epochs}" if epochs else ""
+    return f"epoch {epoch + 1}{total}: {body}  ({seconds:.1f}s)"
+
+
+class ProgressBar(Callback):
+    """Live rich progress bar in a terminal; plain report lines when output is not a TTY.
+
+    Example::
+
+        trainer.train(data, callbacks=[ProgressBar()])   # added by default
+    """
+
+    def __init__(self, stream: TextIO | None = None, live: bool | None = None) -> None:
+        self.stream = stream or sys.stdout
+        self.live = self.stream.isatty() if live is None else live
+        self._progress = None
+        self._task = None
+        self._epoch_start = time.perf_counter()
+
+    def on_fit_start(self, trainer) -> None:
+        if not self.live:
+            return
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self._progress = Progress(
+            TextColumn("[bold]epoch {task.fields[epoch]}"), BarColumn(), MofNCompleteColumn(),
+            TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
+            console=Console(file=self.stream), transient=False,
+        )
+        self._progress.start()
+        self._task = self._progress.add_task("train", total=trainer.total_steps, epoch=1, info="",
+                                             completed=trainer.step)
+
+    def on_epoch_start(self, trainer, epoch: int) -> None:
+        self._epoch_start = time.perf_counter()
+
+    def on_report(self, trainer, logs: dict) -> None:
+        if self._progress is not None:
+            info = f"loss {logs['loss']:.4f}  lr {logs['learning_rate']:.2e}  {logs['samples_per_second']:.0f} samples/s"
+            self._progress.update(self._task, completed=logs["step"], epoch=logs["epoch"] + 1, info=info)
+        else:
+            print(format_report(logs), file=self.stream, flush=True)
+
+    def on_epoch_end(self, trainer, epoch: int, logs: dict) -> None:
+        line = format_epoch(epoch, trainer.epochs, logs, time.perf_counter() - self._epoch_start)
+        if self._progress is not None:
+            self._progress.update(self._task, completed=trainer.step)
+            self._progress.console.print(line)
+        else:
+            print(line, file=self.stream, flush=True)
+
+    def on_fit_end(self, trainer, history: dict) -> None:
+        self._stop()
+
+    def on_exception(self, trainer, error: BaseException) -> None:
+        self._stop()
+
+    def _stop(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+
+class MetricsLogger(Callback):
+    """Appends every report, validation and epoch summary to ``metrics.jsonl`` and ``metrics.csv``.
+
+    Each line of ``metrics.jsonl`` is one JSON object with ``"kind"`` (``train``, ``val`` or
+    ``epoch``), ``step``, ``epoch``, ``time`` and the metrics. ``metrics.csv`` has the same rows
+    with the union of columns seen so far (rewritten when a new column appears).
+
+    Example::
+
+        trainer.train(data, callbacks=[MetricsLogger("runs/exp1")])
+    """
+
+    def __init__(self, run_dir: str) -> None:
+        self.run_dir = run_dir
+        self.jsonl_path = os.path.join(run_dir, "metrics.jsonl")
+        self.csv_path = os.path.join(run_dir, "metrics.csv")
+        self._rows: list[dict] = []
+        self._columns: list[str] = []
+
+    def on_fit_start(self, trainer) -> None:
+        os.makedirs(self.run_dir, exist_ok=True)
+        if trainer.step == 0:
+            for path in (self.jsonl_path, self.csv_path):
+                if os.path.exists(path):
+                    os.remove(path)
+        elif os.path.exists(self.jsonl_path):
+            # Resumed: keep the lines up to the checkpoint's step; later ones are re-done.
+            with open(self.jsonl_path) as f:
+                rows = [json.loads(line) for line in f if line.strip()]
+            self._rows = [r for r in rows if r.get("step", 0) <= trainer.step]
+            with open(self.jsonl_path, "w") as f:
+                for r in self._rows:
+                    f.write(json.dumps(r) + "\n")
+            self._rewrite_csv()
+
+    def _write(self, kind: str, logs: dict) -> None:
+        row = {"kind": kind, "time": time.time(), **logs}
+        with open(self.jsonl_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        self._rows.append(row)
+        if any(k not in self._columns for k in row):
+            self._rewrite_csv()
+        else:
+            with open(self.csv_path, "a", newline="") as f:
+                csv.DictWriter(f, fieldnames=self._columns).writerow(row)
+
+    def _rewrite_csv(self) -> None:
+        for r in self._rows:
+            self._columns += [k for k in r if k not in self._columns]
+        with open(self.csv_path, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=self._columns)
+            writer.writeheader()
+            writer.writerows(self._rows)
+
+    def on_report(self, trainer, logs: dict) -> None:
+        self._write("train", logs)
+
+    def on_validation_end(self, trainer, logs: dict) -> None:
+        self._write("val", logs)
+
+    def on_epoch_end(self, trainer, epoch: int, logs: dict) -> None:
+        self._write("epoch", {"step": trainer.step, "epoch": epoch, **logs})

@@ -1,0 +1,63 @@
+"""A training run used by the exact-resume tests: dropout, shuffling, an LR schedule with
+warmup, gradient accumulation, EarlyStopping and ModelCheckpoint, checkpoints every 5 steps.
+
+    python resume_run.py RUN_DIR OUT.safetensors [--resume] [--slow SECONDS]
+"""
+
+import argparse
+import json
+import time
+
+import mlx_train  # noqa: F401  (before mlx.core: BLAS preload)
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from mlx_train import TrainConfig
+from mlx_train.datasets import load_dataset
+from mlx_train.models import build_model
+from mlx_train.optim import build_optimizer
+from mlx_train.training import Callback, EarlyStopping, ModelCheckpoint, Trainer
+
+
+class Slow(Callback):
+    """Sleeps after each step so a test can kill the run mid-way (does not touch numerics)."""
+
+    def __init__(self, seconds):
+        self.seconds = seconds
+
+    def on_batch_end(self, trainer, step):
+        time.sleep(self.seconds)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("run_dir")
+    parser.add_argument("out")
+    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--slow", type=float, default=0.0)
+    args = parser.parse_args()
+
+    data = load_dataset("digits", seed=0)
+    config = TrainConfig(
+        batch_size=8, gradient_accumulation=2, epochs=6, learning_rate=3e-3, warmup_steps=10,
+        lr_schedule="cosine_decay", lr_schedule_args=[400, 1e-4], checkpoint_every="5 steps",
+        keep_last=2, report_every="25 steps", seed=3, run_dir=args.run_dir, num_workers=2,
+    )
+    mx.random.seed(config.seed)
+    model = build_model("mlp", data["info"], hidden_dims=[64], dropout=0.3)
+    callbacks = [
+        EarlyStopping(monitor="val_loss", patience=2, min_delta=0.03, restore_best_weights=True),
+        ModelCheckpoint(f"{args.run_dir}/best.safetensors", monitor="val_accuracy", save_best_only=True),
+    ]
+    if args.slow:
+        callbacks.append(Slow(args.slow))
+    trainer = Trainer(model, build_optimizer(config), config=config)
+    history = trainer.train(data["train"], data["val"], checkpoint_dir=f"{args.run_dir}/checkpoints",
+                            callbacks=callbacks, resume="auto" if args.resume else None)
+    mx.save_safetensors(args.out, dict(tree_flatten(model.parameters())))
+    with open(args.out + ".json", "w") as f:
+        json.dump({"history": history, "step": trainer.step, "stopped_epoch": callbacks[0].stopped_epoch}, f)
+
+
+if __name__ == "__main__":
+    main()

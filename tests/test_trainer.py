@@ -1,0 +1,245 @@
+"""The Trainer: one-step smoke test, parity with a hand-written MLX loop, accumulation
+equivalence, precisions, loss conventions, callbacks and clear errors."""
+
+import io
+import json
+import os
+from functools import partial
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from mlx_train import ConfigError, DataError
+from mlx_train.datasets import load_dataset
+from mlx_train.models import build_model
+from mlx_train.training import Callback, DataLoader, EarlyStopping, ModelCheckpoint, Trainer
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return load_dataset("digits", seed=0)
+
+
+def _mlp(info, seed=0, **options):
+    mx.random.seed(seed)
+    return build_model("mlp", info, **options)
+
+
+def _flat(model):
+    return {k: np.array(v) for k, v in tree_flatten(model.parameters())}
+
+
+def _max_rel_err(a, b):
+    return max(float(np.abs(a[k] - b[k]).max() / (np.abs(a[k]).max() + 1e-12)) for k in a)
+
+
+def _quiet(**kwargs):
+    return {"report_every": "1000 steps", **kwargs}
+
+
+def test_one_step_matches_a_hand_written_mlx_step(digits):
+    x, y = digits["train"]
+    model = _mlp(digits["info"])
+    reference = _mlp(digits["info"])
+    trainer = Trainer(model, optim.SGD(0.1), batch_size=32, shuffle=False, max_steps=1, **_quiet())
+    trainer.train((x[:32], y[:32]), epochs=1)
+
+    opt = optim.SGD(0.1)
+    loss_and_grad = nn.value_and_grad(reference, lambda m, a, b: nn.losses.cross_entropy(m(a), b).mean())
+    _, grads = loss_and_grad(reference, mx.array(x[:32]), mx.array(y[:32]))
+    opt.update(reference, grads)
+    got, want = _flat(model), _flat(reference)
+    assert trainer.step == 1
+    assert _max_rel_err(got, want) < 1e-6
+
+
+def test_accumulation_8x4_equals_32x1(digits):
+    runs = {}
+    for batch_size, accumulation in ((32, 1), (8, 4)):
+        model = _mlp(digits["info"])
+        trainer = Trainer(model, optim.Adam(1e-3), batch_size=batch_size, gradient_accumulation=accumulation,
+                          seed=1, max_steps=20, **_quiet())
+        trainer.train(digits["train"], epochs=1)
+        assert trainer.step == 20
+        runs[accumulation] = _flat(model)
+    assert _max_rel_err(runs[1], runs[4]) < 1e-5
+    untrained = _flat(_mlp(digits["info"]))
+    assert _max_rel_err(runs[1], untrained) > 1e-3  # it really trained
+
+
+def test_fit_with_dataloaders_returns_epoch_history(digits, tmp_path):
+    train_loader = DataLoader(digits["train"], batch_size=32, shuffle=True, num_workers=2)
+    val_loader = DataLoader(digits["val"], batch_size=64, shuffle=False)
+    trainer = Trainer(_mlp(digits["info"]), optim.Adam(1e-3), run_dir=str(tmp_path), **_quiet())
+    history = trainer.fit(train_loader, val_loader, epochs=3, save_best=True)
+    assert len(history["train_loss"]) == len(history["val_loss"]) == len(history["val_accuracy"]) == 3
+    assert history["train_loss"][-1] < history["train_loss"][0]
+    assert history["val_accuracy"][-1] > 0.85
+    assert os.path.exists(tmp_path / "best_model.safetensors")
+
+
+@pytest.mark.parametrize("precision", ["bfloat16", "float16"])
+def test_low_precision_trains_and_converges(digits, precision):
+    model = _mlp(digits["info"])
+    trainer = Trainer(model, optim.Adam(3e-3), batch_size=64, precision=precision, **_quiet())
+    history = trainer.train(digits["train"], digits["val"], epochs=4)
+    assert history["val_accuracy"][-1] > 0.9
+    assert all(v.dtype == mx.float32 for _, v in tree_flatten(model.parameters()))  # float32 master weights
+
+
+def test_float16_overflow_is_skipped_and_scale_halves(digits):
+    model = _mlp(digits["info"])
+    before = _flat(model)
+    trainer = Trainer(model, optim.SGD(0.1), batch_size=32, precision="float16", loss_scale=1e30,
+                      max_steps=1, **_quiet())
+    trainer.train(digits["train"], epochs=1)
+    assert _flat(model).keys() == before.keys()
+    assert all(np.array_equal(_flat(model)[k], before[k]) for k in before)  # overflowed step skipped
+    assert float(trainer._steps.scaler["scale"].item()) == pytest.approx(5e29, rel=1e-3)
+
+
+def test_loss_conventions_predictions_targets_and_model_batch(digits):
+    results = []
+    losses = [
+        None,
+        nn.losses.cross_entropy,  # (logits, targets) -> per-sample, averaged by the Trainer
+        lambda model, batch: nn.losses.cross_entropy(model(batch[0]), batch[1]).mean(),
+    ]
+    for loss_fn in losses:
+        model = _mlp(digits["info"])
+        Trainer(model, optim.SGD(0.1), loss_fn=loss_fn, max_steps=5, **_quiet()).train(digits["train"], epochs=1)
+        results.append(_flat(model))
+    assert _max_rel_err(results[0], results[1]) < 1e-6
+    assert _max_rel_err(results[0], results[2]) < 1e-6
+
+
+def test_wrong_loss_convention_says_how_to_fix(digits):
+    def model_style(predictions, batch):  # really wants (model, batch) but the first parameter is misnamed
+        return nn.losses.cross_entropy(predictions(batch[0]), batch[1]).mean()
+
+    trainer = Trainer(_mlp(digits["info"]), optim.SGD(0.1), loss_fn=model_style, max_steps=1, **_quiet())
+    with pytest.raises(DataError, match="name its first parameter 'model'"):
+        trainer.train(digits["train"], epochs=1)
+
+
+def test_float_targets_with_default_loss_is_a_clear_error(digits):
+    x, y = digits["train"]
+    trainer = Trainer(_mlp(digits["info"]), optim.SGD(0.1), max_steps=1, **_quiet())
+    with pytest.raises(DataError, match="integer class targets.*loss_fn=mlx.nn.losses.mse_loss"):
+        trainer.train((x, y.astype(np.float32)), epochs=1)
+
+
+def test_mismatched_dataset_lengths_is_a_clear_error(digits):
+    x, y = digits["train"]
+    trainer = Trainer(_mlp(digits["info"]), optim.SGD(0.1), **_quiet())
+    with pytest.raises(DataError, match="length"):
+        trainer.train((x, y[:-5]), epochs=1)
+
+
+def test_wrong_input_width_is_a_clear_error(digits):
+    x, y = digits["train"]
+    trainer = Trainer(_mlp(digits["info"]), optim.SGD(0.1), max_steps=1, **_quiet())
+    with pytest.raises(DataError, match=r"model failed on a batch of shapes \(\(32, 10\), \(32,\)\).*"
+                                        r"match what the model expects"):
+        trainer.train((x[:, :10], y), epochs=1)
+
+
+def test_unknown_trainer_option_suggests_the_closest(digits):
+    with pytest.raises(ConfigError, match="did you mean 'gradient_accumulation'"):
+        Trainer(_mlp(digits["info"]), optim.SGD(0.1), gradient_acumulation=2)
+
+
+def test_evaluate_and_predict(digits):
+    model = _mlp(digits["info"])
+    trainer = Trainer(model, optim.Adam(3e-3), **_quiet())
+    trainer.train(digits["train"], epochs=3)
+    metrics = trainer.evaluate(digits["test"])
+    assert set(metrics) == {"loss", "accuracy"}
+    outputs = trainer.predict(digits["test"])
+    x_test, y_test = digits["test"]
+    assert outputs.shape == (len(x_test), 10)
+    accuracy = float((np.array(outputs.argmax(axis=-1)) == y_test).mean())
+    assert accuracy == pytest.approx(metrics["accuracy"], abs=1e-9)
+    assert accuracy > 0.9
+
+
+def test_callbacks_events_early_stopping_and_model_checkpoint(digits, tmp_path):
+    events = []
+
+    class Recorder(Callback):
+        def on_fit_start(self, trainer):
+            events.append("fit_start")
+
+        def on_epoch_end(self, trainer, epoch, logs):
+            events.append(("epoch_end", epoch, sorted(logs)))
+
+        def on_fit_end(self, trainer, history):
+            events.append("fit_end")
+
+    stopper = EarlyStopping(monitor="val_loss", patience=1, min_delta=10.0)  # never "improves" after the first
+    trainer = Trainer(_mlp(digits["info"]), optim.Adam(1e-3), **_quiet())
+    with pytest.warns(UserWarning, match="safetensors, never pickle"):
+        saver = ModelCheckpoint(str(tmp_path / "best.pt"), monitor="val_accuracy", save_best_only=True)
+    history = trainer.train(digits["train"], digits["val"], epochs=10, callbacks=[Recorder(), stopper, saver])
+    assert len(history["val_loss"]) == 2 and stopper.stopped_epoch == 1
+    assert events[0] == "fit_start" and events[-1] == "fit_end"
+    assert events[1][2] == ["learning_rate", "train_loss", "val_accuracy", "val_loss"]
+    weights = mx.load(str(tmp_path / "best.safetensors"))
+    assert set(weights) == set(_flat(trainer.model))
+
+
+def test_mlx_lm_training_callback_is_accepted(digits):
+    class MLXLMStyle:  # the shape of mlx_lm.tuner.callbacks.TrainingCallback
+        def __init__(self):
+            self.train, self.val = [], []
+
+        def on_train_loss_report(self, info):
+            self.train.append(info)
+
+        def on_val_loss_report(self, info):
+            self.val.append(info)
+
+    cb = MLXLMStyle()
+    Trainer(_mlp(digits["info"]), optim.Adam(1e-3), report_every="10 steps").train(
+        digits["train"], digits["val"], epochs=1, callbacks=[cb])
+    assert cb.train and {"iteration", "train_loss", "learning_rate", "tokens_per_second", "peak_memory"} <= set(cb.train[0])
+    assert cb.val and cb.val[0]["val_loss"] > 0
+
+
+def test_metrics_logger_writes_jsonl_and_csv(digits, tmp_path):
+    trainer = Trainer(_mlp(digits["info"]), optim.Adam(1e-3), run_dir=str(tmp_path), report_every="10 steps")
+    trainer.train(digits["train"], digits["val"], epochs=2)
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    kinds = {r["kind"] for r in rows}
+    assert kinds == {"train", "val", "epoch"}
+    train_rows = [r for r in rows if r["kind"] == "train"]
+    assert {"loss", "learning_rate", "samples_per_second", "peak_memory_gb"} <= set(train_rows[0])
+    csv_lines = open(tmp_path / "metrics.csv").read().splitlines()
+    assert len(csv_lines) == len(rows) + 1 and "loss" in csv_lines[0]
+
+
+def test_progress_plain_lines_when_not_a_tty(digits, capsys):
+    Trainer(_mlp(digits["info"]), optim.Adam(1e-3), report_every="10 steps").train(digits["train"], epochs=1)
+    out = capsys.readouterr().out
+    assert "step 10 | epoch 1 | loss" in out and "samples/s" in out and "peak mem" in out
+    assert "epoch 1/1: train_loss" in out
+
+
+def test_language_model_reports_tokens_per_second():
+    data = load_dataset("text", seed=0, block_size=32)
+    mx.random.seed(0)
+    model = build_model("transformer", data["info"], dims=32, num_layers=1, num_heads=2)
+    seen = []
+
+    class Grab(Callback):
+        def on_report(self, trainer, logs):
+            seen.append(logs)
+
+    trainer = Trainer(model, optim.Adam(3e-3), batch_size=16, max_steps=20, report_every="10 steps")
+    history = trainer.train(data["train"], epochs=1, callbacks=[Grab()])
+    assert seen and "tokens_per_second" in seen[0]
+    assert seen[-1]["loss"] < seen[0]["loss"]
