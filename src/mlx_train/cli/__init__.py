@@ -1,0 +1,1 @@
+"""The ``mlx-train`` command line; see :mod:`mlx_train.cli.main`."""

@@ -1,0 +1,111 @@
+"""Evaluate a checkpoint written by ``mlx-train train`` on a split of its dataset.
+
+The checkpoint's trainer_state.json holds the TrainConfig it trained with; the
+dataset and model are rebuilt from it and the saved weights loaded. --checkpoint
+may also name a run directory or its checkpoints/ directory: the newest
+complete checkpoint there is used.
+
+Example::
+
+    from mlx_train.cli.evaluate import evaluate_checkpoint
+
+    metrics = evaluate_checkpoint("runs/mlp-digits-20250101-120000/checkpoints/step-00000390")
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from mlx_train.errors import CheckpointError
+
+HELP = "evaluate a checkpoint on the test (or val/train) split of its dataset"
+SPLITS = ("test", "val", "train")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``evaluate`` flags."""
+    parser.add_argument(
+        "--checkpoint", required=True, metavar="PATH",
+        help="a checkpoint directory (step-NNNNNNNN), or a run / checkpoints directory "
+        "(its newest complete checkpoint is used)",
+    )
+    parser.add_argument(
+        "--dataset-split", choices=SPLITS, default="test",
+        help="which split of the checkpoint's dataset to evaluate on (default: test)",
+    )
+
+
+def resolve_checkpoint(path: str) -> str:
+    """A checkpoint directory for ``path``: itself, or the newest one under a run directory.
+
+    Example::
+
+        resolve_checkpoint("runs/a")     # "runs/a/checkpoints/step-00000390"
+    """
+    from mlx_train.checkpoint import CheckpointManager
+
+    if "://" in path:
+        return path  # a URL: load_checkpoint reads and checks it
+    local = Path(path)
+    how = "pass a checkpoint (RUN_DIR/checkpoints/step-NNNNNNNN) or a run directory"
+    if not local.exists():
+        raise CheckpointError(f"there is no checkpoint at {path}: no such file or directory; {how}")
+    if (local / "manifest.json").exists() or local.name.startswith("step-"):
+        return path  # load_checkpoint checks it and explains a torn one
+    directory = local / "checkpoints" if (local / "checkpoints").is_dir() else local
+    if not directory.is_dir() or not any(directory.glob("step-*")):
+        raise CheckpointError(f"{path} is neither a checkpoint (no manifest.json) nor a directory of "
+                              f"step-* checkpoints; {how}")
+    latest = CheckpointManager(str(directory), keep_last=None, async_save=False).resolve("auto")
+    if latest is None:
+        raise CheckpointError(f"no complete checkpoint in {directory} (every one there is torn or corrupt)")
+    return str(latest)
+
+
+def evaluate_checkpoint(path: str, split: str = "test") -> dict[str, Any]:
+    """Metrics of the checkpoint at ``path`` on ``split`` of the dataset it trained on.
+
+    Example::
+
+        evaluate_checkpoint("runs/a/checkpoints/step-00000390", split="val")
+        # {"loss": 0.09, "accuracy": 0.97}
+    """
+    import mlx.core as mx
+
+    from mlx_train.checkpoint import load_checkpoint
+    from mlx_train.config import TrainConfig
+    from mlx_train.datasets import load_dataset
+    from mlx_train.models import build_model
+    from mlx_train.training import Trainer
+
+    path = resolve_checkpoint(path)
+    arrays, state = load_checkpoint(path, groups=["model"])  # the optimizer state is not needed
+    if not isinstance(state.get("config"), dict):
+        raise CheckpointError(
+            f"checkpoint {path} holds no training config in its trainer_state.json, so the model and "
+            "dataset cannot be rebuilt; evaluate it from Python with Trainer.evaluate instead"
+        )
+    config = TrainConfig.from_dict(state["config"], source=f"{path}/trainer_state.json")
+    data = load_dataset(config.dataset, seed=config.seed, **config.dataset_options)
+    mx.random.seed(config.seed)
+    model = build_model(config.model, data["info"], **config.model_options)
+    try:
+        model.load_weights(list(arrays["model"].items()))
+    except ValueError as error:
+        raise CheckpointError(
+            f"the weights in {path} do not fit model '{config.model}' built from its config: {error}"
+        ) from error
+    return Trainer(model, config=config).evaluate(data[split])
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run ``mlx-train evaluate`` from parsed arguments."""
+    from mlx_train.cli.train import format_metrics, startup_line
+
+    path = resolve_checkpoint(args.checkpoint)  # before the startup line: a bad path gives one message
+    print(startup_line())
+    metrics = evaluate_checkpoint(path, args.dataset_split)
+    print(f"{args.dataset_split}: {format_metrics(metrics)}")
+    return 0

@@ -1,0 +1,126 @@
+"""The ``mlx-train`` command: one dispatcher, one module per subcommand.
+
+Each subcommand module under ``mlx_train.cli`` provides ``HELP`` (a one-line
+summary), ``add_arguments(parser)`` and ``main(args) -> int``. Errors become
+one message on stderr and the error's exit code; ``--debug`` adds the traceback.
+
+Example::
+
+    from mlx_train.cli.main import main
+    exit_code = main(["train", "--epochs", "2"])
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import traceback
+from typing import Sequence
+
+from mlx_train.errors import ConfigError, MLXTrainError, did_you_mean
+
+# Subcommand name -> module under mlx_train.cli (add a line here for a new command).
+COMMANDS: dict[str, str] = {
+    "train": "mlx_train.cli.train",
+    "evaluate": "mlx_train.cli.evaluate",
+}
+
+
+class UsageError(ConfigError):
+    """A command line that argparse rejected (exit code 2, like argparse's own)."""
+
+    def __init__(self, message: str, prog: str):
+        super().__init__(f"{message}\nrun '{prog} --help' to see the flags")
+        self.prog = prog
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """An ArgumentParser that raises UsageError instead of printing and exiting."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(message, self.prog)
+
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        """Like argparse's, but an unknown flag is reported by its subcommand, with the closest flag."""
+        namespace, extras = self.parse_known_args(args, namespace)
+        if extras:
+            parser = getattr(self, "_subcommands", {}).get(getattr(namespace, "command", None), self)
+            flags = [flag for action in parser._actions for flag in action.option_strings]
+            unknown = next((e.split("=")[0] for e in extras if e.startswith("-")), "")
+            raise UsageError(
+                f"unrecognized arguments: {' '.join(extras)}{did_you_mean(unknown, flags)}", parser.prog
+            )
+        return namespace
+
+
+def build_parser() -> ArgumentParser:
+    """The full ``mlx-train`` parser with every subcommand's flags."""
+    import mlx_train
+
+    parser = ArgumentParser(
+        prog="mlx-train",
+        description="mlx-train: train, evaluate and manage MLX models.",
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"mlx-train {getattr(mlx_train, '__version__', '?')}"
+    )
+    parser.add_argument("--debug", action="store_true", help="show the full traceback on errors")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    parser._subcommands = commands.choices
+    for name, module_name in COMMANDS.items():
+        module = importlib.import_module(module_name)
+        sub = commands.add_parser(
+            name, help=module.HELP, description=(module.__doc__ or "").split("Example::")[0].strip(),
+            epilog=getattr(module, "EPILOG", None), formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        # SUPPRESS: an absent sub-flag must not reset a `mlx-train --debug train` given before it.
+        sub.add_argument(
+            "--debug", action="store_true", default=argparse.SUPPRESS,
+            help="show the full traceback on errors",
+        )
+        module.add_arguments(sub)
+        sub.set_defaults(handler=module.main)
+    return parser
+
+
+def _wants_debug(argv: Sequence[str]) -> bool:
+    # Scanned before parsing so that errors raised while parsing also honour it.
+    flags = list(argv)[: list(argv).index("--")] if "--" in argv else list(argv)
+    return "--debug" in flags
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``mlx-train`` with ``argv`` (default: ``sys.argv[1:]``); return the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = _wants_debug(argv)
+    try:
+        args = build_parser().parse_args(argv)
+        return int(args.handler(args) or 0)
+    except SystemExit as exit_request:  # --help and --version
+        code = exit_request.code
+        return code if isinstance(code, int) else (0 if code is None else 1)
+    except KeyboardInterrupt:
+        if debug:
+            traceback.print_exc()
+        print("mlx-train: interrupted", file=sys.stderr)
+        return 130
+    except MLXTrainError as error:
+        if debug and not isinstance(error, UsageError):  # a usage error's traceback is argparse's
+            traceback.print_exc()
+        print(f"{getattr(error, 'prog', 'mlx-train')}: error: {error}", file=sys.stderr)
+        return error.exit_code
+    except Exception as error:  # noqa: BLE001 - the last line of defence: one line, no traceback
+        if debug:
+            traceback.print_exc()
+            return 1
+        print(
+            f"mlx-train: unexpected error: {type(error).__name__}: {error}\n"
+            "run with --debug for the traceback",
+            file=sys.stderr,
+        )
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
