@@ -1,0 +1,136 @@
+"""Trainer overhead: mlx-train's Trainer against a hand-written compiled MLX loop.
+
+Both sides train the same model on the same data with the same batch size, in this process,
+alternating rounds so machine noise hits both. The hand-written loop is written the way
+mlx-lm's trainer is: one ``mx.compile``d step with model/optimizer/RNG state captured, lazily
+summed losses, ``mx.eval`` once per step, a report every 10 steps.
+
+    python bench/overhead.py            # both workloads, 3 rounds each
+    python bench/overhead.py --rounds 5 --workload mlp
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import statistics
+import time
+from functools import partial
+
+import mlx_train  # noqa: F401  (loads the optimized BLAS before mlx.core)
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+
+from mlx_train.datasets import load_dataset
+from mlx_train.models import build_model
+from mlx_train.training import Trainer
+
+WORKLOADS = {
+    # name: (dataset, model, model options, batch size, epochs, steps per round)
+    "mlp": ("digits", "mlp", {}, 32, 60, 2000),
+    "transformer": ("text", "transformer", {}, 32, 1, 60),
+}
+
+
+def _arrays(split):
+    return split if isinstance(split, tuple) else (split["tokens"],)
+
+
+def _loss(model, *batch):
+    if len(batch) == 2:
+        x, y = batch
+        return nn.losses.cross_entropy(model(x), y).mean(), mx.array(x.shape[0])
+    (tokens,) = batch
+    logits = model(tokens[:, :-1])
+    return nn.losses.cross_entropy(logits.astype(mx.float32), tokens[:, 1:]).mean(), mx.array(tokens[:, 1:].size)
+
+
+def hand_written(data, info, name, options, batch_size, epochs, max_steps):
+    """The baseline: a compiled step and a plain loop, mlx-lm style. Returns steps/s."""
+    mx.random.seed(0)
+    model = build_model(name, info, **options)
+    optimizer = optim.AdamW(learning_rate=1e-3)
+    state = [model.state, optimizer.state, mx.random.state]
+    loss_and_grad = nn.value_and_grad(model, _loss)
+
+    @partial(mx.compile, inputs=state, outputs=state)
+    def step(*batch):
+        (loss, n), grads = loss_and_grad(model, *batch)
+        optimizer.update(model, grads)
+        return loss, n
+
+    arrays = _arrays(data)
+    n = len(arrays[0])
+    steps, losses, items = 0, mx.array(0.0), mx.array(0.0)
+    start = None
+    for epoch in range(epochs):
+        order = np.random.default_rng([0, epoch]).permutation(n)
+        for i in range(0, n - batch_size + 1, batch_size):
+            idx = order[i:i + batch_size]
+            batch = [mx.array(a[idx]) for a in arrays]
+            loss, count = step(*batch)
+            losses, items = losses + loss * count, items + count
+            mx.eval(state, losses, items)
+            steps += 1
+            if steps == 5:
+                start = time.perf_counter()  # skip compilation
+            if steps % 10 == 0:
+                _ = (losses / items).item()
+                losses, items = mx.array(0.0), mx.array(0.0)
+            if steps >= max_steps:
+                return (steps - 5) / (time.perf_counter() - start)
+    return (steps - 5) / (time.perf_counter() - start)
+
+
+class _StartTimer:
+    """Starts the clock after the 5th step, like the baseline (skips compilation)."""
+
+    def __init__(self):
+        self.start = None
+        self.steps = 0
+
+    def on_batch_end(self, trainer, step):
+        self.steps = step
+        if step == 5:
+            self.start = time.perf_counter()
+
+
+def with_trainer(data, info, name, options, batch_size, epochs, max_steps):
+    mx.random.seed(0)
+    model = build_model(name, info, **options)
+    optimizer = optim.AdamW(learning_rate=1e-3)
+    timer = _StartTimer()
+    trainer = Trainer(model, optimizer, batch_size=batch_size, report_every="10 steps", max_steps=max_steps)
+    with contextlib.redirect_stdout(io.StringIO()):
+        trainer.train(data, epochs=epochs, callbacks=[timer])
+    return (timer.steps - 5) / (time.perf_counter() - timer.start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), action="append")
+    args = parser.parse_args()
+    from mlx_train import _blas
+
+    print(f"MLX {mx.__version__}, device {mx.default_device()}, BLAS: {_blas.describe()}")
+    rows = []
+    for workload in args.workload or sorted(WORKLOADS):
+        dataset, name, options, batch_size, epochs, max_steps = WORKLOADS[workload]
+        splits = load_dataset(dataset, seed=0)
+        hand, ours = [], []
+        for _ in range(args.rounds):
+            hand.append(hand_written(splits["train"], splits["info"], name, options, batch_size, epochs, max_steps))
+            ours.append(with_trainer(splits["train"], splits["info"], name, options, batch_size, epochs, max_steps))
+        h, o = statistics.median(hand), statistics.median(ours)
+        rows.append((workload, batch_size, h, o, o / h))
+    print(f"\n{'workload':<12} {'batch':>5} {'hand-written steps/s':>21} {'Trainer steps/s':>16} {'ratio':>6}")
+    for workload, batch_size, h, o, ratio in rows:
+        print(f"{workload:<12} {batch_size:>5} {h:>21.1f} {o:>16.1f} {ratio:>6.3f}")
+
+
+if __name__ == "__main__":
+    main()
