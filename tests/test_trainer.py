@@ -243,3 +243,27 @@ def test_language_model_reports_tokens_per_second():
     history = trainer.train(data["train"], epochs=1, callbacks=[Grab()])
     assert seen and "tokens_per_second" in seen[0]
     assert seen[-1]["loss"] < seen[0]["loss"]
+
+
+def test_checkpoints_to_an_fsspec_url_and_resume_from_it(digits):
+    url = "memory://mlx-train-test/ckpts"
+    first = Trainer(_mlp(digits["info"]), optim.Adam(1e-3), max_steps=12, checkpoint_every="5 steps", **_quiet())
+    first.train(digits["train"], epochs=1, checkpoint_dir=url)
+    second = Trainer(_mlp(digits["info"], seed=1), optim.Adam(1e-3), max_steps=12, **_quiet())
+    second.train(digits["train"], epochs=1, checkpoint_dir=url, resume="auto")
+    assert second.step == 12
+    assert all(np.array_equal(a, b) for a, b in zip(_flat(first.model).values(), _flat(second.model).values()))
+
+
+def test_resume_auto_skips_a_corrupt_newest_checkpoint(digits, tmp_path, capsys):
+    trainer = Trainer(_mlp(digits["info"]), optim.Adam(1e-3), max_steps=10, checkpoint_every="5 steps",
+                      keep_last=5, **_quiet())
+    trainer.train(digits["train"], epochs=1, checkpoint_dir=str(tmp_path))
+    newest = tmp_path / "step-00000010" / "optimizer.safetensors"
+    newest.write_bytes(newest.read_bytes()[:100])  # torn write
+    resumed = Trainer(_mlp(digits["info"]), optim.Adam(1e-3), max_steps=10, **_quiet())
+    with pytest.warns(UserWarning, match="step-00000010"):
+        resumed.train(digits["train"], epochs=1, checkpoint_dir=str(tmp_path), resume="auto")
+    out = capsys.readouterr().out
+    assert f"resumed from {tmp_path / 'step-00000005'} (step 5" in out
+    assert resumed.step == 10

@@ -16,6 +16,7 @@ import argparse
 import importlib
 import sys
 import traceback
+import warnings
 from typing import Sequence
 
 from mlx_train.errors import ConfigError, MLXTrainError, did_you_mean
@@ -90,10 +91,17 @@ def _wants_debug(argv: Sequence[str]) -> bool:
     return "--debug" in flags
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    # One readable line; --debug keeps Python's default (with the source location).
+    print(f"mlx-train: warning: {message}", file=file or sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``mlx-train`` with ``argv`` (default: ``sys.argv[1:]``); return the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = _wants_debug(argv)
+    if not debug:
+        warnings.showwarning = _show_warning
     try:
         args = build_parser().parse_args(argv)
         return int(args.handler(args) or 0)
