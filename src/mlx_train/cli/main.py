@@ -91,17 +91,18 @@ def _wants_debug(argv: Sequence[str]) -> bool:
     return "--debug" in flags
 
 
-def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+def _format_warning(message, category, filename, lineno, line=None) -> str:
     # One readable line; --debug keeps Python's default (with the source location).
-    print(f"mlx-train: warning: {message}", file=file or sys.stderr)
+    return f"mlx-train: warning: {message}\n"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``mlx-train`` with ``argv`` (default: ``sys.argv[1:]``); return the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = _wants_debug(argv)
+    default_format = warnings.formatwarning
     if not debug:
-        warnings.showwarning = _show_warning
+        warnings.formatwarning = _format_warning
     try:
         args = build_parser().parse_args(argv)
         return int(args.handler(args) or 0)
@@ -128,6 +129,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
+    finally:
+        warnings.formatwarning = default_format
 
 
 if __name__ == "__main__":
