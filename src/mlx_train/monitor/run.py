@@ -1,0 +1,402 @@
+"""Reading a run directory: the contract between a training run and what watches it.
+
+A run directory holds ``config.yaml`` (the TrainConfig used), ``metrics.jsonl`` (one JSON row per
+report, validation and epoch, written by rank 0), ``heartbeat-<rank>.json`` (one per process),
+``checkpoints/`` and ``train.log``. ``RunReader`` reads it repeatedly and cheaply (only the new
+lines of ``metrics.jsonl``) into a ``RunSnapshot``.
+
+Example::
+
+    reader = RunReader("runs/mlp-digits-20250101-120000")
+    snap = reader.read()
+    snap.step, snap.total_steps, snap.state          # 230, 450, "running"
+    snap.latest["loss"], snap.val[-1]["val_loss"]
+    [r.status for r in snap.ranks]                    # ["running"] or ["stale"], ...
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from mlx_train.errors import ConfigError
+
+METRICS_FILE = "metrics.jsonl"
+CONFIG_FILE = "config.yaml"
+LOG_FILE = "train.log"
+HEARTBEAT_GLOB = "heartbeat-*.json"
+RUN_MARKERS = (METRICS_FILE, CONFIG_FILE)
+DEFAULT_STALE_AFTER = 60.0
+TIMING_PARTS = ("time_data", "time_compute", "time_comm", "time_checkpoint")
+
+
+@dataclass
+class RankStatus:
+    """One process of the run, from its heartbeat file.
+
+    ``status`` is the heartbeat's state (``running``, ``finished``, ``failed``, ``interrupted``),
+    or ``stale`` (a running rank whose heartbeat is older than ``stale_limit`` seconds) or
+    ``gone`` (its process no longer exists on this host). ``flagged`` is True for those two.
+    """
+
+    rank: int
+    heartbeat: dict
+    age: float
+    status: str
+    stale_limit: float
+
+    @property
+    def flagged(self) -> bool:
+        return self.status in ("stale", "gone")
+
+
+@dataclass
+class CheckpointSummary:
+    """A complete checkpoint: its step, path, save time (Unix seconds) and saved metrics."""
+
+    step: int
+    path: str
+    saved_at: float
+    metrics: dict = field(default_factory=dict)
+
+
+@dataclass
+class RunSnapshot:
+    """Everything known about a run at one moment (see the module docstring)."""
+
+    run_dir: str
+    config: dict
+    train: list[dict]
+    val: list[dict]
+    epochs: list[dict]
+    ranks: list[RankStatus]
+    checkpoints: list[CheckpointSummary]
+    log_lines: list[str]
+    now: float
+
+    @property
+    def name(self) -> str:
+        return Path(self.run_dir).name
+
+    @property
+    def latest(self) -> dict:
+        """The newest training report row (``{}`` before the first report)."""
+        return self.train[-1] if self.train else {}
+
+    @property
+    def main_heartbeat(self) -> dict:
+        return self.ranks[0].heartbeat if self.ranks else {}
+
+    @property
+    def step(self) -> int:
+        steps = [self.latest.get("step", 0)] + [r.heartbeat.get("step", 0) for r in self.ranks]
+        return max(int(s or 0) for s in steps)
+
+    @property
+    def epoch(self) -> int:
+        """Current epoch, counted from 0."""
+        return int(self.main_heartbeat.get("epoch", self.latest.get("epoch", 0)) or 0)
+
+    @property
+    def epochs_total(self) -> int | None:
+        return self.main_heartbeat.get("epochs") or self.config.get("epochs")
+
+    @property
+    def total_steps(self) -> int | None:
+        return self.main_heartbeat.get("total_steps") or self.config.get("max_steps")
+
+    @property
+    def state(self) -> str:
+        """``running``, ``stale`` (a rank's heartbeat is too old), ``stopped`` (a rank's process is gone
+        without saying why), ``failed``, ``interrupted``, ``finished`` or ``unknown`` (no heartbeat)."""
+        statuses = [r.status for r in self.ranks]
+        for state in ("failed", "interrupted"):
+            if state in statuses:
+                return state
+        if "stale" in statuses:
+            return "stale"
+        if "gone" in statuses:
+            return "stopped"
+        if "running" in statuses:
+            return "running"
+        if statuses and all(s == "finished" for s in statuses):
+            return "finished"
+        return "unknown"
+
+    @property
+    def steps_per_second(self) -> float | None:
+        """Recent progress rate in optimizer steps per second of wall time (validation included)."""
+        rows = _since_last_restart(self.train)[-12:]
+        if len(rows) >= 2 and rows[-1]["time"] > rows[0]["time"] and rows[-1]["step"] > rows[0]["step"]:
+            return (rows[-1]["step"] - rows[0]["step"]) / (rows[-1]["time"] - rows[0]["time"])
+        rate = self.main_heartbeat.get("steps_per_second") or self.latest.get("steps_per_second")
+        return float(rate) if rate else None
+
+    @property
+    def elapsed(self) -> float | None:
+        """Seconds since this process of the run started (to its end when it has ended)."""
+        beat = self.main_heartbeat
+        if not beat.get("started"):
+            return None
+        end = self.now if self.state == "running" else beat.get("time", self.now)
+        return max(end - beat["started"], 0.0)
+
+    @property
+    def eta(self) -> float | None:
+        """Seconds left at the recent rate (None when unknown; 0 when finished)."""
+        if self.state == "finished":
+            return 0.0
+        if self.state not in ("running", "unknown"):
+            return None
+        total, rate = self.total_steps, self.steps_per_second
+        if not total or not rate:
+            return None
+        return max(total - self.step, 0) / rate
+
+    def series(self, key: str) -> tuple[list[int], list[float]]:
+        """(steps, values) of ``key`` over the rows that have it (train, then val/epoch rows)."""
+        for rows in (self.train, self.val, self.epochs):
+            points = [(r["step"], float(r[key])) for r in rows if _is_number(r.get(key))]
+            if points:
+                return [p[0] for p in points], [p[1] for p in points]
+        return [], []
+
+    def best(self, key: str = "val_loss") -> tuple[float, int] | None:
+        """(best value, step) of a validation metric; max for accuracies, min otherwise."""
+        steps, values = self.series(key)
+        if not values:
+            return None
+        pick = max if "acc" in key else min
+        value = pick(values)
+        return value, steps[values.index(value)]
+
+    def timing(self, last: int = 5) -> dict[str, float]:
+        """The step-time breakdown averaged over the last ``last`` reports (seconds per step).
+
+        Keys: ``step_time``, ``time_data``, ``time_compute``, ``time_comm``, ``time_checkpoint``
+        and ``time_other`` (what the parts do not cover: callbacks, logging).
+        """
+        rows = [r for r in self.train if _is_number(r.get("step_time"))][-last:]
+        if not rows:
+            return {}
+        out = {k: sum(float(r.get(k) or 0.0) for r in rows) / len(rows) for k in ("step_time",) + TIMING_PARTS}
+        out["time_other"] = max(out["step_time"] - sum(out[k] for k in TIMING_PARTS), 0.0)
+        return out
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _since_last_restart(rows: list[dict]) -> list[dict]:
+    """The rows after the last time the step went backwards (a resume from an older checkpoint)."""
+    start = 0
+    for i in range(1, len(rows)):
+        if rows[i].get("step", 0) <= rows[i - 1].get("step", 0):
+            start = i
+    return rows[start:]
+
+
+def pid_alive(pid: Any) -> bool:
+    """True when a process with this id exists on this machine (or when that cannot be told)."""
+    if not isinstance(pid, int) or pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True
+    return True
+
+
+def rank_status(heartbeat: dict, now: float, stale_after: float = DEFAULT_STALE_AFTER) -> RankStatus:
+    """Judge one heartbeat: its age, and whether the rank is stale or gone.
+
+    A running rank is stale when its heartbeat is older than the largest of ``stale_after``,
+    three heartbeat intervals, five of its steps and twice its last validation.
+    """
+    age = max(now - float(heartbeat.get("time", 0.0)), 0.0)
+    rate = heartbeat.get("steps_per_second")
+    limit = max(stale_after, 3 * float(heartbeat.get("interval") or 0.0),
+                5.0 / rate if _is_number(rate) and rate > 0 else 0.0,
+                2 * float(heartbeat.get("val_time") or 0.0))
+    status = str(heartbeat.get("state", "running"))
+    if status == "running":
+        if heartbeat.get("host") == socket.gethostname() and not pid_alive(heartbeat.get("pid")):
+            status = "gone"
+        elif age > limit:
+            status = "stale"
+    return RankStatus(int(heartbeat.get("rank", 0)), heartbeat, age, status, limit)
+
+
+def looks_like_run(path: str | os.PathLike) -> bool:
+    """True when ``path`` is a directory with a metrics file, a config or a heartbeat."""
+    p = Path(path)
+    return p.is_dir() and (any((p / m).exists() for m in RUN_MARKERS) or any(p.glob(HEARTBEAT_GLOB)))
+
+
+def _last_activity(path: Path) -> float:
+    files = [path / m for m in RUN_MARKERS] + list(path.glob(HEARTBEAT_GLOB))
+    return max((f.stat().st_mtime for f in files if f.exists()), default=0.0)
+
+
+def find_runs(root: str | os.PathLike = "runs") -> list[Path]:
+    """Run directories directly under ``root`` (and ``root`` itself if it is one), newest activity last."""
+    base = Path(root)
+    if not base.is_dir():
+        return []
+    runs = [p for p in base.iterdir() if looks_like_run(p)]
+    if looks_like_run(base):
+        runs.append(base)
+    return sorted(runs, key=_last_activity)
+
+
+def latest_run(root: str | os.PathLike = "runs") -> Path:
+    """The run under ``root`` that was active last; ConfigError when there is none."""
+    runs = find_runs(root)
+    if not runs:
+        raise ConfigError(
+            f"no run directory under {os.path.abspath(root)} (a run directory holds metrics.jsonl, config.yaml "
+            "or heartbeat-*.json): pass RUN_DIR, or start a run with 'mlx-train train'"
+        )
+    return runs[-1]
+
+
+def resolve_run_dir(run_dir: str | os.PathLike | None, root: str | os.PathLike = "runs") -> Path:
+    """``run_dir`` checked to be a run directory, or the latest run under ``root`` when None."""
+    if run_dir is None:
+        return latest_run(root)
+    path = Path(run_dir)
+    if not path.is_dir():
+        raise ConfigError(f"run directory {path} does not exist: pass a directory written by 'mlx-train train' "
+                          "(runs/<model>-<dataset>-<date>-<time>) or leave RUN_DIR out for the latest run")
+    if not looks_like_run(path):
+        inside = [p.name for p in find_runs(path)]
+        hint = (f"; it contains the runs {', '.join(inside[-5:])}: pass one of them" if inside else
+                "; a run directory holds metrics.jsonl, config.yaml or heartbeat-*.json")
+        raise ConfigError(f"{path} is not a run directory{hint}")
+    return path
+
+
+class RunReader:
+    """Reads a run directory again and again, parsing only what was appended to metrics.jsonl.
+
+    ``stale_after`` is the shortest heartbeat age (seconds) at which a running rank is flagged.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike, stale_after: float = DEFAULT_STALE_AFTER) -> None:
+        self.run_dir = Path(run_dir)
+        self.stale_after = stale_after
+        self._rows: list[dict] = []
+        self._offset = 0
+        self._tail = b""  # the last complete line read, to notice a file rewritten in place
+        self._config: dict = {}
+        self._config_mtime = -1.0
+
+    def read(self, now: float | None = None) -> RunSnapshot:
+        """A fresh snapshot of the run directory."""
+        now = time.time() if now is None else now
+        rows = self._read_metrics()
+        config = self._read_config()
+        beats = [rank_status(b, now, self.stale_after) for b in self._read_heartbeats()]
+        return RunSnapshot(
+            run_dir=str(self.run_dir), config=config,
+            train=[r for r in rows if r.get("kind") == "train"],
+            val=[r for r in rows if r.get("kind") == "val"],
+            epochs=[r for r in rows if r.get("kind") == "epoch"],
+            ranks=sorted(beats, key=lambda r: r.rank),
+            checkpoints=self._read_checkpoints(config), log_lines=self._read_log(), now=now,
+        )
+
+    def _read_metrics(self) -> list[dict]:
+        path = self.run_dir / METRICS_FILE
+        try:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size < self._offset or not self._unchanged(f):
+                    self._rows, self._offset, self._tail = [], 0, b""  # rewritten (a resume trims it)
+                f.seek(self._offset)
+                data = f.read()
+        except FileNotFoundError:
+            self._rows, self._offset, self._tail = [], 0, b""
+            return []
+        end = data.rfind(b"\n")
+        if end < 0:
+            return self._rows  # nothing complete yet: a writer may be mid-line
+        for line in data[:end].split(b"\n"):
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(row, dict) and _is_number(row.get("step", 0)):
+                self._rows.append(row)
+        lines = data[:end + 1].rsplit(b"\n", 2)
+        self._tail = (lines[-2] if len(lines) >= 2 else b"") + b"\n"
+        self._offset += end + 1
+        return self._rows
+
+    def _unchanged(self, f) -> bool:
+        if not self._tail:
+            return True
+        f.seek(self._offset - len(self._tail))
+        return f.read(len(self._tail)) == self._tail
+
+    def _read_config(self) -> dict:
+        path = self.run_dir / CONFIG_FILE
+        try:
+            mtime = path.stat().st_mtime
+            if mtime != self._config_mtime:
+                loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+                self._config, self._config_mtime = loaded if isinstance(loaded, dict) else {}, mtime
+        except (OSError, yaml.YAMLError):
+            pass
+        return self._config
+
+    def _read_heartbeats(self) -> list[dict]:
+        beats = []
+        for path in self.run_dir.glob(HEARTBEAT_GLOB):
+            try:
+                beat = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            if isinstance(beat, dict):
+                beats.append(beat)
+        return beats
+
+    def _read_checkpoints(self, config: dict) -> list[CheckpointSummary]:
+        directory = str(config.get("checkpoint_dir") or self.run_dir / "checkpoints")
+        if directory.startswith("file://"):
+            directory = directory[len("file://"):]
+        if "://" in directory or not os.path.isdir(directory):
+            return []  # remote storage is not listed here
+        found = []
+        for entry in os.scandir(directory):
+            if not entry.name.startswith("step-") or ".tmp-" in entry.name:
+                continue
+            try:
+                with open(os.path.join(entry.path, "manifest.json")) as f:
+                    manifest = json.load(f)
+                found.append(CheckpointSummary(int(manifest["step"]), entry.path, float(manifest.get("saved_at", 0.0)),
+                                               dict(manifest.get("metrics") or {})))
+            except (OSError, ValueError, KeyError, TypeError):
+                continue  # being written, torn or foreign: only complete checkpoints count
+        return sorted(found, key=lambda c: (c.saved_at, c.step))
+
+    def _read_log(self, lines: int = 5) -> list[str]:
+        path = self.run_dir / LOG_FILE
+        try:
+            with open(path, "rb") as f:
+                f.seek(max(os.fstat(f.fileno()).st_size - 4096, 0))
+                text = f.read().decode("utf-8", "replace")
+        except OSError:
+            return []
+        return [line for line in text.splitlines() if line.strip()][-lines:]
