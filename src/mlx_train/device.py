@@ -1,33 +1,47 @@
-"""Which device MLX trains on, and its memory limits.
+"""Which device MLX trains on, what it offers, and its memory limits.
 
 Example::
 
     from mlx_train import DeviceConfig
     hw_config = DeviceConfig(device="auto", memory_limit="8GB")
     trainer = Trainer(model, optimizer, device_config=hw_config)
+    print(hw_config.info())     # "cpu: Intel Xeon, 25.3 GB (22.1 GB available); BLAS OpenBLAS 0.3.21 ..."
 """
 
 from __future__ import annotations
 
 import os
 import re
+import sys
 from dataclasses import dataclass
 from typing import Any
 
-from mlx_train.errors import ConfigError, DeviceError
+from mlx_train.errors import ConfigError, DeviceError, did_you_mean
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+#: What ``DeviceConfig(device=...)`` accepts: ``gpu`` is whichever GPU backend the MLX build has.
+DEVICES = ("auto", "gpu", "cpu", "metal", "cuda")
 
 
 def parse_bytes(value: int | float | str | None, name: str = "memory") -> int | None:
     """``"8GB" -> 8_000_000_000``, ``"512MiB" -> 536_870_912``; ints pass through; None stays None."""
     if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)):
         return None if value is None else int(value)
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", str(value))
+    match = re.fullmatch(r"\s*([0-9.]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
     if not match or match[2].lower() not in _UNITS:
         raise ConfigError(f"{name} must be a number of bytes or a size like '8GB' or '512MiB', got {value!r}")
     return int(float(match[1]) * _UNITS[match[2].lower()])
+
+
+def format_bytes(count: float | None) -> str:
+    """``1.5e9 -> "1.50 GB"``, ``2.5e6 -> "2.50 MB"`` (decimal units, like MLX's reports)."""
+    if count is None:
+        return "unknown"
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(count) >= size:
+            return f"{count / size:.2f} {unit}"
+    return f"{int(count)} B"
 
 
 def available_backends() -> dict[str, bool]:
@@ -50,40 +64,162 @@ def system_memory() -> int | None:
         return None
 
 
+def available_memory() -> int | None:
+    """Memory the system could give this process now (Linux ``MemAvailable``; None elsewhere)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """What one device offers: its backend, name, memory, and (Linux CPU) the BLAS in use."""
+
+    backend: str  #: "metal", "cuda" or "cpu"
+    name: str
+    memory_total: int | None  #: physical memory the device can use, bytes
+    memory_available: int | None  #: free now (CUDA, Linux CPU) or the recommended working set (Metal)
+    blas: str | None = None  #: Linux CPU: which BLAS MLX's float32 matmuls use
+
+    @property
+    def memory(self) -> int | None:
+        """The memory to plan with: what is available, else the total."""
+        return self.memory_available or self.memory_total
+
+    def __str__(self) -> str:
+        memory = format_bytes(self.memory_total)
+        if self.memory_available and self.memory_available != self.memory_total:
+            label = "recommended working set" if self.backend == "metal" else "available"
+            memory += f" ({format_bytes(self.memory_available)} {label})"
+        blas = f"; BLAS {self.blas}" if self.blas else ""
+        return f"{self.backend}: {self.name or 'unnamed device'}, {memory}{blas}"
+
+
+def device_info(backend: str, blas: bool = True) -> DeviceInfo:
+    """Describe the ``"metal"``, ``"cuda"`` or ``"cpu"`` device of this MLX build (``blas=False``: skip
+    finding out which BLAS a Linux CPU uses)."""
+    import mlx.core as mx
+
+    if backend != "cpu" and not available_backends().get(backend):
+        raise DeviceError(f"this MLX build has no {backend} backend (available: {', '.join(_available())})")
+    device = mx.cpu if backend == "cpu" else mx.gpu
+    try:
+        info: dict[str, Any] = dict(mx.device_info(device))
+    except (TypeError, RuntimeError, AttributeError):  # older MLX: no device argument
+        info = dict(mx.device_info()) if hasattr(mx, "device_info") else {}
+    name = str(info.get("device_name", "")).strip()
+    if backend == "cpu":
+        total, free = system_memory(), available_memory()
+        library = None
+        if blas and sys.platform.startswith("linux"):
+            from mlx_train import _blas
+
+            library = _blas.describe()
+        return DeviceInfo("cpu", name, total, free, library)
+    if backend == "metal":
+        total = info.get("memory_size")
+        working_set = info.get("max_recommended_working_set_size")
+        return DeviceInfo("metal", name, _int(total), _int(working_set))
+    return DeviceInfo("cuda", name, _int(info.get("total_memory") or info.get("memory_size")),
+                      _int(info.get("free_memory")))
+
+
+def detect_devices() -> list[DeviceInfo]:
+    """Every device this MLX build can train on, GPU first.
+
+    Example::
+
+        for device in detect_devices():
+            print(device)       # "cuda: NVIDIA H100 80GB HBM3, 85.05 GB (84.50 GB available)"
+    """
+    return [device_info(name) for name in _available()]
+
+
+def _available() -> list[str]:
+    return [name for name, present in available_backends().items() if present]
+
+
+def _int(value: Any) -> int | None:
+    try:
+        return int(value) if value else None
+    except (TypeError, ValueError):
+        return None
+
+
 @dataclass
 class DeviceConfig:
     """The device to train on and the memory limits to set there.
 
-    ``device`` is ``"auto"`` (the GPU when the installed MLX has one, else the CPU), ``"gpu"`` or
-    ``"cpu"``. ``memory_limit`` and ``cache_limit`` take bytes or sizes like ``"8GB"``.
+    ``device`` is ``"auto"`` (the GPU when the installed MLX has one, else the CPU), ``"gpu"``,
+    ``"cpu"``, or a GPU backend by name (``"metal"``, ``"cuda"``). ``memory_limit``,
+    ``cache_limit`` and ``wired_limit`` take bytes or sizes like ``"8GB"``: ``memory_limit`` is
+    MLX's allocation limit and, unless ``TrainConfig.memory_limit`` says otherwise, the Trainer's
+    memory budget; ``cache_limit`` caps MLX's buffer cache (which ``peak memory`` does not show);
+    ``wired_limit`` (macOS) keeps that much GPU memory resident.
+
+    Example::
+
+        DeviceConfig(device="gpu")          # DeviceError on a machine without one, listing what there is
+        DeviceConfig(memory_limit="8GB", cache_limit="1GB").apply()
     """
 
     device: str = "auto"
     memory_limit: int | str | None = None
     cache_limit: int | str | None = None
+    wired_limit: int | str | None = None
 
     def __post_init__(self) -> None:
-        if self.device not in ("auto", "gpu", "cpu"):
-            raise ConfigError(f"DeviceConfig device must be 'auto', 'gpu' or 'cpu', got {self.device!r}")
-        self.memory_limit = parse_bytes(self.memory_limit, "memory_limit")
-        self.cache_limit = parse_bytes(self.cache_limit, "cache_limit")
+        if self.device not in DEVICES:
+            raise ConfigError(f"DeviceConfig device must be one of {', '.join(DEVICES)}, got {self.device!r}"
+                              f"{did_you_mean(str(self.device), DEVICES)}")
+        for name in ("memory_limit", "cache_limit", "wired_limit"):
+            value = parse_bytes(getattr(self, name), name)
+            if value is not None and value <= 0:
+                raise ConfigError(f"DeviceConfig {name} must be positive, got {getattr(self, name)!r}")
+            setattr(self, name, value)
+        if self.device not in ("auto", "cpu"):
+            self.backend  # noqa: B018 - fail now, listing what there is, not at the first step
+
+    @property
+    def backend(self) -> str:
+        """The backend this config selects: ``"metal"``, ``"cuda"`` or ``"cpu"``; DeviceError if absent."""
+        backends = available_backends()
+        gpu = "metal" if backends["metal"] else "cuda" if backends["cuda"] else None
+        if self.device == "cpu" or (self.device == "auto" and gpu is None):
+            return "cpu"
+        if self.device == "auto":
+            return gpu
+        wanted = gpu if self.device == "gpu" else self.device
+        if wanted is None or not backends.get(wanted):
+            raise DeviceError(
+                f"device={self.device!r} was requested but this MLX build has no "
+                f"{'GPU' if self.device == 'gpu' else self.device} backend (available: {', '.join(_available())}). "
+                "On Apple silicon install 'mlx'; on Linux with NVIDIA GPUs install 'mlx[cuda]'; "
+                f"or use DeviceConfig(device={'cpu' if gpu is None else 'gpu'!r})"
+            )
+        return wanted
 
     def resolve(self) -> Any:
         """The ``mx.Device`` this config selects; DeviceError when it is not available."""
         import mlx.core as mx
 
-        backends = available_backends()
-        has_gpu = backends["metal"] or backends["cuda"]
-        if self.device == "gpu" and not has_gpu:
-            raise DeviceError(
-                "device='gpu' was requested but this MLX build has no GPU backend (available: cpu). "
-                "On Apple silicon install 'mlx'; on Linux with NVIDIA GPUs install 'mlx[cuda]'; "
-                "or use DeviceConfig(device='cpu')"
-            )
-        return mx.gpu if (self.device == "gpu" or (self.device == "auto" and has_gpu)) else mx.cpu
+        return mx.cpu if self.backend == "cpu" else mx.gpu
+
+    def info(self) -> DeviceInfo:
+        """What the selected device offers (name, memory, BLAS on a Linux CPU)."""
+        return device_info(self.backend)
+
+    def device_memory(self) -> int | None:
+        """Bytes to plan a run with: ``memory_limit`` when set, else what the device has available."""
+        return self.memory_limit or device_info(self.backend, blas=False).memory
 
     def apply(self) -> None:
-        """Make the device the default and set the memory and cache limits."""
+        """Make the device the default and set the memory, cache and wired limits."""
         import mlx.core as mx
 
         mx.set_default_device(self.resolve())
@@ -91,13 +227,15 @@ class DeviceConfig:
             mx.set_memory_limit(self.memory_limit)
         if self.cache_limit is not None:
             mx.set_cache_limit(self.cache_limit)
+        if self.wired_limit is not None and self.backend == "metal":
+            mx.set_wired_limit(self.wired_limit)
 
     def describe(self) -> str:
-        """One line: the device, its name, and the limits in force."""
+        """One line: the device, its name and memory, and the limit in force."""
         import mlx.core as mx
 
-        device = self.resolve()
-        info = mx.device_info() if hasattr(mx, "device_info") else {}
-        name = info.get("device_name", "")
+        info = self.info()
         limit = self.memory_limit or mx.get_memory_limit()
-        return f"{device} {name} (memory limit {limit / 1e9:.1f} GB)".replace("  ", " ")
+        parts = [info.name, format_bytes(info.memory_total) if info.memory_total else "",
+                 f"memory limit {format_bytes(limit)}"]
+        return f"{info.backend} ({', '.join(p for p in parts if p)})"

@@ -1,0 +1,19 @@
+"""Memory planning: how much a training step needs, and settings that fit a device.
+
+- ``MemoryOptimizer.suggest_config(model_size, num_devices, ...)`` plans from the size alone;
+- ``MemoryOptimizer.measure(model, data, ...)`` measures the real model with a few real steps, and
+  ``suggest_config`` plans from that measurement;
+- a ``MemoryPlan`` holds the micro-batch, accumulation, checkpointing and precision, the estimated
+  peak per device with its breakdown, and explains itself when printed.
+
+Example::
+
+    from mlx_train import MemoryOptimizer
+    print(MemoryOptimizer.suggest_config(model_size=1e9, num_devices=2))
+"""
+
+from mlx_train.memory.model import MemoryBreakdown, MemoryModel, optimizer_slots
+from mlx_train.memory.plan import HEADROOM, MemoryOptimizer, MemoryPlan, plan_memory
+
+__all__ = ["HEADROOM", "MemoryBreakdown", "MemoryModel", "MemoryOptimizer", "MemoryPlan", "optimizer_slots",
+           "plan_memory"]

@@ -1,0 +1,395 @@
+"""Out of memory: recognising MLX's allocation failures, and recovering from them in the Trainer.
+
+MLX reports a failed allocation as a ``RuntimeError`` whose text names the allocator
+(``[malloc] Unable to allocate ...`` on the CPU, ``[metal::malloc] ...`` on Apple GPUs,
+``... failed: out of memory`` from CUDA); ``is_out_of_memory`` recognises them all.
+
+``MemoryGuard`` runs the Trainer's optimizer steps. When a step runs out of memory it puts the
+model, optimizer and random state back as they were before the step (nothing of a failed step is
+applied) and retries the **same** step batch with half the micro-batch and twice the
+accumulation, so the effective batch and the result stay the same; at a micro-batch of one it
+turns on gradient checkpointing; only then does it fail, with an ``OutOfMemoryError`` that says
+what to try. With a memory budget (``memory_limit``) it reads MLX's peak-memory counter after
+every step and treats a step over the budget the same way (that step is kept: it did finish).
+In a distributed run every rank votes after every step, so all ranks take the same decision.
+
+A step can be undone when the guard kept the state of before it. Keeping it costs a little (MLX
+cannot update those buffers in place), so the guard keeps it where running out of memory is
+plausible: the first ``WARMUP`` steps of each batch shape and settings (a step's memory is first
+reached there), after a step that used more than half of the device's memory, and for every step
+once memory has proved tight, when ``memory_limit`` is set, or in a distributed run. A failure
+anywhere else (a shape that already ran well within memory: another process took it) ends with
+advice instead.
+
+Example::
+
+    trainer = Trainer(model, optimizer, batch_size=64, memory_limit="8GB")
+    trainer.train(data)                 # settles on the micro-batch that stays under 8 GB
+    trainer.memory_guard.events         # [{"step": 1, "batch_size": 32, "gradient_accumulation": 2, ...}]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Iterator, Sequence
+
+import mlx.core as mx
+
+from mlx_train.device import format_bytes
+from mlx_train.errors import ConfigError, MLXTrainError, OutOfMemoryError
+from mlx_train.training.losses import batch_size_of
+from mlx_train.training.state import set_rng_key
+from mlx_train.training.step import make_step_runner
+
+__all__ = ["is_out_of_memory", "out_of_memory", "any_rank", "MemoryGuard", "SimulatedOutOfMemory",
+           "CPU_MESSAGE", "METAL_MESSAGE", "CUDA_MESSAGE"]
+
+#: What MLX's allocators say when an allocation fails (examples, used by tests and simulations).
+CPU_MESSAGE = "[malloc] Unable to allocate 17179869184 bytes."
+METAL_MESSAGE = ("[metal::malloc] Attempting to allocate 68719476736 bytes which is greater than the maximum "
+                 "allowed buffer size of 34359738368 bytes.")
+CUDA_MESSAGE = "cudaMallocAsync(&data, size, stream) failed: out of memory"
+
+_MARKERS = (
+    "[malloc] unable to allocate", "[malloc_or_wait] unable to allocate", "[metal::malloc]", "[cuda::malloc]",
+    "out of memory", "outofmemory", "insufficient memory", "cudaerrormemoryallocation", "alloc_failed",
+    "cannot allocate memory", "bad_alloc",
+)
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """True for an allocation failure (MLX's CPU, Metal or CUDA message, or Python's MemoryError).
+
+    Example::
+
+        is_out_of_memory(RuntimeError("[metal::malloc] Resource limit (499000) exceeded."))   # True
+    """
+    if isinstance(error, MemoryError):
+        return True
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and any(marker in text for marker in _MARKERS)
+
+
+@contextlib.contextmanager
+def out_of_memory(where: str, advice: str) -> Iterator[None]:
+    """Turn an allocation failure inside the block into ``OutOfMemoryError`` saying where and what to do.
+
+    Example::
+
+        with out_of_memory("evaluation", "lower eval_batch_size"):
+            metrics = trainer.evaluate(test_data)
+    """
+    try:
+        yield
+    except MLXTrainError:
+        raise
+    except Exception as error:
+        if not is_out_of_memory(error):
+            raise
+        raise OutOfMemoryError(f"out of memory during {where}: {error}. To fix: {advice}") from error
+
+
+def any_rank(flag: bool, group: Any = None) -> bool:
+    """True when ``flag`` is True on any rank of ``group``; every rank must call it (one all_sum).
+
+    Alone (no group, or a group of one) it returns ``flag`` without communicating.
+
+    Example::
+
+        over = any_rank(mx.get_peak_memory() > budget, trainer.group)   # the same answer on every rank
+    """
+    if group is None or group.size() == 1:
+        return bool(flag)
+    votes = mx.distributed.all_sum(mx.array(1 if flag else 0, dtype=mx.int32), group=group, stream=mx.cpu)
+    return bool(votes.item() > 0)
+
+
+#: Steps of each batch shape (and settings) that keep the state to undo them: the first run
+#: compiles, the second is the first at steady memory.
+WARMUP = 2
+
+
+def _shape(batch: Any) -> tuple:
+    """The shape of a batch's first array: steps of the same shape need the same memory."""
+    return (next(iter(batch.values())) if isinstance(batch, dict) else batch[0]).shape
+
+
+def _device_memory(trainer: Any) -> int | None:
+    """The memory of the device the trainer runs on (None when unknown)."""
+    from mlx_train.device import DeviceConfig
+
+    config = trainer.device_config if isinstance(trainer.device_config, DeviceConfig) else DeviceConfig()
+    try:
+        return config.device_memory()
+    except MLXTrainError:
+        return None
+
+
+def _slots(tree: Any, out: list) -> list:
+    """``(container, key)`` of every array in the step state, in a fixed order (``mx.random.state`` is
+    not a list: its key is saved apart)."""
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, list) else ()
+    for key, value in items:
+        if isinstance(value, mx.array):
+            out.append((tree, key))
+        elif isinstance(value, (dict, list)):
+            _slots(value, out)
+    return out
+
+
+class MemoryGuard:
+    """Runs optimizer steps like ``make_step_runner`` and recovers from running out of memory.
+
+    ``guard(step_batch, metrics) -> metrics``. The micro-batch it uses is
+    ``ceil(step_batch / accumulation)``; ``events`` lists every change it made and why.
+    A guard created with ``previous=`` keeps that guard's settings (a later ``train()`` call does
+    not run out of memory again to learn them).
+    """
+
+    def __init__(self, trainer: Any, accumulation: int, previous: MemoryGuard | None = None) -> None:
+        cfg = trainer.config
+        self.trainer = trainer
+        self.base_accumulation = accumulation
+        self.split = previous.split if previous is not None else 1
+        self.events: list[dict] = previous.events if previous is not None else []
+        self.recover = cfg.oom_recovery
+        device_limit = getattr(trainer.device_config, "memory_limit", None)
+        self.budget: int | None = cfg.memory_limit or device_limit
+        group = trainer.group
+        voting = group is not None and group.size() > 1 and (self.recover or self.budget is not None)
+        self.group = group if voting else None
+        self.step_batch: int | None = None
+        self.hooks: list = []  # called with the new steps whenever they are rebuilt
+        memory = self.budget or _device_memory(trainer)
+        self._tight_above = memory / 2 if memory else 0
+        self._tight = False
+        # Always ready to undo a step: with a budget (memory matters more than a few microseconds) and
+        # when distributed (a rank must be able to undo a step that failed on another).
+        self._always = self.budget is not None or self.group is not None
+        self._bind()
+
+    # -- the hot path -------------------------------------------------------------------
+
+    def __call__(self, batch: Any, metrics: dict) -> dict:
+        # Keeping the state of before the step lets a failed step be undone, but costs a little on
+        # every step (MLX cannot update those buffers in place), so it is kept only where running out
+        # of memory is plausible: the first steps of each batch shape and settings, steps after ones
+        # that used over half the memory there is, and every step once memory has proved tight.
+        shape = _shape(batch)
+        saved = key = None
+        if self._always or self._runs.get(shape, 0) < WARMUP or self._tight or self.events:
+            saved, key = [container[name] for container, name in self._slots], mx.random.state[0]
+        result, failure = self._attempt(batch, metrics)
+        while failure is not None:
+            self._restore(saved, key, failure)  # nothing of the failed attempt stays applied
+            mx.clear_cache()
+            self._shrink(batch, failure)
+            result, failure = self._attempt(batch, metrics)
+        self._runs[shape] = self._runs.get(shape, 0) + 1
+        self._tight = mx.get_peak_memory() > self._tight_above
+        return result
+
+    def _attempt(self, batch: Any, metrics: dict) -> tuple[dict | None, str | None]:
+        """Run the step once: ``(metrics, None)``, or ``(None, why)`` when it ran out of memory here or,
+        in a distributed run, on any rank. A step over the budget is kept, and the next ones shrink."""
+        if self.budget is not None:
+            mx.reset_peak_memory()
+        try:
+            result, failure = self._run(batch, metrics), None
+        except MLXTrainError:
+            raise
+        except Exception as error:
+            if not is_out_of_memory(error):
+                raise
+            result, failure = None, str(error)  # leaving the except block drops the failed step's arrays
+        peak = mx.get_peak_memory() if self.budget is not None and failure is None else 0
+        over = here = peak > (self.budget or 0)
+        if self.group is not None:  # every rank votes after every step, so that they stay in step
+            over, failed = self._vote(here, failure is not None)
+            if failed and failure is None:
+                result, failure = None, "another rank ran out of memory"
+        if over and failure is None:
+            reason = (f"peak memory {format_bytes(peak)} is over the memory_limit budget of "
+                      f"{format_bytes(self.budget)}" if here else "another rank went over its memory_limit")
+            self._shrink(batch, reason, kept=True)
+        return result, failure
+
+    def _vote(self, over: bool, failed: bool) -> tuple[bool, bool]:
+        """(any rank over its budget, any rank out of memory): one small all_sum across the group."""
+        with self._collective("out-of-memory vote"):
+            votes = mx.distributed.all_sum(mx.array([int(over), int(failed)], dtype=mx.int32),
+                                           group=self.group, stream=mx.cpu).tolist()
+        return votes[0] > 0, votes[1] > 0
+
+    # -- settings -----------------------------------------------------------------------
+
+    @property
+    def accumulation(self) -> int:
+        """Micro-batches per optimizer step now (the configured accumulation times the splits)."""
+        if self.step_batch is None:
+            return self.base_accumulation * self.split
+        return min(self.base_accumulation * self.split, self.step_batch)
+
+    @property
+    def batch_size(self) -> int:
+        """The micro-batch now (per device)."""
+        step_batch = self.step_batch or self.trainer.config.batch_size * self.base_accumulation
+        return math.ceil(step_batch / self.accumulation)
+
+    @property
+    def checkpointing(self) -> bool:
+        return bool(self.trainer.config.gradient_checkpointing)
+
+    def _bind(self) -> None:
+        """(Re)build the step runner and the list of state arrays for the current steps."""
+        steps = self.trainer._steps
+        self._slots = _slots(steps.state, [])
+        self._run = make_step_runner(steps, self.accumulation)
+        self._runs: dict[tuple, int] = {}  # completed steps per batch shape, with these settings
+        if steps is not getattr(self, "_steps", steps):
+            for hook in self.hooks:
+                hook(steps)
+        self._steps = steps
+
+    # -- recovery -----------------------------------------------------------------------
+
+    def _restore(self, saved: list | None, key: mx.array | None, failure: str) -> None:
+        """Put back the state arrays of before the step: nothing of the failed step stays applied."""
+        if saved is None:
+            raise OutOfMemoryError(
+                f"out of memory at step {self.trainer.step + 1} ({failure}), although steps of this shape ran "
+                "before (did another process take memory?); the step was not prepared to be undone. Resume from "
+                "the last checkpoint, and set memory_limit below the free memory so the Trainer shrinks the "
+                "micro-batch before running out")
+        current = _slots(self.trainer._steps.state, [])
+        same = len(current) == len(self._slots) and all(
+            a[0] is b[0] and a[1] == b[1] for a, b in zip(current, self._slots))
+        if not same:
+            raise OutOfMemoryError(
+                "out of memory in a training step, and the model or optimizer state was restructured since "
+                "the run started, so the step cannot be undone safely; resume from the last checkpoint with a "
+                "smaller batch_size (or set memory_limit so the Trainer adapts before running out)")
+        for (container, name), value in zip(self._slots, saved):
+            container[name] = value
+        set_rng_key(key.tolist())  # mx.random.state is not a list: reseed to the same key
+
+    def _shrink(self, batch: Any, reason: str, kept: bool = False) -> None:
+        """Take the next step down: half the micro-batch, else checkpointing, else fail."""
+        self.step_batch = batch_size_of(batch)
+        step = self.trainer.step + 1
+        if not self.recover:
+            raise self._failure(reason, step, "oom_recovery is off")
+        if self.batch_size > 1:
+            self.split *= 2
+            self._bind()
+            change = f"micro-batch {self.batch_size} x accumulation {self.accumulation} (same effective batch)"
+        elif not self.checkpointing and self._can_checkpoint():
+            self._enable_checkpointing()
+            change = "gradient checkpointing on"
+        else:
+            raise self._failure(reason, step, "micro-batch 1 with gradient checkpointing"
+                                if self.checkpointing else "micro-batch 1 (this model cannot checkpoint)")
+        self.events.append({"step": step, "reason": reason, "batch_size": self.batch_size,
+                            "gradient_accumulation": self.accumulation,
+                            "gradient_checkpointing": self.checkpointing})
+        if kept:
+            self.trainer.log(f"step {step} went over the memory budget ({reason}); the step is kept, the next "
+                             f"ones use {change}")
+        else:
+            self.trainer.log(f"out of memory at step {step} ({reason}); retrying the same step with {change}")
+
+    def _can_checkpoint(self) -> bool:
+        from mlx_train.training.recompute import find_blocks
+
+        try:
+            find_blocks(self.trainer.model, self.trainer.config.checkpoint_modules)
+        except ConfigError:
+            return False
+        return True
+
+    def _enable_checkpointing(self) -> None:
+        trainer = self.trainer
+        old = trainer._steps
+        trainer.config = trainer.config.replace(gradient_checkpointing=True)
+        trainer._steps = None
+        trainer._build()  # a new compiled trace through the checkpointed blocks; optimizer state kept
+        trainer._steps.scaler.update(old.scaler)
+        self._bind()
+
+    def _collective(self, what: str) -> Any:
+        collective = getattr(self.trainer, "collective", None)
+        return collective(what) if callable(collective) else contextlib.nullcontext()
+
+    def _failure(self, reason: str, step: int, tried: str) -> OutOfMemoryError:
+        lines = [f"out of memory at step {step}: {reason}; tried down to {tried}. What to try:"]
+        lines += [f"  - {tip}" for tip in _advice(self.trainer, self.budget)]
+        return OutOfMemoryError("\n".join(lines))
+
+
+def _advice(trainer: Any, budget: int | None) -> list[str]:
+    """Concrete things to try, with the sizes of what the model and optimizer hold."""
+    from mlx.utils import tree_flatten
+
+    cfg = trainer.config
+    params = sum(v.nbytes for _, v in tree_flatten(trainer.model.parameters()))
+    state = sum(v.nbytes for _, v in tree_flatten(trainer.optimizer.state) if isinstance(v, mx.array))
+    tips = [f"the weights ({format_bytes(params)}), their gradients ({format_bytes(params)}) and the optimizer "
+            f"state ({format_bytes(state)}) are held all the time, and the update briefly needs new copies of "
+            "the weights and optimizer state"]
+    if cfg.precision == "float32":
+        tips.append("precision='bfloat16' (about half the activation memory)")
+    if state:
+        tips.append(f"an optimizer with less state than {cfg.optimizer}: 'sgd' keeps none, 'adafactor' very little")
+    tips.append("shorter sequences, a smaller model, or fewer/smaller layers")
+    if budget is not None:
+        tips.append(f"a larger memory_limit than {format_bytes(budget)}, if the machine has the memory")
+    tips.append("print(MemoryOptimizer.suggest_config(...)) or 'mlx-train optimize' for a plan that fits")
+    return tips
+
+
+class SimulatedOutOfMemory:
+    """A callback that makes chosen steps fail with MLX's out-of-memory error, to test recovery.
+
+    The error is raised inside the step, after its ``micro_batch``-th micro-batch was dispatched
+    (default -1: the last one, whose compiled update is then already in flight), on the first
+    ``times`` attempts of each step in ``steps``. With ``evaluated=True`` that micro-batch is
+    evaluated first: the update (and, distributed, the gradient exchange) has then happened, as
+    when an allocation fails at the very end of a step.
+
+    Example::
+
+        trainer.train(data, callbacks=[SimulatedOutOfMemory(steps=[3])])   # step 3 retries with half
+    """
+
+    def __init__(self, steps: Sequence[int], message: str = METAL_MESSAGE, times: int = 1,
+                 micro_batch: int = -1, evaluated: bool = False) -> None:
+        self.steps, self.message, self.times, self.micro_batch = set(steps), message, times, micro_batch
+        self.evaluated = evaluated
+        self.failures: list[int] = []  # the step of every failure raised
+        self._trainer: Any = None
+        self._index = 0
+
+    def on_fit_start(self, trainer: Any) -> None:
+        self._trainer = trainer
+        trainer.memory_guard.hooks.append(self.install)
+        self.install(trainer._steps)
+
+    def install(self, steps: Any) -> None:
+        """Make ``steps.micro`` fail as configured (again after the steps are rebuilt)."""
+        original = steps.micro
+
+        def micro(batch: Any, grads: Any, metrics: dict, update: bool, single: bool = False) -> Any:
+            result = original(batch, grads, metrics, update, single)
+            index, self._index = self._index, 0 if update else self._index + 1
+            step = self._trainer.step + 1
+            chosen = update if self.micro_batch == -1 else index == self.micro_batch
+            if chosen and step in self.steps and self.failures.count(step) < self.times:
+                if self.evaluated:
+                    mx.eval(steps.state, result)
+                self.failures.append(step)
+                self._index = 0
+                raise RuntimeError(self.message)
+            return result
+
+        steps.micro = micro

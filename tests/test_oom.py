@@ -1,0 +1,257 @@
+"""Out-of-memory: MLX's allocation failures become OutOfMemoryError, and the Trainer recovers from them
+(half the micro-batch, twice the accumulation, same result), also against a real memory budget."""
+
+import gc
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from mlx_train import DeviceConfig, OutOfMemoryError
+from mlx_train.datasets import load_dataset
+from mlx_train.models import build_model
+from mlx_train.training import Trainer
+from mlx_train.training.oom import (
+    CPU_MESSAGE,
+    CUDA_MESSAGE,
+    METAL_MESSAGE,
+    SimulatedOutOfMemory,
+    any_rank,
+    is_out_of_memory,
+    out_of_memory,
+)
+from mlx_train.training.state import rng_key
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "oom_run.py")
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return load_dataset("digits", seed=0)
+
+
+def _flat(model):
+    return {k: np.array(v) for k, v in tree_flatten(model.parameters())}
+
+
+def _max_rel_err(a, b):
+    return max(float(np.abs(a[k] - b[k]).max() / (np.abs(a[k]).max() + 1e-12)) for k in a)
+
+
+def _train(digits, batch_size, accumulation, callbacks=(), steps=8, dropout=0.0, **options):
+    mx.random.seed(0)
+    model = build_model("mlp", digits["info"], dropout=dropout)
+    trainer = Trainer(model, optim.Adam(1e-3), batch_size=batch_size, gradient_accumulation=accumulation,
+                      max_steps=steps, seed=1, report_every="1000 steps", num_workers=0, **options)
+    trainer.train(digits["train"], epochs=1, callbacks=list(callbacks))
+    return trainer, _flat(model)
+
+
+@pytest.mark.parametrize("message", [
+    CPU_MESSAGE, METAL_MESSAGE, CUDA_MESSAGE,
+    "[malloc_or_wait] Unable to allocate 4096 bytes.",
+    "[metal::malloc] Resource limit (499000) exceeded.",
+    "[METAL] Command buffer execution failed: Insufficient Memory (00000008:kIOGPUCommandBufferCallbackErrorOutOfMemory)",
+    "cuMemAlloc(&ptr, size) failed: out of memory",
+])
+def test_mlx_allocation_failures_are_recognised(message):
+    assert is_out_of_memory(RuntimeError(message))
+
+
+def test_other_errors_are_not_out_of_memory():
+    assert is_out_of_memory(MemoryError())
+    assert not is_out_of_memory(RuntimeError("[matmul] Last dimension of first input with shape (2,3) must match"))
+    assert not is_out_of_memory(ValueError("out of memory"))  # MLX raises RuntimeError for allocations
+    with pytest.raises(OutOfMemoryError, match=r"out of memory during evaluation: \[malloc\] Unable to allocate "
+                                               r".* To fix: lower eval_batch_size"):
+        with out_of_memory("evaluation", "lower eval_batch_size"):
+            raise RuntimeError(CPU_MESSAGE)
+    with pytest.raises(KeyError):
+        with out_of_memory("evaluation", "lower eval_batch_size"):
+            raise KeyError("not memory")
+    assert any_rank(True) and not any_rank(False, None)
+
+
+@pytest.mark.parametrize("where, step, options", [
+    ("update", 2, {}),                                # a step of a new shape: ready to be undone
+    ("first micro-batch", 2, {}),
+    ("update", 6, {"memory_limit": "64GB"}),          # with a budget: every step is ready
+    ("update", 6, {"device_config": DeviceConfig(memory_limit="64GB")}),
+])
+def test_a_failed_step_is_retried_with_half_the_micro_batch_and_gives_the_same_result(digits, where, step,
+                                                                                       options):
+    # The failure comes after the step's compiled update (or its first micro-batch) was dispatched:
+    # recovery must undo it, then redo the same step batch as 16 x 2.
+    simulated = SimulatedOutOfMemory(steps=[step], micro_batch=-1 if where == "update" else 0)
+    accumulation = 1 if where == "update" else 2
+    trainer, recovered = _train(digits, 32 // accumulation, accumulation, [simulated], **options)
+    assert simulated.failures == [step] and trainer.step == 8
+    guard = trainer.memory_guard
+    assert guard.batch_size == 16 // accumulation and guard.accumulation == 2 * accumulation
+    assert guard.events == [{"step": step, "reason": METAL_MESSAGE, "batch_size": 16 // accumulation,
+                             "gradient_accumulation": 2 * accumulation, "gradient_checkpointing": False}]
+    _, reference = _train(digits, 16 // accumulation, 2 * accumulation)
+    assert _max_rel_err(recovered, reference) < 1e-5
+    mx.random.seed(0)
+    untouched = _flat(build_model("mlp", digits["info"]))
+    assert _max_rel_err(recovered, untouched) > 1e-3  # it really trained
+
+
+def test_recovery_goes_down_to_one_sample_then_checkpointing_then_fails_with_advice(digits, capsys):
+    simulated = SimulatedOutOfMemory(steps=[2], times=100, message=CPU_MESSAGE)
+    after_step_1 = {}
+
+    class Snapshot:
+        def on_batch_end(self, trainer, step):
+            after_step_1.update(_flat(trainer.model))
+
+    with pytest.raises(OutOfMemoryError, match=r"(?s)out of memory at step 2: \[malloc\] Unable to allocate .*; "
+                                               r"tried down to micro-batch 1 with gradient checkpointing\. "
+                                               r"What to try:.*precision='bfloat16'.*'mlx-train optimize'"):
+        _train(digits, 8, 1, [Snapshot(), simulated], steps=4)
+    out = capsys.readouterr().out
+    assert "micro-batch 4 x accumulation 2" in out and "micro-batch 1 x accumulation 8" in out
+    assert "gradient checkpointing on" in out
+    assert simulated.failures == [2] * 5  # 8, 4, 2, 1, 1 with checkpointing
+
+
+def test_without_recovery_the_error_says_so_and_the_step_is_undone(digits):
+    keys, params = [], {}
+
+    class Snapshot:
+        def on_batch_end(self, trainer, step):
+            keys.append(rng_key())
+            params.update(_flat(trainer.model))
+
+    mx.random.seed(0)
+    model = build_model("mlp", digits["info"], dropout=0.3)  # the step draws random numbers
+    trainer = Trainer(model, optim.Adam(1e-3), batch_size=32, max_steps=5, oom_recovery=False,
+                      report_every="1000 steps", num_workers=0)
+    with pytest.raises(OutOfMemoryError, match=r"out of memory at step 2: .*tried down to oom_recovery is off"):
+        trainer.train(digits["train"], epochs=1, callbacks=[Snapshot(), SimulatedOutOfMemory([2])])
+    assert trainer.step == 1
+    assert rng_key() == keys[-1]  # the failed step's random draws are undone too
+    assert _max_rel_err(_flat(model), params) == 0.0
+
+
+def test_a_memory_limit_below_the_first_peak_settles_on_a_smaller_micro_batch(capsys):
+    data = load_dataset("text", seed=0)
+
+    def run(batch_size, accumulation, steps, **options):
+        gc.collect()
+        mx.clear_cache()
+        mx.random.seed(0)
+        model = build_model("transformer", data["info"])
+        trainer = Trainer(model, optim.Adam(1e-3), batch_size=batch_size, gradient_accumulation=accumulation,
+                          max_steps=steps, report_every="1000 steps", num_workers=0, shuffle=False, **options)
+        peaks = []
+
+        class Peak:
+            def on_batch_end(self, trainer, step):
+                peaks.append(mx.get_peak_memory())
+
+        trainer.train(data["train"], epochs=1, callbacks=[Peak()])
+        return trainer, max(peaks)
+
+    _, peak_64 = run(64, 1, 1)
+    _, peak_16 = run(16, 1, 1)
+    limit = (peak_16 + peak_64) // 3  # below what 64 and 32 need, above 16
+    trainer, _ = run(64, 1, 4, memory_limit=limit)
+    assert trainer.step == 4
+    assert [e["batch_size"] for e in trainer.memory_guard.events] == [32, 16]
+    assert trainer.memory_guard.accumulation == 4
+    assert "is over the memory_limit budget" in capsys.readouterr().out
+
+    # DeviceConfig(memory_limit=...) is a budget as well.
+    trainer, _ = run(64, 1, 2, device_config=DeviceConfig(memory_limit=limit))
+    assert trainer.memory_guard.budget == limit and trainer.memory_guard.batch_size < 64
+    mx.set_memory_limit(DeviceConfig().info().memory_total or mx.get_memory_limit())
+
+
+def test_an_unreachable_budget_fails_with_the_budget_in_the_message(digits):
+    with pytest.raises(OutOfMemoryError, match=r"(?s)is over the memory_limit budget of 1.00 KB; tried down to "
+                                               r"micro-batch 1 with gradient checkpointing.*a larger "
+                                               r"memory_limit than 1.00 KB"):
+        _train(digits, 4, 1, steps=10, memory_limit="1KB")
+
+
+def test_a_failure_of_a_shape_that_ran_well_within_memory_says_to_resume(digits):
+    # Steps 1-2 prepared to be undone; step 6 (same shape, far from the device's memory) did not.
+    with pytest.raises(OutOfMemoryError, match=r"out of memory at step 6 \(\[metal::malloc\].*\), although steps of "
+                                               r"this shape ran before .* Resume from the last checkpoint, and set "
+                                               r"memory_limit"):
+        _train(digits, 32, 1, [SimulatedOutOfMemory([6])])
+
+
+def test_the_settled_micro_batch_carries_over_to_the_next_train_call(digits):
+    trainer, _ = _train(digits, 32, 1, [SimulatedOutOfMemory([2])], steps=3)
+    trainer.config = trainer.config.replace(max_steps=5)
+    trainer.train()
+    assert trainer.step == 5 and trainer.memory_guard.batch_size == 16 and len(trainer.memory_guard.events) == 1
+
+
+def test_evaluation_out_of_memory_says_to_lower_the_eval_batch(digits):
+    class Hungry(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.Linear(64, 10)
+
+        def __call__(self, x):
+            if not self.training:
+                raise RuntimeError(CPU_MESSAGE)
+            return self.layer(x)
+
+    # Not compiled: an error while mx.compile traces would leave MLX's random state half-traced.
+    trainer = Trainer(Hungry(), optim.SGD(0.1), compile=False)
+    with pytest.raises(OutOfMemoryError, match=r"out of memory during evaluation: .* set a smaller eval_batch_size"):
+        trainer.evaluate(digits["val"])
+
+
+def _launcher():
+    path = shutil.which("mlx.launch") or os.path.join(os.path.dirname(sys.executable), "mlx.launch")
+    assert os.path.exists(path), "mlx.launch (installed with mlx) was not found"
+    return path
+
+
+def _ranks(out):
+    events = [json.load(open(out / f"events-rank{r}.json")) for r in range(2)]
+    params = [{k: np.array(v) for k, v in mx.load(str(out / f"params-rank{r}.safetensors")).items()}
+              for r in range(2)]
+    return events, params
+
+
+def test_all_ranks_take_the_same_decision(tmp_path):
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
+    run = dict(check=True, env=env, timeout=300, stdout=subprocess.DEVNULL)
+    subprocess.run([sys.executable, SCRIPT, str(tmp_path / "one")], **run)
+    reference = {k: np.array(v) for k, v in mx.load(str(tmp_path / "one" / "params-rank0.safetensors")).items()}
+
+    # Step 2 fails on both ranks before the gradient exchange; step 4 fails on rank 1 alone, after it:
+    # every rank redoes both steps with half the micro-batch (16 -> 8 -> 4 per rank).
+    subprocess.run([_launcher(), "-n", "2", "--", sys.executable, SCRIPT, str(tmp_path / "fail"),
+                    "--fail", "0:2", "--fail", "1:2", "--fail", "1:4:late"], **run)
+    events, params = _ranks(tmp_path / "fail")
+    assert [e["outcome"] for e in events] == ["finished", "finished"] and events[0]["step"] == 6
+    assert [[(e["step"], e["batch_size"]) for e in rank["events"]] for rank in events] == [[(2, 8), (4, 4)]] * 2
+    assert [e["reason"] for e in events[0]["events"]] == [METAL_MESSAGE, "another rank ran out of memory"]
+    assert [e["reason"] for e in events[1]["events"]] == [METAL_MESSAGE, METAL_MESSAGE]
+    assert all(np.array_equal(params[0][k], params[1][k]) for k in params[0])
+    assert _max_rel_err(params[0], reference) < 1e-5
+
+    # Only rank 0 has a (hopeless) budget: both ranks shrink together, then stop at the same step.
+    subprocess.run([_launcher(), "-n", "2", "--", sys.executable, SCRIPT, str(tmp_path / "budget"),
+                    "--budget-rank", "0"], **run)
+    events, params = _ranks(tmp_path / "budget")
+    assert all(e["outcome"].startswith("OutOfMemoryError: out of memory at step") for e in events)
+    assert events[0]["step"] == events[1]["step"] and events[0]["events"] == [
+        {**e, "reason": events[0]["events"][i]["reason"]} for i, e in enumerate(events[1]["events"])]
+    assert "another rank went over its memory_limit" in events[1]["events"][0]["reason"]
+    assert all(np.array_equal(params[0][k], params[1][k]) for k in params[0])
