@@ -1,0 +1,146 @@
+"""``DistributedConfig``: how many devices, the batch arithmetic, the backend and the recovery knobs.
+
+Defaults come from ``TrainConfig`` (the one source of defaults): a field left out here takes the
+``TrainConfig`` default of the same knob.
+
+Example::
+
+    config = DistributedConfig(num_devices=4, batch_size_per_device=32, gradient_accumulation=4)
+    config.global_batch_size        # 512 samples per optimizer step
+    config.describe()               # "4 devices x batch 32 x accumulation 4 = global batch 512; backend auto"
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mlx_train.errors import ConfigError
+
+CLUSTER_FILE = "cluster.json"
+
+
+def _train_default(name: str) -> Any:
+    """A field default taken from TrainConfig's (evaluated when the DistributedConfig is made)."""
+    from mlx_train.config import TrainConfig
+
+    return field(default_factory=lambda: getattr(TrainConfig(), name))
+
+
+@dataclass
+class DistributedConfig:
+    """A data-parallel run: ``num_devices`` processes, each training on ``batch_size_per_device``
+    samples per micro-batch, ``gradient_accumulation`` micro-batches per optimizer step.
+
+    The global batch is ``num_devices x batch_size_per_device x gradient_accumulation``; the
+    DataLoader gives each rank its slice of every global batch, so the sample order does not
+    depend on the number of devices. ``num_devices=None`` means as many as were launched.
+    ``hosts``/``hostfile`` say where to launch (default: the configured cluster, else
+    127.0.0.1); the other fields are the ``TrainConfig`` knobs of the same name.
+    """
+
+    num_devices: int | None = None
+    batch_size_per_device: int = _train_default("batch_size")
+    gradient_accumulation: int = _train_default("gradient_accumulation")
+    backend: str = _train_default("distributed_backend")
+    hosts: list[str] | None = None
+    hostfile: str | None = None
+    max_restarts: int = _train_default("max_restarts")
+    collective_timeout: float = _train_default("collective_timeout")
+    checksum_every: int | None = _train_default("checksum_every")
+    env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        from mlx_train.config import TrainConfig
+
+        if self.num_devices is not None and (isinstance(self.num_devices, bool) or not isinstance(self.num_devices, int)
+                                             or self.num_devices < 1):
+            raise ConfigError(f"DistributedConfig.num_devices must be an integer >= 1 (or None: as many as "
+                              f"launched), got {self.num_devices!r}")
+        if self.hosts is not None and self.hostfile is not None:
+            raise ConfigError("DistributedConfig: give hosts or hostfile, not both")
+        try:  # the shared knobs are checked exactly as TrainConfig checks them
+            TrainConfig().replace(**self.train_overrides())
+        except ConfigError as error:
+            raise ConfigError(f"DistributedConfig: {error}".replace("TrainConfig.", "")) from None
+
+    @property
+    def global_batch_size(self) -> int:
+        """Samples per optimizer step over all devices."""
+        if self.num_devices is None:
+            raise ConfigError("DistributedConfig.num_devices is not set, so the global batch is not known yet; "
+                              "set num_devices or use global_batch_for(world_size)")
+        return self.global_batch_for(self.num_devices)
+
+    def global_batch_for(self, world_size: int) -> int:
+        """Samples per optimizer step with ``world_size`` processes."""
+        return world_size * self.batch_size_per_device * self.gradient_accumulation
+
+    def train_overrides(self) -> dict[str, Any]:
+        """The ``TrainConfig`` fields this config sets: ``TrainConfig().replace(**overrides)``."""
+        return {"batch_size": self.batch_size_per_device, "gradient_accumulation": self.gradient_accumulation,
+                "distributed_backend": self.backend, "max_restarts": self.max_restarts,
+                "collective_timeout": self.collective_timeout, "checksum_every": self.checksum_every}
+
+    def check_world_size(self, world_size: int) -> None:
+        """Raise ``DistributedError`` when the launched group does not have ``num_devices`` ranks."""
+        from mlx_train.errors import DistributedError
+
+        if self.num_devices is not None and self.num_devices != world_size:
+            raise DistributedError(
+                f"DistributedConfig.num_devices is {self.num_devices} but {world_size} process"
+                f"{'es were' if world_size != 1 else ' was'} launched: launch {self.num_devices} (mlx-train train "
+                f"--distributed -n {self.num_devices}, or {self.num_devices} hosts), or set "
+                f"num_devices={world_size} (the global batch becomes {self.global_batch_for(world_size)} instead "
+                f"of {self.global_batch_size})"
+            )
+
+    def describe(self) -> str:
+        """``4 devices x batch 32 x accumulation 4 = global batch 512; backend auto``"""
+        devices = "N devices" if self.num_devices is None else f"{self.num_devices} device" + (
+            "s" if self.num_devices != 1 else "")
+        total = "N x " + str(self.batch_size_per_device * self.gradient_accumulation) if self.num_devices is None \
+            else str(self.global_batch_size)
+        return (f"{devices} x batch {self.batch_size_per_device} x accumulation {self.gradient_accumulation} = "
+                f"global batch {total}; backend {self.backend}")
+
+    def resolve_hosts(self, num_processes: int | None = None):
+        """The ``Hostfile`` to launch on: hosts, hostfile, the configured cluster, or 127.0.0.1 x N."""
+        from mlx_train.distributed.hostfile import Hostfile
+
+        if self.hosts is not None:
+            hostfile = Hostfile.from_hosts(self.hosts, self.backend, envs=_env_list(self.env))
+        elif self.hostfile is not None:
+            hostfile = Hostfile.read(self.hostfile)
+        elif num_processes is None and cluster_path().exists():
+            hostfile = Hostfile.read(cluster_path())
+        else:
+            hostfile = Hostfile.local(num_processes or self.num_devices or 2, self.backend)
+        if self.backend != "auto":
+            hostfile.backend = self.backend
+        hostfile.envs = list(hostfile.envs) + [e for e in _env_list(self.env) if e not in hostfile.envs]
+        return hostfile
+
+
+def _env_list(env: dict[str, str]) -> list[str]:
+    return [f"{k}={v}" for k, v in env.items()]
+
+
+def home() -> Path:
+    """Where mlx-train keeps per-user state: ``$MLX_TRAIN_HOME`` or ``~/.mlx-train``."""
+    return Path(os.environ.get("MLX_TRAIN_HOME") or Path.home() / ".mlx-train")
+
+
+def cluster_path() -> Path:
+    """The configured cluster's host file (written by ``mlx-train configure --distributed``)."""
+    return home() / CLUSTER_FILE
+
+
+def load_cluster():
+    """The configured cluster's ``Hostfile``, or None when none is configured."""
+    from mlx_train.distributed.hostfile import Hostfile
+
+    path = cluster_path()
+    return Hostfile.read(path) if path.exists() else None

@@ -1,0 +1,172 @@
+"""``mlx-train reset-distributed``: clear stale distributed state and stop leftover processes.
+
+Only processes of mlx-train runs are touched: those recorded in the registry (supervisors and
+ranks, matched by pid *and* start time) and those started by an mlx-train supervisor (their
+environment carries ``MLX_TRAIN_RUN_ID``). A process is a leftover when the supervisor recorded
+for its run is gone, when its launcher is gone (it was orphaned), or when it has recorded a
+failure; ``stop_running=True`` also stops runs that are still healthy. A run this machine's
+registry knows nothing about is left alone unless orphaned. Each stopped process is named.
+
+Example::
+
+    for line in reset_distributed():
+        print(line)        # "stopped pid 4242: rank 1 of run 20250101-120000-4100 (python train.py ...)"
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from mlx_train.distributed import rank as rank_runtime
+from mlx_train.distributed import registry
+from mlx_train.distributed.config import cluster_path
+
+
+@dataclass
+class Leftover:
+    """A process of an mlx-train run, and why it counts as left over."""
+
+    pid: int
+    what: str
+    why: str
+    start_time: int | None = None
+
+
+def _dead_supervisors() -> set[str]:
+    """Runs whose supervisor was recorded here and is gone (killed before it could clean up)."""
+    return {e["run_id"] for e in registry.entries() if e.get("kind") == "supervisor" and not e["alive"]}
+
+
+def _orphaned(pid: int) -> bool:
+    parent = registry.parent_pid(pid)
+    return parent is None or parent == 1 or not registry.process_alive(parent)
+
+
+def _candidates() -> dict[int, dict]:
+    """pid -> what is known of every live mlx-train process on this machine (registry + environment)."""
+    found: dict[int, dict] = {}
+    for entry in registry.entries():
+        if entry["alive"] and entry.get("pid") not in (None, os.getpid()):
+            found[int(entry["pid"])] = dict(entry)
+    for name in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not name.isdigit() or int(name) in found or int(name) == os.getpid():
+            continue
+        env = registry.process_environ(int(name))
+        if rank_runtime.ENV_RUN_ID in env:
+            found[int(name)] = {"pid": int(name), "kind": "rank" if "MLX_RANK" in env else "launcher",
+                                "run_id": env[rank_runtime.ENV_RUN_ID], "rank": env.get("MLX_RANK"),
+                                "start_time": registry.process_start_time(int(name)),
+                                "state_dir": env.get(rank_runtime.ENV_STATE_DIR)}
+    for pid, info in found.items():  # processes a rank started (a compiler, a data worker) inherit its marks
+        parent = registry.parent_pid(pid)
+        if info.get("kind") == "rank" and parent in found and found[parent].get("kind") in ("rank", "child"):
+            info["kind"], info["parent"] = "child", parent
+    return found
+
+
+def find_leftovers(stop_running: bool = False) -> list[Leftover]:
+    """The mlx-train processes that ``reset_distributed`` would stop (nothing is stopped here)."""
+    dead_runs = _dead_supervisors()
+    own = {os.getpid(), os.getppid()}
+    leftovers = []
+    for pid, info in sorted(_candidates().items()):
+        if pid in own:
+            continue
+        kind, run_id = info.get("kind"), info.get("run_id")
+        what = _name(pid, info)
+        if stop_running:
+            why = "requested (--all)"
+        elif kind == "supervisor":
+            continue  # a live supervisor is a run in progress
+        elif run_id in dead_runs and kind in ("rank", "launcher", "child"):
+            why = "its supervisor is gone"
+        elif kind == "rank" and _orphaned(pid):
+            why = "its launcher is gone (orphaned)"
+        elif kind == "rank" and _failed(info):
+            why = "it recorded a failure and is still running"
+        else:
+            continue
+        leftovers.append(Leftover(pid, what, why, info.get("start_time")))
+    return leftovers
+
+
+def _failed(info: dict) -> bool:
+    state = rank_runtime.read_rank_files(info.get("state_dir")) if info.get("state_dir") else {}
+    rank = info.get("rank")
+    entry = state.get(int(rank)) if rank is not None and str(rank).isdigit() else None
+    return bool(entry and entry.get("status") == "failed" and entry.get("pid") == info.get("pid"))
+
+
+def _name(pid: int, info: dict) -> str:
+    kind, rank = info.get("kind", "process"), info.get("rank")
+    label = f"rank {rank}" if kind == "rank" and rank is not None else kind
+    if kind == "child":
+        label = f"child process of pid {info['parent']} (rank {rank})"
+    run = f" of run {info['run_id']}" if info.get("run_id") else ""
+    command = registry.process_cmdline(pid) or info.get("cmdline", "")
+    return f"{label}{run} ({command[:100]})"
+
+
+def _stop(leftover: Leftover, grace: float) -> bool:
+    try:
+        os.kill(leftover.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return True
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        if not registry.process_alive(leftover.pid, leftover.start_time):
+            return True
+        time.sleep(0.05)
+    try:
+        os.kill(leftover.pid, signal.SIGKILL)  # also ends a stopped (SIGSTOP) process
+    except ProcessLookupError:
+        return True
+    time.sleep(0.1)
+    return not registry.process_alive(leftover.pid, leftover.start_time)
+
+
+def reset_distributed(stop_running: bool = False, clear_config: bool = False, grace: float = 3.0) -> list[str]:
+    """Stop leftover mlx-train processes, clear stale records (and the cluster configuration if asked).
+
+    Returns one line per action, naming each process stopped and each file removed.
+    """
+    lines = []
+    for leftover in find_leftovers(stop_running):
+        if not registry.process_alive(leftover.pid, leftover.start_time):
+            continue
+        stopped = _stop(leftover, grace)
+        state = "stopped" if stopped else "could not stop"
+        lines.append(f"{state} pid {leftover.pid}: {leftover.what}; {leftover.why}")
+    for entry in registry.entries():
+        if not entry["alive"]:
+            registry.unregister(Path(entry["path"]))
+            who = f"{entry.get('kind')} pid {entry.get('pid')}" + (f" of run {entry['run_id']}" if entry.get("run_id") else "")
+            lines.append(f"removed the stale record of {who} ({entry['path']})")
+    lines += _clear_config(clear_config)
+    if not lines:
+        lines.append("nothing to reset: no leftover mlx-train processes, no stale records")
+    return lines
+
+
+def _clear_config(clear: bool) -> list[str]:
+    from mlx_train.distributed.hostfile import Hostfile
+    from mlx_train.errors import MLXTrainError
+
+    path = cluster_path()
+    if not path.exists():
+        return []
+    if clear:
+        path.unlink()
+        return [f"removed the cluster configuration {path}"]
+    try:
+        Hostfile.read(path)
+        return []
+    except MLXTrainError as error:
+        backup = path.with_name(f"{path.name}.invalid-{time.strftime('%Y%m%d-%H%M%S')}")
+        shutil.move(str(path), backup)
+        return [f"moved the invalid cluster configuration {path} to {backup} ({error})"]

@@ -1,0 +1,415 @@
+"""The supervisor: launch a group with ``mlx.launch``, watch it, restart it from the last checkpoint.
+
+The group fails when a rank exits abnormally (``mlx.launch`` reports it, and then stops the
+others), when a rank records an error in its heartbeat file, or when a rank's heartbeat stops
+(a frozen process: nothing else would notice). The supervisor then stops the whole group within
+a bounded time (SIGTERM to the launcher's process group, SIGKILL after ``stop_grace`` seconds,
+and SIGKILL to any local rank still alive) and, up to ``max_restarts`` times, launches it again
+with ``MLX_TRAIN_RESUME=auto`` (and ``restart_args``) so that it continues from the newest
+complete checkpoint. Each restart is logged with its cause, on stderr and in
+``<run_dir>/distributed/restarts.jsonl``. A rank that fails with a configuration, data,
+checkpoint, device or memory error is not restarted: it would fail the same way.
+
+Example::
+
+    run = supervise([sys.executable, "train.py"], num_processes=2, run_dir="runs/a",
+                    checkpoint_dir="runs/a/checkpoints", max_restarts=3)
+    run.restarts        # [Restart(attempt=1, cause="rank 1 was killed by SIGKILL", ...)]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence, TextIO
+
+from mlx_train.distributed import rank as rank_runtime
+from mlx_train.distributed import registry
+from mlx_train.distributed.backends import choose_backend, passthrough_env
+from mlx_train.distributed.hostfile import Hostfile
+from mlx_train.distributed.launch import free_port_base, launcher_path
+from mlx_train.errors import ConfigError, DistributedError
+
+# Errors that a restart would hit again: not worth restarting for.
+FINAL_ERRORS = {"ConfigError", "UsageError", "DataError", "CheckpointError", "DeviceError", "OutOfMemoryError"}
+FINAL_EXIT_CODES = {2, 3, 4, 5, 6}
+_RANK_EXIT = re.compile(r"Node with rank (\d+) exited with code (-?\d+)")
+_RANK_KILLED = re.compile(r"Node with rank (\d+) was killed")
+_ERROR_LINE = re.compile(r"^(mlx-train: error: |[\w.]*Error: )")  # the CLI's one-line errors, a traceback's last line
+
+
+@dataclass
+class RecoveryPolicy:
+    """When to give up on a group and how many times to start it again.
+
+    ``heartbeat_timeout``: seconds without a heartbeat before a rank counts as hung (keep it
+    above the ranks' ``collective_timeout`` so that their own, more precise error comes first);
+    ``stop_grace``: seconds the launcher gets to stop the others itself before everything is
+    killed; ``startup_timeout``: seconds for every rank to report once the first has.
+    """
+
+    max_restarts: int = 3
+    heartbeat_timeout: float = 60.0
+    stop_grace: float = 3.0
+    startup_timeout: float = 120.0
+
+    @classmethod
+    def from_collective_timeout(cls, max_restarts: int, collective_timeout: float) -> RecoveryPolicy:
+        """A policy whose hang detection backs up ranks that use ``collective_timeout``."""
+        return cls(max_restarts=max_restarts, heartbeat_timeout=collective_timeout * 1.5 + 5.0,
+                   startup_timeout=max(120.0, collective_timeout))
+
+
+@dataclass(frozen=True)
+class Cause:
+    """Why an attempt failed. ``weight`` orders causes: 0 a root cause (a rank killed, hung or
+    failing on its own), 1 an error a rank reported because of another (a lost peer, a timed-out
+    collective), 2 what the launcher saw of such a consequence (exit code 7, SIGTERM)."""
+
+    text: str
+    weight: int = 0
+    final: bool = False
+
+
+@dataclass
+class Restart:
+    """One restart: its number, why, and the checkpoint it resumed from."""
+
+    attempt: int
+    cause: str
+    resume_from: str | None
+    time: float
+
+
+@dataclass
+class SupervisedRun:
+    """What a supervised run did: attempts made, restarts (with causes), wall time."""
+
+    run_dir: str
+    attempts: int = 0
+    restarts: list[Restart] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+class Supervisor:
+    """Runs ``command`` on every host of ``hostfile`` via ``mlx.launch`` and keeps the group alive.
+
+    ``command`` is the full command of one rank (``[sys.executable, "train.py", ...]``);
+    ``checkpoint_dir`` is only used to say which checkpoint a restart resumes from.
+    """
+
+    def __init__(self, command: Sequence[str], hostfile: Hostfile, run_dir: str | os.PathLike,
+                 policy: RecoveryPolicy | None = None, checkpoint_dir: str | None = None,
+                 restart_args: Sequence[str] = (), output: tuple[TextIO, TextIO] | None = None) -> None:
+        if not command:
+            raise ConfigError("the supervisor needs a command to run on every rank, e.g. [sys.executable, 'train.py']")
+        self.command = list(command)
+        self.hostfile = hostfile
+        self.run_dir = Path(run_dir)
+        self.state_dir = self.run_dir / "distributed"
+        self.policy = policy or RecoveryPolicy()
+        self.checkpoint_dir = checkpoint_dir
+        self.restart_args = list(restart_args)
+        self.out, self.err = output or (sys.stdout, sys.stderr)
+        self.backend = choose_backend(hostfile.backend, hostfile.has_rdma)
+        self.run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        self._events: queue.Queue = queue.Queue()
+        self._last_error: str | None = None  # the last error line the ranks printed
+        # One local process runs without mlx.launch (whose one-host MLX_HOSTFILE is empty, which
+        # mx.distributed.init() then fails to parse).
+        self._direct = hostfile.num_processes == 1 and hostfile.is_local
+
+    # ------------------------------------------------------------------ running
+    def run(self) -> SupervisedRun:
+        """Launch, watch, restart; returns when the group finished, raises ``DistributedError`` when it
+        cannot (restarts exhausted, or an error a restart would repeat)."""
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        entry = registry.register("supervisor", run_id=self.run_id, run_dir=str(self.run_dir),
+                                  ranks=self.hostfile.num_processes, backend=self.backend.name,
+                                  state_dir=str(self.state_dir))
+        result, start = SupervisedRun(str(self.run_dir)), time.monotonic()
+        n = self.hostfile.num_processes
+        where = "127.0.0.1" if self.hostfile.is_local else ", ".join(dict.fromkeys(h.ssh for h in self.hostfile.hosts))
+        self.log(f"launching {n} rank{'s' if n != 1 else ''} on {where} with mlx.launch, backend {self.backend}")
+        previous = _stop_on_sigterm()
+        try:
+            for attempt in range(self.policy.max_restarts + 1):
+                registry.update(entry, attempt=attempt, status="running")
+                result.attempts = attempt + 1
+                cause = self._attempt(attempt)
+                if cause is None:
+                    return result
+                if cause.final:
+                    raise DistributedError(f"{cause.text}; not restarting: a restart would fail the same way")
+                if attempt == self.policy.max_restarts:
+                    raise DistributedError(
+                        f"the group failed {attempt + 1} time{'s' if attempt else ''} and max_restarts "
+                        f"({self.policy.max_restarts}) is used up; last failure: {cause.text}. Rank logs: "
+                        f"{self.run_dir / 'logs'}; restarts: {self.state_dir / 'restarts.jsonl'}"
+                    )
+                result.restarts.append(self._record_restart(attempt + 1, cause))
+        finally:
+            result.seconds = time.monotonic() - start
+            registry.unregister(entry)
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+        return result
+
+    def _attempt(self, attempt: int) -> Cause | None:
+        for stale in self.state_dir.glob("rank-*.json"):
+            stale.unlink(missing_ok=True)
+        process = subprocess.Popen(self._argv(attempt), env=self._env(attempt), stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        readers = [threading.Thread(target=self._pump, args=(process.stdout, self.out, False), daemon=True),
+                   threading.Thread(target=self._pump, args=(process.stderr, self.err, True), daemon=True)]
+        for reader in readers:
+            reader.start()
+        causes: list[Cause] = []
+        try:
+            self._watch(process, causes)
+        finally:
+            self._kill_leftovers(process)
+            for reader in readers:
+                reader.join(timeout=5)
+            if self._direct and process.returncode:
+                self._events.put((0, process.returncode))
+            self._drain(causes, teardown=True)
+        return self._verdict(causes)
+
+    def _watch(self, process: subprocess.Popen, causes: list[Cause]) -> None:
+        policy, first_seen = self.policy, None
+        stop_at: float | None = None
+        while process.poll() is None:
+            now = time.monotonic()
+            self._drain(causes)
+            ranks = rank_runtime.read_rank_files(self.state_dir)
+            for rank, info in sorted(ranks.items()):
+                silent = time.time() - float(info.get("heartbeat_at", 0.0))
+                if info.get("status") == "running" and silent > policy.heartbeat_timeout:
+                    _add(causes, Cause(f"rank {rank} stopped responding (no heartbeat for {silent:.1f} s; pid "
+                                       f"{info.get('pid')} on {info.get('host')}, {info.get('step', 0)} steps done)"))
+                    stop_at = now  # a frozen rank: nothing will end the group by itself
+            if ranks and first_seen is None:
+                first_seen = now
+            if first_seen is not None and now - first_seen > policy.startup_timeout and self.hostfile.is_local:
+                late = [r for r in range(self.hostfile.num_processes) if r not in ranks]
+                if late:
+                    _add(causes, Cause(f"rank{'s' if len(late) > 1 else ''} {', '.join(map(str, late))} did not "
+                                       f"start within {policy.startup_timeout:g} s of rank {min(ranks)}"))
+                    stop_at = now
+            if causes and stop_at is None:
+                stop_at = now + policy.stop_grace  # the launcher stops the others itself; give it time
+                self.log(f"{_best(causes).text}; stopping the group")
+            if stop_at is not None and now >= stop_at:
+                self._stop(process)
+                return
+            time.sleep(0.2)
+
+    def _stop(self, process: subprocess.Popen) -> None:
+        """Stop the launcher and every local rank: SIGTERM, then SIGKILL after ``stop_grace`` seconds."""
+        registry.signal_group(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=self.policy.stop_grace)
+        except subprocess.TimeoutExpired:
+            pass
+        registry.signal_group(process.pid, signal.SIGKILL)  # also ends a frozen (SIGSTOP) rank
+        process.wait(timeout=10)
+
+    def _kill_leftovers(self, process: subprocess.Popen) -> None:
+        """Make sure no local process of this attempt survives it (bounded: a few seconds)."""
+        if process.poll() is None:
+            self._stop(process)
+        registry.signal_group(process.pid, signal.SIGKILL)  # members the launcher left behind, if any
+        pids = [process.pid]
+        for info in rank_runtime.read_rank_files(self.state_dir).values():
+            pid = info.get("pid")
+            if info.get("host") == socket.gethostname() and isinstance(pid, int) and registry.process_alive(pid) \
+                    and registry.process_environ(pid).get(rank_runtime.ENV_RUN_ID) == self.run_id:
+                pids.append(pid)
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline and (registry.group_alive(process.pid) or any(map(registry.process_alive, pids[1:]))):
+            time.sleep(0.05)
+        for entry in registry.entries():  # ranks killed before they could remove their entry
+            if entry.get("run_id") == self.run_id and entry.get("kind") == "rank" and not entry["alive"]:
+                registry.unregister(Path(entry["path"]))
+
+    # ------------------------------------------------------------------ evidence
+    def _pump(self, stream, sink: TextIO, parse: bool) -> None:
+        previous, repeats = None, 0
+        for raw in iter(stream.readline, b""):
+            line = raw.decode(errors="replace")
+            if line == previous:  # the ring backend repeats each socket error a dozen times
+                repeats += 1
+                continue
+            shown = f"  (previous line repeated {repeats} more times)\n{line}" if repeats else line
+            previous, repeats = line, 0
+            try:
+                sink.write(shown)
+                sink.flush()
+            except (OSError, ValueError):
+                pass
+            if parse and _ERROR_LINE.search(line):
+                self._last_error = line.strip()
+            if parse:
+                killed, exited = _RANK_KILLED.search(line), _RANK_EXIT.search(line)
+                if killed:
+                    self._events.put((int(killed[1]), None))
+                elif exited:
+                    self._events.put((int(exited[1]), int(exited[2])))
+        if repeats:
+            try:
+                sink.write(f"  (previous line repeated {repeats} more times)\n")
+            except (OSError, ValueError):
+                pass
+        stream.close()
+
+    def _drain(self, causes: list[Cause], teardown: bool = False) -> None:
+        while True:
+            try:
+                rank, code = self._events.get_nowait()
+            except queue.Empty:
+                break
+            cause = _exit_cause(rank, code, after_failure=bool(causes) or teardown)
+            if code and code > 0 and self._last_error:
+                final = cause.final or any(name in self._last_error for name in FINAL_ERRORS)
+                cause = Cause(f"{cause.text} after printing: {self._last_error}", cause.weight, final)
+            _add(causes, cause)
+        for rank, info in rank_runtime.read_rank_files(self.state_dir).items():
+            if info.get("status") == "failed":
+                _add(causes, self._failed(rank, info))
+
+    def _failed(self, rank: int, info: dict) -> Cause:
+        kind = info.get("error_type", "error")
+        return Cause(f"rank {rank} failed after step {info.get('step', 0)}: {kind}: {info.get('error')}",
+                     weight=1 if kind == "DistributedError" else 0, final=kind in FINAL_ERRORS)
+
+    def _verdict(self, causes: list[Cause]) -> Cause | None:
+        if causes:
+            return _best(causes)
+        unfinished = [r for r, info in rank_runtime.read_rank_files(self.state_dir).items()
+                      if info.get("status") == "running"]
+        if unfinished:
+            return Cause(f"rank {unfinished[0]} ended without finishing (its last heartbeat says running)")
+        return None
+
+    # ------------------------------------------------------------------ restarts
+    def _record_restart(self, attempt: int, cause: Cause) -> Restart:
+        resume_from = None
+        if self.checkpoint_dir:
+            from mlx_train.checkpoint import CheckpointManager
+
+            try:
+                latest = CheckpointManager(self.checkpoint_dir, keep_last=None, async_save=False).latest()
+                resume_from = latest.path if latest else None
+            except Exception:  # noqa: BLE001 - only used for the message
+                resume_from = None
+        restart = Restart(attempt, cause.text, resume_from, time.time())
+        source = f"checkpoint {resume_from}" if resume_from else (
+            "the last complete checkpoint" if not self.checkpoint_dir else "scratch (no complete checkpoint yet)")
+        self.log(f"restart {attempt} of {self.policy.max_restarts}: {cause.text}; resuming from {source}")
+        with open(self.state_dir / "restarts.jsonl", "a", encoding="utf-8") as file:
+            file.write(json.dumps({"attempt": attempt, "cause": cause.text, "resume_from": resume_from,
+                                   "time": restart.time, "run_id": self.run_id}) + "\n")
+        return restart
+
+    # ------------------------------------------------------------------ launching
+    def _argv(self, attempt: int) -> list[str]:
+        command = self.command + (self.restart_args if attempt > 0 else [])
+        if self._direct:
+            return command
+        hostfile_path = self.state_dir / "hostfile.json"
+        self.hostfile.write(hostfile_path, backend=self.backend.name)
+        ports = sum(max(1, len(h.ips)) for h in self.hostfile.hosts)
+        argv = [launcher_path(), "--hostfile", str(hostfile_path), "--backend", self.backend.name,
+                "--starting-port", str(free_port_base(ports) if self.hostfile.is_local else 32323 + 97 * attempt)]
+        for item in passthrough_env() + [f"{k}={v}" for k, v in self._run_env(attempt).items()]:
+            argv += ["--env", item]
+        return argv + ["--"] + command
+
+    def _run_env(self, attempt: int) -> dict[str, str]:
+        env = {rank_runtime.ENV_RUN_ID: self.run_id, rank_runtime.ENV_STATE_DIR: str(self.state_dir.resolve()),
+               rank_runtime.ENV_RUN_DIR: str(self.run_dir.resolve()), rank_runtime.ENV_ATTEMPT: str(attempt),
+               rank_runtime.ENV_BACKEND: self.backend.name}
+        if attempt > 0:
+            env[rank_runtime.ENV_RESUME] = "auto"
+        return env
+
+    def _env(self, attempt: int) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k != rank_runtime.ENV_RESUME}
+        env.update(self._run_env(attempt))
+        return env
+
+    def log(self, message: str) -> None:
+        """A supervisor message: on stderr and in ``<run_dir>/distributed/supervisor.log``."""
+        line = f"mlx-train: {message}"
+        try:
+            print(line, file=self.err, flush=True)
+        except (OSError, ValueError):
+            pass
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.state_dir / "supervisor.log", "a", encoding="utf-8") as file:
+            file.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {message}\n")
+
+
+def _stop_on_sigterm():
+    """Make SIGTERM end the supervisor through its cleanup (which stops the group); returns the old handler."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    return signal.signal(signal.SIGTERM, stop)
+
+
+def _exit_cause(rank: int, code: int | None, after_failure: bool) -> Cause:
+    if code is None:
+        return Cause(f"rank {rank} was stopped by the launcher", weight=2)
+    if code < 0:
+        name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else f"signal {-code}"
+        # SIGTERM after another failure is the launcher stopping the group: a consequence.
+        return Cause(f"rank {rank} was killed by {name}", weight=2 if after_failure and -code == signal.SIGTERM else 0)
+    if code == DistributedError.exit_code:
+        return Cause(f"rank {rank} exited with a DistributedError (exit code {code})", weight=2)
+    return Cause(f"rank {rank} exited with code {code}", final=code in FINAL_EXIT_CODES)
+
+
+def _add(causes: list[Cause], cause: Cause) -> None:
+    if cause.text not in {c.text for c in causes}:
+        causes.append(cause)
+
+
+def _best(causes: list[Cause]) -> Cause:
+    """A final cause if there is one, else the first of the lowest weight."""
+    finals = [c for c in causes if c.final]
+    return finals[0] if finals else min(causes, key=lambda c: c.weight)
+
+
+def supervise(command: Sequence[str], num_processes: int | None = None, hostfile: Hostfile | str | None = None,
+              run_dir: str | os.PathLike = "runs/distributed", policy: RecoveryPolicy | None = None,
+              checkpoint_dir: str | None = None, output: tuple[TextIO, TextIO] | None = None) -> SupervisedRun:
+    """Run ``command`` under a ``Supervisor``: on ``hostfile`` (a path or ``Hostfile``), or
+    ``num_processes`` ranks on 127.0.0.1.
+
+    Example: ``supervise([sys.executable, "train.py"], num_processes=2, run_dir="runs/a")``
+    """
+    if isinstance(hostfile, (str, os.PathLike)):
+        hostfile = Hostfile.read(hostfile)
+    if hostfile is None:
+        hostfile = Hostfile.local(num_processes or 2)
+    return Supervisor(command, hostfile, run_dir, policy, checkpoint_dir, output=output).run()
+
