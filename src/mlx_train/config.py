@@ -33,6 +33,7 @@ from typing import Any, Mapping, NamedTuple
 
 import yaml
 
+from mlx_train.distributed.backends import CHOICES as BACKEND_CHOICES
 from mlx_train.errors import ConfigError, did_you_mean
 from mlx_train.optim import OPTIMIZERS, SCHEDULES
 
@@ -131,6 +132,17 @@ class TrainConfig:
     max_grad_norm: float | None = _field(None, "Clip gradients to this global L2 norm (null: no clipping).")
     seed: int = _field(0, "Seed of parameter initialisation, dropout and data order.")
     compile: bool = _field(True, "Compile the training step with mx.compile (false: easier debugging).")
+    gradient_checkpointing: bool = _field(False, "Recompute the activations of repeated blocks in the backward "
+                                                 "pass (mx.checkpoint): less memory, about a third more "
+                                                 "compute; which blocks: checkpoint_modules.")
+    checkpoint_modules: list = _field([], "Blocks gradient_checkpointing recomputes: dotted paths to a module "
+                                          "or a list of modules, e.g. ['encoder.layers'] (empty: model.layers).")
+    memory_limit: int | None = _field(None, "Memory budget per device, bytes or a size like '8GB': a step whose "
+                                            "peak memory goes over it counts as out of memory (null: no budget; "
+                                            "DeviceConfig(memory_limit=...) also sets one).")
+    oom_recovery: bool = _field(True, "On out of memory, retry the step with half the micro-batch and twice "
+                                      "the accumulation (same effective batch), then with gradient "
+                                      "checkpointing, before failing with advice.")
     report_every: str = _field("10 steps", "How often to log training metrics: 'N steps' or 'N epochs' "
                                            "(a bare number means steps).")
     eval_every: str = _field("1 epoch", "How often to run validation: 'N steps' or 'N epochs'.")
@@ -155,6 +167,21 @@ class TrainConfig:
                                    "(keeps one batch shape for the compiled step).")
     eval_batch_size: int | None = _field(None, "Batch size for validation and evaluation "
                                                "(null: batch_size).")
+    distributed_backend: str = _field("auto", "Backend of a multi-process run (mlx.core.distributed): ring "
+                                              "(TCP, every MLX build), mpi, jaccl (Thunderbolt 5 RDMA), nccl "
+                                              "(CUDA); auto picks the best the installed MLX has.",
+                                      choices=BACKEND_CHOICES)
+    max_restarts: int = _field(3, "Times the supervisor of a distributed run restarts the whole group from "
+                                  "the last complete checkpoint after a rank dies or hangs (0: never).")
+    collective_timeout: float = _field(300.0, "Seconds a rank may wait in a collective (gradient all-reduce, "
+                                              "metric reduction) before the run ends with DistributedError "
+                                              "naming the missing rank.")
+    checksum_every: int | None = _field(None, "Every N optimizer steps the ranks of a distributed run compare "
+                                              "a checksum of their parameters (null: never).")
+    checksum_action: str = _field("raise", "What a parameter-checksum mismatch does: raise (DistributedError "
+                                           "naming the ranks), warn, or broadcast (copy rank 0's parameters "
+                                           "and optimizer state to every rank and go on).",
+                                  choices=("raise", "warn", "broadcast"))
     run_dir: str | None = _field(None, "Directory for this run's metrics.jsonl and logs (null: the Trainer "
                                        "writes none).")
     checkpoint_dir: str | None = _field(None, "Directory or fsspec URL (s3://, gs://) for checkpoints (null: "
@@ -273,14 +300,16 @@ _FIELDS: dict[str, tuple[str, bool]] = {f.name: (str(f.type).split("|")[0].strip
 _EXPECTED = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string",
              "list": "a list", "dict": "a mapping"}
 _CADENCES = {"report_every", "eval_every", "checkpoint_every"}
+_SIZES = {"memory_limit"}  # bytes, or a size like "8GB"
 _PRECISIONS = {"fp32": "float32", "f32": "float32", "bf16": "bfloat16", "fp16": "float16",
                "f16": "float16", "half": "float16"}
 _CHOICES = {name: choices for name, (_, _, _, choices) in TrainConfig.fields_help().items() if choices}
 _AT_LEAST_1 = {"epochs", "max_steps", "batch_size", "gradient_accumulation", "loss_scale_window",
-               "eval_batch_size"}
+               "eval_batch_size", "checksum_every", "memory_limit"}
 _AT_LEAST_0 = {"warmup_steps", "keep_last", "keep_best", "early_stopping_patience", "num_workers", "seed",
-               "learning_rate", "warmup_init", "epsilon", "weight_decay", "early_stopping_min_delta"}
-_ABOVE_0 = {"loss_scale", "max_grad_norm"}
+               "learning_rate", "warmup_init", "epsilon", "weight_decay", "early_stopping_min_delta",
+               "max_restarts"}
+_ABOVE_0 = {"loss_scale", "max_grad_norm", "collective_timeout"}
 _BELOW_1 = {"beta1", "beta2", "momentum"}  # and >= 0
 _NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
 
@@ -296,6 +325,15 @@ def _number(value: Any) -> float | None:
     return None
 
 
+def _size(value: Any) -> int:
+    from mlx_train.device import parse_bytes
+
+    try:
+        return parse_bytes(value)
+    except ConfigError:
+        raise _Invalid(f"must be a number of bytes or a size like '8GB' or '512MiB', got {value!r}") from None
+
+
 def _convert(name: str, value: Any) -> Any:
     """Check and normalise one field value; raises ``_Invalid`` saying what is wrong."""
     kind, optional = _FIELDS[name]
@@ -307,6 +345,8 @@ def _convert(name: str, value: Any) -> Any:
     expected = _EXPECTED[kind] + (" or null" if optional else "")
     if name in _CADENCES:
         return str(_parse_every(value))
+    if name in _SIZES:
+        value = _size(value)
     if kind == "bool" and not isinstance(value, bool):
         raise _Invalid(f"must be {expected}, {got}")
     if kind in ("int", "float"):

@@ -25,6 +25,13 @@ from mlx_train.errors import ConfigError, MLXTrainError, did_you_mean
 COMMANDS: dict[str, str] = {
     "train": "mlx_train.cli.train",
     "evaluate": "mlx_train.cli.evaluate",
+    "monitor": "mlx_train.cli.monitor",
+    "plot": "mlx_train.cli.plot",
+    "status": "mlx_train.cli.status",
+    "configure": "mlx_train.cli.configure",
+    "check-network": "mlx_train.cli.check_network",
+    "reset-distributed": "mlx_train.cli.reset_distributed",
+    "optimize": "mlx_train.cli.optimize",
 }
 
 

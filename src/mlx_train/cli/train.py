@@ -44,6 +44,7 @@ FLAGS: dict[str, str] = {
     "--model": "model",
     "--dataset": "dataset",
     "--run-dir": "run_dir",
+    "--max-restarts": "max_restarts",
 }
 
 
@@ -96,6 +97,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="set any TrainConfig field, e.g. --set weight_decay=0.1, --set lr_schedule=cosine_decay, "
         "--set model_options.hidden_dims=[512,512]; repeatable; the dedicated flags win",
     )
+    parser.add_argument(
+        "--optimize-memory", action="store_true",
+        help="measure the model first and train with the plan of 'mlx-train optimize': the micro-batch, "
+        "accumulation and gradient checkpointing that reach batch_size x gradient_accumulation within "
+        "the device memory (or memory_limit); with --batch-size N the micro-batch stays N",
+    )
+    from mlx_train.distributed.launch import add_train_arguments
+
+    add_train_arguments(parser)  # --distributed, -n, --hostfile
 
 
 def _apply(config: Any, origin: str, changes: dict[str, Any]) -> Any:
@@ -193,9 +203,11 @@ def run(config: Any, resume: str | None = None, log: Callable[[str], None] = pri
 
     from mlx_train.datasets import load_dataset
     from mlx_train.models import build_model
+    from mlx_train.distributed.launch import is_main_process, trainer_class
     from mlx_train.optim import build_optimizer
-    from mlx_train.training import Trainer
 
+    if not is_main_process():  # a rank of a distributed run: rank 0 speaks for the group
+        log = lambda message: None  # noqa: E731
     run_dir = resolve_run_dir(config, resume)
     checkpoint_dir = config.checkpoint_dir or str(run_dir / "checkpoints")
     config = config.replace(run_dir=str(run_dir), checkpoint_dir=checkpoint_dir)
@@ -204,10 +216,11 @@ def run(config: Any, resume: str | None = None, log: Callable[[str], None] = pri
     model = build_model(config.model, data["info"], **config.model_options)
     log(startup_line())  # after the cheap checks of the names above, so that a typo gives one message
     run_dir.mkdir(parents=True, exist_ok=True)
-    config.to_yaml(str(run_dir / "config.yaml"))
+    if is_main_process():
+        config.to_yaml(str(run_dir / "config.yaml"))
     log(f"model {config.model} on dataset {config.dataset}; run directory {run_dir}")
 
-    trainer = Trainer(model, build_optimizer(config), config=config)
+    trainer = trainer_class()(model, build_optimizer(config), config=config)
     history = trainer.train(
         data["train"], data["val"], epochs=config.epochs, checkpoint_dir=checkpoint_dir, resume=resume
     )
@@ -219,6 +232,14 @@ def run(config: Any, resume: str | None = None, log: Callable[[str], None] = pri
 def main(args: argparse.Namespace) -> int:
     """Run ``mlx-train train`` from parsed arguments."""
     config = build_config(args)
+    if args.optimize_memory:
+        from mlx_train.cli.optimize import optimized_config
+
+        config = optimized_config(config, batch_size=args.batch_size)
+    if args.distributed:
+        from mlx_train.distributed.launch import train_distributed
+
+        return train_distributed(args, config)
     config = config.replace(run_dir=str(resolve_run_dir(config, args.resume)))
     try:
         run(config, resume=args.resume)

@@ -8,8 +8,10 @@ Example::
 from mlx_train.data import DataLoader
 from mlx_train.training.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from mlx_train.training.distributed import DistributedTrainer
+from mlx_train.training.heartbeat import Heartbeat
 from mlx_train.training.loggers import MetricsLogger, ProgressBar
 from mlx_train.training.losses import CrossEntropyLoss
+from mlx_train.training.tensorboard import TensorBoardLogger
 from mlx_train.training.trainer import Trainer
 
 __all__ = [
@@ -18,8 +20,10 @@ __all__ = [
     "DataLoader",
     "DistributedTrainer",
     "EarlyStopping",
+    "Heartbeat",
     "MetricsLogger",
     "ModelCheckpoint",
     "ProgressBar",
+    "TensorBoardLogger",
     "Trainer",
 ]

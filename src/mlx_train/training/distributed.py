@@ -1,6 +1,7 @@
-"""Data-parallel training over ``mlx.core.distributed``.
+"""Multi-process training over ``mlx.core.distributed``: data parallel, or FSDP where the backend allows.
 
-Example (run with ``mlx.launch -n 2 python train.py``)::
+Example (run with ``mlx.launch -n 2 python train.py``, or under the supervisor with
+``mlx-train train --distributed -n 2``)::
 
     trainer = DistributedTrainer(model=model, optimizer=optimizer, device_config=hw_config,
                                  strategy="data_parallel")
@@ -9,26 +10,85 @@ Example (run with ``mlx.launch -n 2 python train.py``)::
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import itertools
+import os
+from contextlib import nullcontext
+from typing import Any, Callable, ContextManager
 
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
+from mlx.utils import tree_flatten, tree_unflatten
 
 from mlx_train.config import TrainConfig
-from mlx_train.errors import ConfigError, did_you_mean
+from mlx_train.distributed import rank as rank_runtime
+from mlx_train.distributed.backends import STRATEGIES, active_backend, check_strategy
+from mlx_train.errors import ConfigError, DistributedError
+from mlx_train.training.step import Steps
 from mlx_train.training.trainer import Trainer
 
-STRATEGIES = ("data_parallel",)
+__all__ = ["DistributedTrainer", "STRATEGIES"]
+
+FUSE_BYTES = 32 * 2**20  # nn.average_gradients' bucket size: larger gradients keep its bucketing
+_TRANSPORT_ERRORS = ("[ring]", "[mpi]", "[nccl]", "[jaccl]", "connection to a peer")
+
+
+class DistributedSteps(Steps):
+    """Steps whose gradient all-reduce is watched (the rank's monitor times the wait) and, for
+    gradients up to ``FUSE_BYTES``, done in one collective with the item count that weights them."""
+
+    monitor: Any = None
+
+    def _reduce_gradients(self, grads: Any, n_total: mx.array | None):
+        flat = tree_flatten(grads)
+        dtypes = {g.dtype for _, g in flat}
+        size = sum(g.nbytes for _, g in flat)
+        if self.world_size == 1 or n_total is None or len(dtypes) != 1 or size > FUSE_BYTES:
+            return super()._reduce_gradients(grads, n_total)
+        # One all_sum instead of two: the ring's latency, not its bandwidth, bounds small models.
+        dtype = dtypes.pop()
+        joined = mx.concatenate([g.reshape(-1) for _, g in flat] + [n_total.reshape(1).astype(dtype)])
+        joined = mx.distributed.all_sum(joined, group=self.group) / self.world_size
+        parts = mx.split(joined, list(itertools.accumulate(g.size for _, g in flat)))
+        averaged = [(k, part.reshape(g.shape)) for (k, g), part in zip(flat, parts)]
+        return tree_unflatten(averaged), parts[-1].reshape(()).astype(n_total.dtype)
+
+    def micro(self, batch: Any, grads: Any, metrics: dict, update: bool, single: bool = False):
+        if update and self.monitor is not None:
+            self.monitor.arm("gradient all-reduce")  # disarmed by the monitor's on_batch_end
+        return super().micro(batch, grads, metrics, update, single)
+
+
+class ShardedSteps(DistributedSteps):
+    """FSDP steps: ``nn.fully_shard`` already reduce-scatters (and averages) each rank's gradient shard."""
+
+    def _reduce_gradients(self, grads: Any, n_total: mx.array | None):
+        if n_total is not None:
+            n_total = mx.distributed.all_sum(n_total, group=self.group) / self.world_size
+        return grads, n_total
+
+    def _clip_gradients(self, grads: Any):
+        if self.max_grad_norm is not None:
+            return nn.utils.clip_grad_norm_sharded(grads, self.max_grad_norm, group=self.group)
+        squares = sum(mx.sum(mx.square(g)) for _, g in tree_flatten(grads))
+        return grads, mx.sqrt(mx.distributed.all_sum(squares, group=self.group))
 
 
 class DistributedTrainer(Trainer):
     """A Trainer whose processes each train on their slice of every global batch.
 
-    Gradients are averaged across ranks inside the compiled step; metrics are summed across
-    ranks at report time; only rank 0 prints and writes checkpoints and metrics. With one
-    process it trains exactly like ``Trainer``. ``batch_size`` is per process: the global batch is
-    ``world_size * batch_size * gradient_accumulation``.
+    ``strategy="data_parallel"``: every rank holds the whole model; gradients are averaged
+    across ranks inside the compiled step. ``strategy="fsdp"``: MLX's ``nn.fully_shard`` keeps a
+    shard of the parameters and optimizer state per rank (NCCL or JACCL; the ring backend cannot
+    run it and is refused with an error). Metrics are summed across ranks at report time; only
+    rank 0 prints and writes checkpoints and metrics. ``batch_size`` is per process: the global
+    batch is ``world_size * batch_size * gradient_accumulation`` (``distributed_config=`` sets
+    these from a ``DistributedConfig``). With one process it trains exactly like ``Trainer``.
+
+    Each rank keeps a heartbeat file (under the supervisor, or in ``run_dir/distributed``); a
+    collective that waits more than ``collective_timeout`` seconds ends the run with a
+    ``DistributedError`` naming the missing rank. ``checksum_every=K`` compares the ranks'
+    parameters every K steps (``checksum_action`` says what a mismatch does).
     """
 
     def __init__(
@@ -39,13 +99,154 @@ class DistributedTrainer(Trainer):
         device_config: Any = None,
         strategy: str = "data_parallel",
         config: TrainConfig | None = None,
+        distributed_config: Any = None,
         **overrides: Any,
     ) -> None:
-        if strategy not in STRATEGIES:
-            raise ConfigError(
-                f"unknown distributed strategy '{strategy}'{did_you_mean(strategy, STRATEGIES)}; "
-                f"available: {', '.join(STRATEGIES)}"
-            )
+        if distributed_config is not None:
+            overrides = {**distributed_config.train_overrides(), **overrides}
         super().__init__(model, optimizer, loss_fn, device_config, config=config, **overrides)
+        self.group = _init_group(self.config.distributed_backend)
+        world = self.group.size()
+        self.backend = active_backend(world_size=world)
+        check_strategy(strategy, self.backend, world)
+        if distributed_config is not None:
+            distributed_config.check_world_size(world)
         self.strategy = strategy
-        self.group = mx.distributed.init()
+        self.steps_class = ShardedSteps if strategy == "fsdp" and world > 1 else DistributedSteps
+        self.monitor = self._make_monitor()
+        if world > 1:  # every rank starts from rank 0's weights (before fsdp shards them)
+            from mlx_train.distributed.checksum import broadcast_from_rank0
+
+            with self.collective("start-up broadcast of rank 0's parameters"):
+                model.update(broadcast_from_rank0(model.parameters(), self.group))
+                mx.eval(model.parameters())
+        if strategy == "fsdp":
+            self.model = nn.fully_shard(model, group=self.group)  # the model itself when alone
+
+    # -- public helpers -----------------------------------------------------------------
+
+    @property
+    def world_size(self) -> int:
+        return self.group.size()
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank()
+
+    def collective(self, what: str) -> ContextManager:
+        """Guard a blocking collective with the rank's watchdog (``with trainer.collective("..."):``)."""
+        return self.monitor.collective(what) if self.monitor is not None else nullcontext()
+
+    def train(self, train_dataset: Any = None, val_dataset: Any = None, epochs: int | None = None,
+              checkpoint_dir: str | None = None, callbacks: list | None = None, resume: str | None = None) -> dict:
+        """``Trainer.train``; after a supervised restart it resumes from the last complete checkpoint."""
+        if resume is None and (checkpoint_dir or self.config.checkpoint_dir):
+            resume = rank_runtime.restart_resume()
+        return super().train(train_dataset, val_dataset, epochs, checkpoint_dir, callbacks, resume)
+
+    def evaluate(self, dataset: Any) -> dict[str, float]:
+        try:
+            return super().evaluate(dataset)
+        except RuntimeError as error:
+            self._raise_transport_error(error)
+            raise
+
+    # -- hooks into the Trainer ---------------------------------------------------------
+
+    def _run(self, loader, val_loader, epochs, checkpoint_dir, callbacks, resume) -> dict:
+        if self.steps_class is ShardedSteps and (checkpoint_dir or self.config.checkpoint_dir):
+            raise ConfigError(
+                "checkpoints of strategy 'fsdp' runs are not supported yet: each rank holds only a shard of the "
+                "parameters and optimizer state, and a checkpoint must hold them whole. Train without "
+                "checkpoint_dir, or use strategy='data_parallel' (which resumes on any number of ranks)"
+            )
+        try:
+            return super()._run(loader, val_loader, epochs, checkpoint_dir, callbacks, resume)
+        except RuntimeError as error:
+            self._raise_transport_error(error)
+            raise
+
+    def _build(self) -> None:
+        if self._steps is not None:
+            return
+        super()._build()
+        self._steps.monitor = self.monitor if self.world_size > 1 else None
+        if self.world_size > 1 and self.steps_class is DistributedSteps:
+            from mlx_train.distributed.comm import estimate_step_comm_seconds
+
+            with self.collective("start-up timing of the gradient all-reduce"):
+                self.comm_seconds = estimate_step_comm_seconds(self.model, self.group)  # reports show time_comm
+
+    def _reduce(self, values: dict[str, mx.array]) -> dict[str, mx.array]:
+        if self.world_size == 1:
+            return values
+        with self.collective("metric reduction"):
+            reduced = super()._reduce(values)
+            mx.eval(reduced)
+        return reduced
+
+    def _save(self, checkpoints, loader, callbacks, clock) -> None:
+        # Rank 0 saves the running metrics summed over ranks (the others hold zeros), so that a
+        # checkpoint resumes on any number of ranks with the same reported loss.
+        if self.world_size > 1 and self._metrics:
+            sums = {k: v for k, v in self._metrics.items() if k in ("loss_sum", "items")}
+            total = self._reduce(sums)
+            self._metrics = {**self._metrics, **(total if self.is_main else
+                                                 {k: mx.zeros_like(v) for k, v in total.items()})}
+        super()._save(checkpoints, loader, callbacks, clock)
+
+    def _default_callbacks(self) -> list:
+        callbacks = super()._default_callbacks()
+        if self.monitor is not None:
+            callbacks.append(self.monitor)
+        if self.config.checksum_every and self.world_size > 1:
+            from mlx_train.distributed.checksum import ParameterChecksum
+
+            callbacks.append(ParameterChecksum(self.config.checksum_every, self.config.checksum_action))
+        return callbacks
+
+    # -- pieces -------------------------------------------------------------------------
+
+    def _make_monitor(self):
+        """The rank's heartbeat file and watchdog (None for a lone process outside the supervisor)."""
+        supervised = rank_runtime.supervised()
+        if self.world_size == 1 and not supervised:
+            return None
+        directory = os.environ.get(rank_runtime.ENV_STATE_DIR) or (
+            os.path.join(self.config.run_dir, "distributed") if self.config.run_dir else None)
+        log_dir = os.environ.get(rank_runtime.ENV_RUN_DIR) or self.config.run_dir
+        if log_dir:  # each rank's own log: <run_dir>/logs/rank-<r>.log
+            rank_runtime.tee_output(log_dir, self.rank)
+        monitor = rank_runtime.RankMonitor(self.rank, self.world_size, directory, self.config.collective_timeout)
+        monitor.zero_rank_metrics = lambda: setattr(
+            self, "_metrics", {k: (mx.zeros_like(v) if k in ("loss_sum", "items") else v)
+                               for k, v in self._metrics.items()})
+        return monitor.start()
+
+    def _raise_transport_error(self, error: RuntimeError) -> None:
+        """Re-raise the backend's "connection lost" error as a DistributedError naming the peer."""
+        if not any(marker in str(error) for marker in _TRANSPORT_ERRORS):
+            return
+        if self.monitor is None:
+            raise DistributedError(f"the distributed group failed: {error}") from error
+        converted = self.monitor.lost_peer_error(error)
+        self.monitor.record_failure(converted)
+        raise converted from error
+
+
+def _init_group(backend: str):
+    """``mx.distributed.init`` on the configured backend (or the one the launcher set up)."""
+    hostfile = os.environ.get("MLX_HOSTFILE")
+    if hostfile and os.path.isfile(hostfile) and os.path.getsize(hostfile) <= 1:
+        # mlx.launch with one host writes an empty host file, which the ring backend cannot
+        # parse: that is a group of one, which needs no backend at all.
+        os.environ.pop("MLX_HOSTFILE")
+        os.environ.pop(rank_runtime.ENV_BACKEND, None)
+    name = backend if backend != "auto" else (active_backend() or "any")
+    try:
+        return mx.distributed.init(backend=name)
+    except RuntimeError as error:
+        raise DistributedError(
+            f"could not join the distributed group on the {name} backend: {error}. Launch the processes with "
+            "mlx.launch (mlx-train train --distributed -n N) or check the host file with mlx-train check-network"
+        ) from error

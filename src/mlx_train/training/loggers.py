@@ -101,7 +101,8 @@ class ProgressBar(Callback):
 
 
 class MetricsLogger(Callback):
-    """Appends every report, validation and epoch summary to ``metrics.jsonl`` and ``metrics.csv``.
+    """Appends every report, validation and epoch summary to ``metrics.jsonl`` and ``metrics.csv``
+    (and writes the Trainer's config to ``config.yaml`` when training starts).
 
     Each line of ``metrics.jsonl`` is one JSON object with ``"kind"`` (``train``, ``val`` or
     ``epoch``), ``step``, ``epoch``, ``time`` and the metrics. ``metrics.csv`` has the same rows
@@ -121,6 +122,9 @@ class MetricsLogger(Callback):
 
     def on_fit_start(self, trainer) -> None:
         os.makedirs(self.run_dir, exist_ok=True)
+        config = getattr(trainer, "config", None)
+        if config is not None:  # the config this run actually uses, for the monitor and for people
+            config.to_yaml(os.path.join(self.run_dir, "config.yaml"))
         if trainer.step == 0:
             for path in (self.jsonl_path, self.csv_path):
                 if os.path.exists(path):

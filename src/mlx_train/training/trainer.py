@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any, Callable, Iterable
 
@@ -14,9 +15,12 @@ from mlx_train.data import DataLoader
 from mlx_train.errors import ConfigError
 from mlx_train.training import state as train_state
 from mlx_train.training.callbacks import CallbackList, EarlyStopping, ModelCheckpoint
+from mlx_train.training.heartbeat import Heartbeat
 from mlx_train.training.loggers import MetricsLogger, ProgressBar
 from mlx_train.training.losses import Loss, batch_size_of
-from mlx_train.training.step import Steps, make_step_runner
+from mlx_train.training.oom import MemoryGuard, out_of_memory
+from mlx_train.training.recompute import enable_gradient_checkpointing
+from mlx_train.training.step import Steps
 
 
 class Trainer:
@@ -33,6 +37,9 @@ class Trainer:
                                 checkpoint_dir="checkpoints")
         metrics = trainer.evaluate((tx, ty))      # {"loss": ..., "accuracy": ...}
     """
+
+    #: Builds the compiled steps; DistributedTrainer uses one that also reduces gradients its way.
+    steps_class: type = Steps
 
     def __init__(
         self,
@@ -68,6 +75,12 @@ class Trainer:
         self._seeded = False
         self._loaders: tuple | None = None
         self._saved_step: int | None = None
+        # Seconds of gradient communication per optimizer step. It happens inside the compiled
+        # step, so it cannot be timed apart: distributed code sets an estimate here, and reports
+        # show it as time_comm, taken out of time_compute (0 on one process).
+        self.comm_seconds: float = 0.0
+        # Runs the steps and recovers from out-of-memory; keeps the micro-batch it settled on.
+        self.memory_guard: MemoryGuard | None = None
 
     # -- public API ---------------------------------------------------------------------
 
@@ -140,9 +153,14 @@ class Trainer:
         return self.group is None or self.group.rank() == 0
 
     def log(self, message: str) -> None:
-        """Print a message from the training run (rank 0 only when distributed)."""
+        """Print a message from the training run (rank 0 only when distributed); with a
+        ``run_dir``, also append it to ``RUN_DIR/train.log``."""
         if self.is_main:
             print(message, flush=True)
+            if self.config.run_dir:
+                os.makedirs(self.config.run_dir, exist_ok=True)
+                with open(os.path.join(self.config.run_dir, "train.log"), "a") as log_file:
+                    log_file.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {message}\n")
 
     # -- the loop -----------------------------------------------------------------------
 
@@ -163,7 +181,7 @@ class Trainer:
         elif not self._seeded:
             mx.random.seed(cfg.seed)
         self._seeded = True
-        run_step = make_step_runner(self._steps, self._accumulation(loader))
+        run_step = self.memory_guard = MemoryGuard(self, self._accumulation(loader), previous=self.memory_guard)
         report, evaluate, save = parse_every(cfg.report_every), parse_every(cfg.eval_every), parse_every(cfg.checkpoint_every)
         self.total_steps = _total_steps(loader, epochs, cfg.max_steps)
         # Step cadences as plain ints: the loop body stays cheap (0 = not by steps).
@@ -176,7 +194,7 @@ class Trainer:
                 self.epoch = self._epoch_of(loader)
                 self._metrics = self._metrics or self._steps.zero_metrics()
                 callbacks.call("on_epoch_start", self, self.epoch)
-                for batch in loader:
+                for batch in clock.timed(loader):
                     self._metrics = run_step(batch, self._metrics)
                     self.step += 1
                     clock.count(batch)
@@ -238,7 +256,7 @@ class Trainer:
         arrays, saved = train_state.capture(self, loader, callbacks)
         path = checkpoints.save(self.step, arrays, saved, metrics=self._last_val)
         callbacks.call("on_checkpoint", self, path)
-        clock.resume()
+        clock.resume(checkpoint=True)
 
     # -- pieces -------------------------------------------------------------------------
 
@@ -246,10 +264,13 @@ class Trainer:
         if self._steps is not None:
             return
         cfg = self.config
+        if cfg.gradient_checkpointing:  # before compiling: the trace goes through the checkpointed blocks
+            enable_gradient_checkpointing(self.model, cfg.checkpoint_modules)
         self.optimizer.init(self.model.trainable_parameters())
-        self._steps = Steps(self.model, self.optimizer, self.loss, precision=cfg.precision,
-                            max_grad_norm=cfg.max_grad_norm, loss_scale=cfg.loss_scale,
-                            loss_scale_window=cfg.loss_scale_window, compile=cfg.compile, group=self.group)
+        self._steps = self.steps_class(self.model, self.optimizer, self.loss, precision=cfg.precision,
+                                       max_grad_norm=cfg.max_grad_norm, loss_scale=cfg.loss_scale,
+                                       loss_scale_window=cfg.loss_scale_window, compile=cfg.compile,
+                                       group=self.group)
 
     def _accumulation(self, loader) -> int:
         return self.config.gradient_accumulation
@@ -279,9 +300,10 @@ class Trainer:
         metrics = {"loss_sum": mx.array(0.0), "items": mx.array(0.0)}
         self.model.eval()
         try:
-            for batch in loader:
-                metrics = self._steps.evaluate(batch, metrics)
-                mx.eval(metrics)
+            with out_of_memory("evaluation", "set a smaller eval_batch_size"):
+                for batch in loader:
+                    metrics = self._steps.evaluate(batch, metrics)
+                    mx.eval(metrics)
         finally:
             self.model.train()
         values = {k: float(v.item()) for k, v in self._reduce(metrics).items()}
@@ -309,6 +331,8 @@ class Trainer:
         callbacks: list = [ProgressBar()] if self.is_main else []
         if cfg.run_dir and self.is_main:
             callbacks.append(MetricsLogger(cfg.run_dir))
+        if cfg.run_dir:  # every rank: the monitor shows each one's progress and memory
+            callbacks.append(Heartbeat(cfg.run_dir))
         if cfg.early_stopping_patience is not None:
             callbacks.append(EarlyStopping(monitor=cfg.monitor, patience=cfg.early_stopping_patience,
                                            min_delta=cfg.early_stopping_min_delta, mode=cfg.monitor_mode))
@@ -368,7 +392,12 @@ def _mode_for(monitor: str, mode: str) -> str:
 
 
 class _Clock:
-    """Counts samples/tokens and train time (excluding validation and saving) between reports."""
+    """Counts samples/tokens and train time (excluding validation and saving) between reports.
+
+    It also splits the step time: waiting for the loader (``timed``), the step itself (from a
+    batch's arrival to ``count``) and checkpoint saves (``resume(checkpoint=True)``). Validation
+    is left out of all of them.
+    """
 
     def __init__(self, trainer: Trainer) -> None:
         self.trainer = trainer
@@ -378,17 +407,46 @@ class _Clock:
         self.pending_steps = 0
         self.trained_samples = 0
         self.last_loss_sum, self.last_items = 0.0, 0.0
+        if trainer._metrics:  # resumed (or continued) mid-epoch: the running sums hold earlier steps
+            self.last_loss_sum, self.last_items = self._totals()
+        self.data_seconds = self.step_seconds = self.checkpoint_seconds = 0.0
+        self._fetched = self.start
         mx.reset_peak_memory()
 
+    def _totals(self) -> tuple[float, float]:
+        """The epoch's running loss sum and item count, summed over ranks."""
+        t = self.trainer
+        totals = t._reduce({"loss_sum": t._metrics["loss_sum"], "items": t._metrics["items"]})
+        return float(totals["loss_sum"].item()), float(totals["items"].item())
+
+    def timed(self, loader: Iterable) -> Iterable:
+        """Iterate ``loader``, adding the time spent waiting for each batch to ``data_seconds``."""
+        start = time.perf_counter()
+        iterator = iter(loader)
+        while True:
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                self.data_seconds += time.perf_counter() - start
+                return
+            self._fetched = time.perf_counter()
+            self.data_seconds += self._fetched - start
+            yield batch
+            start = time.perf_counter()
+
     def count(self, batch: Any) -> None:
+        self.step_seconds += time.perf_counter() - self._fetched
         self.pending_samples += batch_size_of(batch)
         self.pending_steps += 1
 
     def pause(self) -> None:
         self._pause_start = time.perf_counter()
 
-    def resume(self) -> None:
-        self.paused += time.perf_counter() - self._pause_start
+    def resume(self, checkpoint: bool = False) -> None:
+        seconds = time.perf_counter() - self._pause_start
+        self.paused += seconds
+        if checkpoint:
+            self.checkpoint_seconds += seconds
 
     def epoch_reset(self) -> None:
         self.last_loss_sum, self.last_items = 0.0, 0.0
@@ -397,8 +455,7 @@ class _Clock:
         t = self.trainer
         now = time.perf_counter()
         seconds = max(now - self.start - self.paused, 1e-9)
-        totals = t._reduce({"loss_sum": t._metrics["loss_sum"], "items": t._metrics["items"]})
-        loss_sum, items = float(totals["loss_sum"].item()), float(totals["items"].item())
+        loss_sum, items = self._totals()
         world = t.group.size() if t.group is not None else 1
         d_items = items - self.last_items
         self.trained_samples += self.pending_samples * (t.group.size() if t.group is not None else 1)
@@ -414,10 +471,25 @@ class _Clock:
         }
         if d_items > self.pending_samples * world * 1.5:  # sequences: items are tokens
             logs["tokens_per_second"] = d_items / seconds
-        if t.config.max_grad_norm is not None:
+        if "grad_norm" in t._metrics:
             logs["grad_norm"] = float(t._metrics["grad_norm"].item())
+        logs.update(self._step_times(seconds))
         self.last_loss_sum, self.last_items = loss_sum, items
         self.pending_samples = self.pending_steps = 0
         self.start, self.paused = now, 0.0
+        self.data_seconds = self.step_seconds = self.checkpoint_seconds = 0.0
         mx.reset_peak_memory()
         return logs
+
+    def _step_times(self, train_seconds: float) -> dict[str, float]:
+        """Seconds per optimizer step since the last report: the wall time and where it went."""
+        steps = max(self.pending_steps, 1)
+        step = self.step_seconds / steps
+        comm = min(max(self.trainer.comm_seconds, 0.0), step)
+        return {
+            "step_time": (train_seconds + self.checkpoint_seconds) / steps,
+            "time_data": self.data_seconds / steps,
+            "time_compute": step - comm,
+            "time_comm": comm,
+            "time_checkpoint": self.checkpoint_seconds / steps,
+        }
