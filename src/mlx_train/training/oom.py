@@ -177,9 +177,19 @@ class MemoryGuard:
         # of memory is plausible: the first steps of each batch shape and settings, steps after ones
         # that used over half the memory there is, and every step once memory has proved tight.
         shape = _shape(batch)
-        saved = key = None
-        if self._always or self._runs.get(shape, 0) < WARMUP or self._tight or self.events:
-            saved, key = [container[name] for container, name in self._slots], mx.random.state[0]
+        if self._runs.get(shape, 0) >= WARMUP and not (self._always or self._tight or self.events):
+            # The common case: a known shape well within memory, no budget, no group to vote with.
+            try:
+                result = self._run(batch, metrics)
+            except MLXTrainError:
+                raise
+            except Exception as error:
+                if not is_out_of_memory(error):
+                    raise
+                self._restore(None, None, str(error))  # raises: this step was not prepared to be undone
+            self._tight = mx.get_peak_memory() > self._tight_above
+            return result
+        saved, key = [container[name] for container, name in self._slots], mx.random.state[0]
         result, failure = self._attempt(batch, metrics)
         while failure is not None:
             self._restore(saved, key, failure)  # nothing of the failed attempt stays applied
