@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import os
-import time
 import warnings
 from typing import Any
 
@@ -300,12 +299,3 @@ class ModelCheckpoint(Callback, _Monitor):
     def load_state_dict(self, state: dict) -> None:
         self.best, self.last_saved = state["best"], state.get("last_saved")
 
-
-class Timer:
-    """Wall-clock helper used by the loggers."""
-
-    def __init__(self) -> None:
-        self.start = time.perf_counter()
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.start

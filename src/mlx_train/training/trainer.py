@@ -181,7 +181,7 @@ class Trainer:
         elif not self._seeded:
             mx.random.seed(cfg.seed)
         self._seeded = True
-        run_step = self.memory_guard = MemoryGuard(self, self._accumulation(loader), previous=self.memory_guard)
+        run_step = self.memory_guard = MemoryGuard(self, cfg.gradient_accumulation, previous=self.memory_guard)
         report, evaluate, save = parse_every(cfg.report_every), parse_every(cfg.eval_every), parse_every(cfg.checkpoint_every)
         self.total_steps = _total_steps(loader, epochs, cfg.max_steps)
         # Step cadences as plain ints: the loop body stays cheap (0 = not by steps).
@@ -272,9 +272,6 @@ class Trainer:
                                        loss_scale_window=cfg.loss_scale_window, compile=cfg.compile,
                                        group=self.group)
 
-    def _accumulation(self, loader) -> int:
-        return self.config.gradient_accumulation
-
     def _done(self) -> bool:
         max_steps = self.config.max_steps
         return self.stop_training or (max_steps is not None and self.step >= max_steps)
@@ -345,7 +342,7 @@ class Trainer:
 
         cfg = self.config
         manager = CheckpointManager(directory, keep_last=cfg.keep_last, keep_best=cfg.keep_best,
-                                    monitor=cfg.monitor, mode=_mode_for(cfg.monitor, cfg.monitor_mode))
+                                    monitor=cfg.monitor, mode=cfg.monitor_direction())
         return manager
 
     def _resume_path(self, checkpoints, resume) -> str | None:
@@ -383,12 +380,6 @@ def _total_steps(loader, epochs: int, max_steps: int | None) -> int | None:
     per_epoch = _length(loader)
     candidates = [x for x in (max_steps, per_epoch * epochs if per_epoch else None) if x]
     return min(candidates) if candidates else None
-
-
-def _mode_for(monitor: str, mode: str) -> str:
-    if mode != "auto":
-        return mode
-    return "max" if "acc" in monitor else "min"
 
 
 class _Clock:
