@@ -37,7 +37,7 @@ def worker(args) -> None:
     import numpy as np
 
     from mlx_train.training import Callback, DistributedTrainer
-    from mlx_train.training.distributed import DistributedSteps
+    from mlx_train.training.step import Reduction
 
     features, hidden, classes, batch = WORKLOADS[args.workload]
     rng = np.random.default_rng(0)
@@ -45,9 +45,7 @@ def worker(args) -> None:
     x = rng.standard_normal((n, features)).astype(np.float32)
     y = rng.integers(0, classes, n).astype(np.int32)
 
-    class NoComm(DistributedSteps):
-        def _reduce_gradients(self, grads, n_total):
-            return grads, n_total  # each rank keeps its own gradient: no all-reduce
+    no_comm = Reduction(lambda grads, n_items: (grads, n_items))  # each rank keeps its own gradient
 
     class Clock(Callback):
         def __init__(self):
@@ -56,7 +54,7 @@ def worker(args) -> None:
         def on_batch_end(self, trainer, step):
             self.times.append(time.perf_counter())
 
-    def timed(steps_class):
+    def timed(comm: bool):
         dims = [features] + hidden + [classes]
         mx.random.seed(0)
         layers = []
@@ -67,14 +65,15 @@ def worker(args) -> None:
         trainer = DistributedTrainer(model, optim.Adam(1e-3), batch_size=batch // world, num_workers=0,
                                      max_steps=args.steps + args.warmup, report_every="100000 steps",
                                      eval_every="1000 epochs")
-        trainer.steps_class = steps_class
+        if not comm and world > 1:
+            trainer.gradient_reduction = no_comm
         clock = Clock()
         trainer.train((x, y), epochs=1, callbacks=[clock])
         seconds = clock.times[-1] - clock.times[args.warmup - 1]
         return seconds / args.steps, trainer.comm_seconds, world, trainer.is_main
 
-    with_comm, estimate, world, main = timed(DistributedSteps)
-    without, _, _, _ = timed(NoComm if world > 1 else DistributedSteps)
+    with_comm, estimate, world, main = timed(True)
+    without, _, _, _ = timed(False)
     if main:
         with open(args.out, "w") as file:
             json.dump({"world": world, "step": with_comm, "step_no_comm": without, "estimate": estimate,

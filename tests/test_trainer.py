@@ -99,7 +99,7 @@ def test_float16_overflow_is_skipped_and_scale_halves(digits):
     trainer.train(digits["train"], epochs=1)
     assert _flat(model).keys() == before.keys()
     assert all(np.array_equal(_flat(model)[k], before[k]) for k in before)  # overflowed step skipped
-    assert float(trainer._steps.scaler["scale"].item()) == pytest.approx(5e29, rel=1e-3)
+    assert float(trainer.state.loss_scale["scale"].item()) == pytest.approx(5e29, rel=1e-3)
 
 
 def test_loss_conventions_predictions_targets_and_model_batch(digits):

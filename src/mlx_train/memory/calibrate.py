@@ -112,10 +112,12 @@ class _Runner:
         self._build()
 
     def _build(self) -> None:
-        from mlx_train.training.step import Steps, make_step_runner
+        from mlx_train.training.state import LoopState
+        from mlx_train.training.step import StepOptions, build_step
 
-        self.steps = Steps(self.model, self.optimizer, self.loss, precision=self.precision)
-        self.run = make_step_runner(self.steps, 1)
+        self.loop = LoopState()
+        self.steps = build_step(self.model, self.optimizer, self.loss, StepOptions(precision=self.precision),
+                                self.loop.loss_scale)
 
     def checkpointing(self, modules: Sequence[str] | None) -> None:
         from mlx_train.training.recompute import enable_gradient_checkpointing
@@ -136,7 +138,8 @@ class _Runner:
     def measure(self, batch: Any, steps: int = 2) -> tuple[int, float]:
         """(peak bytes of one step, counting the weights, optimizer state and batch; seconds per step)."""
         mx.eval(batch)
-        metrics = self.run(batch, self.steps.zero_metrics())  # compiles for this shape
+        self.loop.running = self.steps.zero_running()
+        metrics = self.loop.running = self.steps(self.loop, batch)  # compiles for this shape
         gc.collect()
         mx.clear_cache()
         # Everything alive now (the caller's arrays, the saved weights) is left out, then the step's
@@ -147,7 +150,7 @@ class _Runner:
         for _ in range(steps):
             mx.reset_peak_memory()
             start = time.perf_counter()
-            metrics = self.run(batch, metrics)
+            metrics = self.loop.running = self.steps(self.loop, batch)
             times.append(time.perf_counter() - start)
             peaks.append(mx.get_peak_memory())
         return max(peaks) - baseline + held, min(times)

@@ -7,12 +7,22 @@ Example::
 
 from mlx_train.data import DataLoader
 from mlx_train.training.callbacks import Callback, EarlyStopping, ModelCheckpoint
-from mlx_train.training.distributed import DistributedTrainer
 from mlx_train.training.heartbeat import Heartbeat
 from mlx_train.training.loggers import MetricsLogger, ProgressBar
 from mlx_train.training.losses import CrossEntropyLoss
 from mlx_train.training.tensorboard import TensorBoardLogger
 from mlx_train.training.trainer import Trainer
+
+
+
+def __getattr__(name: str):
+    # DistributedTrainer belongs to the distributed runtime, a layer above the training loop.
+    if name == "DistributedTrainer":
+        import importlib
+
+        return importlib.import_module("mlx_train.distributed.trainer").DistributedTrainer
+    raise AttributeError(f"module 'mlx_train.training' has no attribute '{name}'")
+
 
 __all__ = [
     "Callback",

@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
 
 import mlx.core as mx
 
@@ -40,10 +41,9 @@ from mlx_train.device import format_bytes
 from mlx_train.errors import ConfigError, MLXTrainError, OutOfMemoryError
 from mlx_train.training.losses import batch_size_of
 from mlx_train.training.state import set_rng_key
-from mlx_train.training.step import make_step_runner
 
 __all__ = ["is_out_of_memory", "out_of_memory", "any_rank", "MemoryGuard", "SimulatedOutOfMemory",
-           "CPU_MESSAGE", "METAL_MESSAGE", "CUDA_MESSAGE"]
+           "MemoryPolicy", "CPU_MESSAGE", "METAL_MESSAGE", "CUDA_MESSAGE"]
 
 #: What MLX's allocators say when an allocation fails (examples, used by tests and simulations).
 CPU_MESSAGE = "[malloc] Unable to allocate 17179869184 bytes."
@@ -115,17 +115,6 @@ def _shape(batch: Any) -> tuple:
     return (next(iter(batch.values())) if isinstance(batch, dict) else batch[0]).shape
 
 
-def _device_memory(trainer: Any) -> int | None:
-    """The memory of the device the trainer runs on (None when unknown)."""
-    from mlx_train.device import DeviceConfig
-
-    config = trainer.device_config if isinstance(trainer.device_config, DeviceConfig) else DeviceConfig()
-    try:
-        return config.device_memory()
-    except MLXTrainError:
-        return None
-
-
 def _slots(tree: Any, out: list) -> list:
     """``(container, key)`` of every array in the step state, in a fixed order (``mx.random.state`` is
     not a list: its key is saved apart)."""
@@ -138,98 +127,117 @@ def _slots(tree: Any, out: list) -> list:
     return out
 
 
-class MemoryGuard:
-    """Runs optimizer steps like ``make_step_runner`` and recovers from running out of memory.
+@dataclass
+class MemoryPolicy:
+    """What the guard may do: ``recover`` (shrink and retry) and ``budget`` (bytes a step may peak at).
 
-    ``guard(step_batch, metrics) -> metrics``. The micro-batch it uses is
-    ``ceil(step_batch / accumulation)``; ``events`` lists every change it made and why.
-    A guard created with ``previous=`` keeps that guard's settings (a later ``train()`` call does
-    not run out of memory again to learn them).
+    ``device_memory`` (bytes, when known) sets when memory counts as tight: above half of it the guard
+    keeps the state to undo every step. ``can_checkpoint`` says whether gradient checkpointing is a
+    step down left to take.
     """
 
-    def __init__(self, trainer: Any, accumulation: int, previous: MemoryGuard | None = None) -> None:
-        cfg = trainer.config
-        self.trainer = trainer
+    recover: bool = True
+    budget: int | None = None
+    device_memory: int | None = None
+    can_checkpoint: bool = False
+
+
+class MemoryGuard:
+    """Runs optimizer steps and recovers from running out of memory.
+
+    ``build(accumulation, checkpointing) -> step`` makes a step function (``running = step(state,
+    batch)``); the guard wraps it: ``state.running = guard(state, batch)``. When a step runs out of
+    memory the guard puts the step's state back, builds a step with twice the accumulation (or
+    gradient checkpointing) and retries the same batch. The settings it runs with are written to
+    ``state.micro_batch``; ``events`` lists every change and why.
+
+    Example::
+
+        guard = MemoryGuard(lambda acc, ckpt: build_step(...), accumulation=1, policy=MemoryPolicy())
+        state.running = guard(state, batch)
+    """
+
+    def __init__(self, build: Callable[[int, bool], Any], accumulation: int, policy: MemoryPolicy,
+                 group: Any = None, log: Callable[[str], None] = print, settings: dict | None = None) -> None:
+        settings = settings or {}
+        self.build, self.policy, self.log = build, policy, log
         self.base_accumulation = accumulation
-        self.split = previous.split if previous is not None else 1
-        self.events: list[dict] = previous.events if previous is not None else []
-        self.recover = cfg.oom_recovery
-        device_limit = getattr(trainer.device_config, "memory_limit", None)
-        self.budget: int | None = cfg.memory_limit or device_limit
-        group = trainer.group
-        voting = group is not None and group.size() > 1 and (self.recover or self.budget is not None)
+        self.split = int(settings.get("split", 1))
+        self.checkpointing = bool(settings.get("gradient_checkpointing", False))
+        self.step_batch: int | None = settings.get("step_batch")
+        self.events: list[dict] = list(settings.get("events", []))
+        voting = group is not None and group.size() > 1 and (policy.recover or policy.budget is not None)
         self.group = group if voting else None
-        self.step_batch: int | None = None
-        self.hooks: list = []  # called with the new steps whenever they are rebuilt
-        memory = self.budget or _device_memory(trainer)
+        self.hooks: list[Callable[[Any], None]] = []  # called with each new step function
+        memory = policy.budget or policy.device_memory
         self._tight_above = memory / 2 if memory else 0
         self._tight = False
         # Always ready to undo a step: with a budget (memory matters more than a few microseconds) and
         # when distributed (a rank must be able to undo a step that failed on another).
-        self._always = self.budget is not None or self.group is not None
+        self._always = policy.budget is not None or self.group is not None
+        self.step: Any = None
         self._bind()
 
     # -- the hot path -------------------------------------------------------------------
 
-    def __call__(self, batch: Any, metrics: dict) -> dict:
+    def __call__(self, state: Any, batch: Any) -> dict:
         # Keeping the state of before the step lets a failed step be undone, but costs a little on
         # every step (MLX cannot update those buffers in place), so it is kept only where running out
         # of memory is plausible: the first steps of each batch shape and settings, steps after ones
         # that used over half the memory there is, and every step once memory has proved tight.
         shape = _shape(batch)
         if self._runs.get(shape, 0) >= WARMUP and not (self._always or self._tight or self.events):
-            # The common case: a known shape well within memory, no budget, no group to vote with.
-            try:
-                result = self._run(batch, metrics)
+            try:  # the common case: a known shape well within memory, no budget, no group to vote with
+                result = self.step(state, batch)
             except MLXTrainError:
                 raise
             except Exception as error:
                 if not is_out_of_memory(error):
                     raise
-                self._restore(None, None, str(error))  # raises: this step was not prepared to be undone
+                raise self._not_undoable(state, str(error)) from error
             self._tight = mx.get_peak_memory() > self._tight_above
             return result
         saved, key = [container[name] for container, name in self._slots], mx.random.state[0]
-        result, failure = self._attempt(batch, metrics)
+        result, failure = self._attempt(state, batch)
         while failure is not None:
-            self._restore(saved, key, failure)  # nothing of the failed attempt stays applied
+            self._restore(saved, key)  # nothing of the failed attempt stays applied
             mx.clear_cache()
-            self._shrink(batch, failure)
-            result, failure = self._attempt(batch, metrics)
+            self._shrink(state, batch, failure)
+            result, failure = self._attempt(state, batch)
         self._runs[shape] = self._runs.get(shape, 0) + 1
         self._tight = mx.get_peak_memory() > self._tight_above
         return result
 
-    def _attempt(self, batch: Any, metrics: dict) -> tuple[dict | None, str | None]:
-        """Run the step once: ``(metrics, None)``, or ``(None, why)`` when it ran out of memory here or,
+    def _attempt(self, state: Any, batch: Any) -> tuple[dict | None, str | None]:
+        """Run the step once: ``(running, None)``, or ``(None, why)`` when it ran out of memory here or,
         in a distributed run, on any rank. A step over the budget is kept, and the next ones shrink."""
-        if self.budget is not None:
+        budget = self.policy.budget
+        if budget is not None:
             mx.reset_peak_memory()
         try:
-            result, failure = self._run(batch, metrics), None
+            result, failure = self.step(state, batch), None
         except MLXTrainError:
             raise
         except Exception as error:
             if not is_out_of_memory(error):
                 raise
             result, failure = None, str(error)  # leaving the except block drops the failed step's arrays
-        peak = mx.get_peak_memory() if self.budget is not None and failure is None else 0
-        over = here = peak > (self.budget or 0)
+        peak = mx.get_peak_memory() if budget is not None and failure is None else 0
+        over = here = peak > (budget or 0)
         if self.group is not None:  # every rank votes after every step, so that they stay in step
             over, failed = self._vote(here, failure is not None)
             if failed and failure is None:
                 result, failure = None, "another rank ran out of memory"
         if over and failure is None:
             reason = (f"peak memory {format_bytes(peak)} is over the memory_limit budget of "
-                      f"{format_bytes(self.budget)}" if here else "another rank went over its memory_limit")
-            self._shrink(batch, reason, kept=True)
+                      f"{format_bytes(budget or 0)}" if here else "another rank went over its memory_limit")
+            self._shrink(state, batch, reason, kept=True)
         return result, failure
 
     def _vote(self, over: bool, failed: bool) -> tuple[bool, bool]:
         """(any rank over its budget, any rank out of memory): one small all_sum across the group."""
-        with self._collective("out-of-memory vote"):
-            votes = mx.distributed.all_sum(mx.array([int(over), int(failed)], dtype=mx.int32),
-                                           group=self.group, stream=mx.cpu).tolist()
+        votes = mx.distributed.all_sum(mx.array([int(over), int(failed)], dtype=mx.int32),
+                                       group=self.group, stream=mx.cpu).tolist()
         return votes[0] > 0, votes[1] > 0
 
     # -- settings -----------------------------------------------------------------------
@@ -242,37 +250,42 @@ class MemoryGuard:
         return min(self.base_accumulation * self.split, self.step_batch)
 
     @property
-    def batch_size(self) -> int:
-        """The micro-batch now (per device)."""
-        step_batch = self.step_batch or self.trainer.config.batch_size * self.base_accumulation
-        return math.ceil(step_batch / self.accumulation)
+    def budget(self) -> int | None:
+        """The memory budget in bytes (``memory_limit``), or None."""
+        return self.policy.budget
 
     @property
-    def checkpointing(self) -> bool:
-        return bool(self.trainer.config.gradient_checkpointing)
+    def batch_size(self) -> int | None:
+        """The micro-batch now (per device); None before the first step of a run without a known batch."""
+        if self.step_batch is None:
+            return None
+        return math.ceil(self.step_batch / self.accumulation)
+
+    def settings(self) -> dict[str, Any]:
+        """What the loop state records (and a resume starts from)."""
+        return {"split": self.split, "gradient_checkpointing": self.checkpointing, "step_batch": self.step_batch,
+                "batch_size": self.batch_size, "gradient_accumulation": self.accumulation, "events": self.events}
 
     def _bind(self) -> None:
-        """(Re)build the step runner and the list of state arrays for the current steps."""
-        steps = self.trainer._steps
-        self._slots = _slots(steps.state, [])
-        self._run = make_step_runner(steps, self.accumulation)
+        """(Re)build the step function for the current settings."""
+        self.step = self.build(self.accumulation, self.checkpointing)
+        self._slots = _slots(self.step.state, [])
         self._runs: dict[tuple, int] = {}  # completed steps per batch shape, with these settings
-        if steps is not getattr(self, "_steps", steps):
-            for hook in self.hooks:
-                hook(steps)
-        self._steps = steps
+        for hook in self.hooks:
+            hook(self.step)
 
     # -- recovery -----------------------------------------------------------------------
 
-    def _restore(self, saved: list | None, key: mx.array | None, failure: str) -> None:
+    def _not_undoable(self, state: Any, failure: str) -> OutOfMemoryError:
+        return OutOfMemoryError(
+            f"out of memory at step {state.step + 1} ({failure}), although steps of this shape ran before "
+            "(did another process take memory?); the step was not prepared to be undone. Resume from the last "
+            "checkpoint, and set memory_limit below the free memory so the Trainer shrinks the micro-batch "
+            "before running out")
+
+    def _restore(self, saved: list, key: mx.array) -> None:
         """Put back the state arrays of before the step: nothing of the failed step stays applied."""
-        if saved is None:
-            raise OutOfMemoryError(
-                f"out of memory at step {self.trainer.step + 1} ({failure}), although steps of this shape ran "
-                "before (did another process take memory?); the step was not prepared to be undone. Resume from "
-                "the last checkpoint, and set memory_limit below the free memory so the Trainer shrinks the "
-                "micro-batch before running out")
-        current = _slots(self.trainer._steps.state, [])
+        current = _slots(self.step.state, [])
         same = len(current) == len(self._slots) and all(
             a[0] is b[0] and a[1] == b[1] for a, b in zip(current, self._slots))
         if not same:
@@ -284,73 +297,52 @@ class MemoryGuard:
             container[name] = value
         set_rng_key(key.tolist())  # mx.random.state is not a list: reseed to the same key
 
-    def _shrink(self, batch: Any, reason: str, kept: bool = False) -> None:
+    def _shrink(self, state: Any, batch: Any, reason: str, kept: bool = False) -> None:
         """Take the next step down: half the micro-batch, else checkpointing, else fail."""
         self.step_batch = batch_size_of(batch)
-        step = self.trainer.step + 1
-        if not self.recover:
+        step = state.step + 1
+        if not self.policy.recover:
             raise self._failure(reason, step, "oom_recovery is off")
-        if self.batch_size > 1:
+        if (self.batch_size or 1) > 1:
             self.split *= 2
-            self._bind()
             change = f"micro-batch {self.batch_size} x accumulation {self.accumulation} (same effective batch)"
-        elif not self.checkpointing and self._can_checkpoint():
-            self._enable_checkpointing()
+        elif not self.checkpointing and self.policy.can_checkpoint:
+            self.checkpointing = True
             change = "gradient checkpointing on"
         else:
             raise self._failure(reason, step, "micro-batch 1 with gradient checkpointing"
                                 if self.checkpointing else "micro-batch 1 (this model cannot checkpoint)")
+        self._bind()
         self.events.append({"step": step, "reason": reason, "batch_size": self.batch_size,
                             "gradient_accumulation": self.accumulation,
                             "gradient_checkpointing": self.checkpointing})
+        state.micro_batch = self.settings()
         if kept:
-            self.trainer.log(f"step {step} went over the memory budget ({reason}); the step is kept, the next "
-                             f"ones use {change}")
+            self.log(f"step {step} went over the memory budget ({reason}); the step is kept, the next ones use "
+                     f"{change}")
         else:
-            self.trainer.log(f"out of memory at step {step} ({reason}); retrying the same step with {change}")
-
-    def _can_checkpoint(self) -> bool:
-        from mlx_train.training.recompute import find_blocks
-
-        try:
-            find_blocks(self.trainer.model, self.trainer.config.checkpoint_modules)
-        except ConfigError:
-            return False
-        return True
-
-    def _enable_checkpointing(self) -> None:
-        trainer = self.trainer
-        old = trainer._steps
-        trainer.config = trainer.config.replace(gradient_checkpointing=True)
-        trainer._steps = None
-        trainer._build()  # a new compiled trace through the checkpointed blocks; optimizer state kept
-        trainer._steps.scaler.update(old.scaler)
-        self._bind()
-
-    def _collective(self, what: str) -> Any:
-        collective = getattr(self.trainer, "collective", None)
-        return collective(what) if callable(collective) else contextlib.nullcontext()
+            self.log(f"out of memory at step {step} ({reason}); retrying the same step with {change}")
 
     def _failure(self, reason: str, step: int, tried: str) -> OutOfMemoryError:
         lines = [f"out of memory at step {step}: {reason}; tried down to {tried}. What to try:"]
-        lines += [f"  - {tip}" for tip in _advice(self.trainer, self.budget)]
+        lines += [f"  - {tip}" for tip in _advice(self.step, self.policy.budget)]
         return OutOfMemoryError("\n".join(lines))
 
 
-def _advice(trainer: Any, budget: int | None) -> list[str]:
+def _advice(step: Any, budget: int | None) -> list[str]:
     """Concrete things to try, with the sizes of what the model and optimizer hold."""
     from mlx.utils import tree_flatten
 
-    cfg = trainer.config
-    params = sum(v.nbytes for _, v in tree_flatten(trainer.model.parameters()))
-    state = sum(v.nbytes for _, v in tree_flatten(trainer.optimizer.state) if isinstance(v, mx.array))
+    params = sum(v.nbytes for _, v in tree_flatten(step.model.parameters()))
+    state = sum(v.nbytes for _, v in tree_flatten(step.optimizer.state) if isinstance(v, mx.array))
     tips = [f"the weights ({format_bytes(params)}), their gradients ({format_bytes(params)}) and the optimizer "
             f"state ({format_bytes(state)}) are held all the time, and the update briefly needs new copies of "
             "the weights and optimizer state"]
-    if cfg.precision == "float32":
+    if step.options.precision == "float32":
         tips.append("precision='bfloat16' (about half the activation memory)")
     if state:
-        tips.append(f"an optimizer with less state than {cfg.optimizer}: 'sgd' keeps none, 'adafactor' very little")
+        tips.append(f"an optimizer with less state than {type(step.optimizer).__name__}: SGD keeps none, "
+                    "Adafactor very little")
     tips.append("shorter sequences, a smaller model, or fewer/smaller layers")
     if budget is not None:
         tips.append(f"a larger memory_limit than {format_bytes(budget)}, if the machine has the memory")
@@ -383,14 +375,14 @@ class SimulatedOutOfMemory:
     def on_fit_start(self, trainer: Any) -> None:
         self._trainer = trainer
         trainer.memory_guard.hooks.append(self.install)
-        self.install(trainer._steps)
+        self.install(trainer.memory_guard.step)
 
     def install(self, steps: Any) -> None:
-        """Make ``steps.micro`` fail as configured (again after the steps are rebuilt)."""
+        """Make ``steps.micro`` fail as configured (again after the step is rebuilt)."""
         original = steps.micro
 
-        def micro(batch: Any, grads: Any, metrics: dict, update: bool, single: bool = False) -> Any:
-            result = original(batch, grads, metrics, update, single)
+        def micro(batch: Any, grads: Any, running: dict, update: bool, weighted: bool) -> Any:
+            result = original(batch, grads, running, update, weighted)
             index, self._index = self._index, 0 if update else self._index + 1
             step = self._trainer.step + 1
             chosen = update if self.micro_batch == -1 else index == self.micro_batch

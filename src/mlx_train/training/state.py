@@ -1,21 +1,35 @@
-"""Capture and restore the whole training state (what a checkpoint holds).
+"""The loop state: everything a checkpoint holds, in one object.
 
-Arrays go to safetensors groups (``model``, ``optimizer``, ``trainer``, ``callbacks``); everything
-else is JSON (``trainer_state.json``): step, epoch, data position, history, running metrics,
-callback state, the config and the versions that wrote it.
+``LoopState`` is what the Trainer's loop reads and writes between steps: step and epoch
+counters, the epoch's running sums (on the device), history, the last validation, the float16
+loss scale, the micro-batch settings memory recovery settled on, the stop flag and the report
+window. ``capture`` turns it (with the model, optimizer, loader and callbacks) into arrays by
+group plus a JSON document; ``restore`` puts all of it back **in place**: every array is written
+into the container that already holds it, so the compiled step (which captured those
+containers) keeps working, and trees of any structure round-trip — frozen or parameterless
+submodules leave empty subtrees that a flattened copy would lose.
+
+Example::
+
+    state = LoopState()
+    arrays, saved = state.capture(model, optimizer, loader, callbacks, config)
+    ...
+    state.restore(path, arrays, saved, model, optimizer, loader, callbacks)
 """
 
 from __future__ import annotations
 
 import platform
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_flatten
 
 from mlx_train.errors import CheckpointError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+RUNNING_KEYS = ("loss_sum", "items")
 
 
 def rng_key() -> list[int]:
@@ -28,38 +42,36 @@ def set_rng_key(key: list[int]) -> None:
     mx.random.seed((int(key[0]) << 32) | int(key[1]))
 
 
-def capture(trainer: Any, loader: Any, callbacks: Any) -> tuple[dict[str, dict[str, mx.array]], dict]:
-    """Return (arrays by group, JSON state) for the trainer at the end of a step."""
-    from mlx_train import __version__
-
-    cb_json, cb_arrays = callbacks.state()
-    steps = trainer._steps
-    arrays = {
-        "model": dict(tree_flatten(trainer.model.parameters())),
-        "optimizer": dict(tree_flatten(trainer.optimizer.state)),
-        "trainer": {"loss_scale": steps.scaler["scale"], "good_steps": steps.scaler["good_steps"]},
-    }
-    if cb_arrays:
-        arrays["callbacks"] = cb_arrays
-    state = {
-        "format_version": FORMAT_VERSION,
-        "step": trainer.step,
-        "epoch": loader.epoch if hasattr(loader, "epoch") else trainer.epoch,
-        "loader": loader.state_dict() if hasattr(loader, "state_dict") else None,
-        "rng_key": rng_key(),
-        "history": trainer.history,
-        "stop_training": trainer.stop_training,
-        "running": {k: float(v.item()) for k, v in trainer._metrics.items()},
-        "last_val": trainer._last_val,
-        "callbacks": cb_json,
-        "config": trainer.config.to_dict(),
-        "world_size": steps.world_size,
-        "versions": {"mlx_train": __version__, "mlx": mx.__version__, "python": platform.python_version()},
-    }
-    return arrays, state
+def has_frozen_parameters(model: Any) -> bool:
+    """True when some of the model's parameters are frozen (not trained)."""
+    return len(tree_flatten(model.trainable_parameters())) != len(tree_flatten(model.parameters()))
 
 
-def _check_keys(path: str, group: str, saved: dict, expected: dict) -> None:
+def saved_parameters(model: Any) -> dict[str, mx.array]:
+    """The parameters a checkpoint holds: all of them, or only the trainable ones when some are frozen
+    (a LoRA fine-tune then saves megabytes, not the whole base model)."""
+    tree = model.trainable_parameters() if has_frozen_parameters(model) else model.parameters()
+    return dict(tree_flatten(tree))
+
+
+def assign_leaves(tree: Any, flat: dict[str, mx.array]) -> None:
+    """Write ``flat`` (``"a.0.b" -> array``) into the existing ``tree`` of dicts and lists, in place.
+
+    Only leaves change: containers, and empty subtrees, stay as they are.
+    """
+    for key, value in flat.items():
+        node, parts = tree, key.split(".")
+        for part in parts[:-1]:
+            node = node[int(part)] if isinstance(node, list) else node[part]
+        last = parts[-1]
+        if isinstance(node, list):
+            node[int(last)] = value
+        else:
+            node[last] = value
+
+
+def check_keys(path: str, group: str, saved: dict, expected: dict) -> None:
+    """Raise a CheckpointError when names or shapes of ``saved`` differ from ``expected``."""
     missing = sorted(set(expected) - set(saved))
     unknown = sorted(set(saved) - set(expected))
     if missing or unknown:
@@ -70,8 +82,8 @@ def _check_keys(path: str, group: str, saved: dict, expected: dict) -> None:
             detail.append(f"unexpected {len(unknown)} (e.g. {', '.join(unknown[:3])})")
         raise CheckpointError(
             f"checkpoint {path} does not match this {group}: {'; '.join(detail)}. "
-            "Was it written for a different model or optimizer? Build the same model and optimizer it was "
-            "trained with, or start without --resume"
+            "Was it written for a different model or optimizer (or with other parameters frozen)? Build the "
+            "same model and optimizer it was trained with, or start without --resume"
         )
     for key, value in expected.items():
         if saved[key].shape != value.shape:
@@ -82,32 +94,129 @@ def _check_keys(path: str, group: str, saved: dict, expected: dict) -> None:
 
 
 def load_weights(model: Any, path: str, weights: dict[str, mx.array]) -> None:
-    """Load flat weights into ``model`` after checking names and shapes."""
-    _check_keys(path, "model", weights, dict(tree_flatten(model.parameters())))
-    model.update(tree_unflatten(list(weights.items())))
+    """Load flat weights (all parameters, or the trainable ones of a model with frozen parts) into
+    ``model`` after checking names and shapes."""
+    expected = dict(tree_flatten(model.parameters()))
+    if set(weights) != set(expected):
+        trainable = dict(tree_flatten(model.trainable_parameters()))
+        if set(weights) == set(trainable):
+            expected = trainable
+    check_keys(path, "model", weights, expected)
+    for key, value in weights.items():
+        if value.dtype != expected[key].dtype:
+            weights[key] = value.astype(expected[key].dtype)
+    model.load_weights(list(weights.items()), strict=False)
 
 
-def restore(trainer: Any, path: str, arrays: dict, state: dict, loader: Any, callbacks: Any) -> None:
-    """Put a captured state back, in place (the compiled step keeps the same containers)."""
-    if state.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(
-            f"checkpoint {path} has format version {state.get('format_version')}; this mlx-train reads "
-            f"version {FORMAT_VERSION}"
-        )
-    load_weights(trainer.model, path, arrays["model"])
-    current = dict(tree_flatten(trainer.optimizer.state))
-    _check_keys(path, "optimizer", arrays["optimizer"], current)
-    trainer.optimizer.state.update(tree_unflatten(list(arrays["optimizer"].items())))
-    trainer._steps.scaler["scale"] = arrays["trainer"]["loss_scale"]
-    trainer._steps.scaler["good_steps"] = arrays["trainer"]["good_steps"]
-    trainer.step = state["step"]
-    trainer.epoch = state["epoch"]
-    trainer.history = state["history"]
-    trainer.stop_training = state.get("stop_training", False)
-    trainer._metrics = {k: mx.array(v) for k, v in state["running"].items()}
-    trainer._last_val = state.get("last_val") or {}
-    if state.get("loader") is not None and hasattr(loader, "load_state_dict"):
-        loader.load_state_dict(state["loader"])
-    callbacks.load_state(state.get("callbacks", {}), arrays.get("callbacks", {}))
-    set_rng_key(state["rng_key"])
-    mx.eval(trainer.model.parameters(), trainer.optimizer.state)
+@dataclass
+class LoopState:
+    """The Trainer's loop state (see the module docstring).
+
+    ``running`` holds the epoch's on-device sums (``loss_sum``, ``items``, ``grad_norm``);
+    ``report_base`` the summed ``loss_sum``/``items`` at the last report, so the first report
+    after a resume covers the same steps as without the interruption. ``loss_scale`` is the
+    container the compiled float16 step reads and writes: it is updated in place, never replaced.
+    """
+
+    step: int = 0
+    epoch: int = 0
+    running: dict[str, mx.array] = field(default_factory=dict)
+    history: dict[str, list] = field(default_factory=dict)
+    last_val: dict[str, Any] = field(default_factory=dict)
+    report_base: dict[str, float] = field(default_factory=lambda: {"loss_sum": 0.0, "items": 0.0, "step": 0})
+    trained_samples: int = 0
+    epoch_done: bool = False  # the current epoch's end (validation, history) already ran
+    stop_training: bool = False
+    micro_batch: dict[str, Any] = field(default_factory=dict)  # settings memory recovery settled on
+    loss_scale: dict[str, mx.array] = field(default_factory=lambda: {"scale": mx.array(1.0),
+                                                                      "good_steps": mx.array(0)})
+    base_model: dict[str, Any] | None = None
+
+    def reset_running(self, zero: dict[str, mx.array]) -> None:
+        """Start a new epoch's sums."""
+        self.running = dict(zero)
+        self.report_base = {"loss_sum": 0.0, "items": 0.0, "step": self.step}
+
+    # -- checkpoints ----------------------------------------------------------------------
+
+    def capture(self, model: Any, optimizer: Any, loader: Any, callbacks: Any, config: Any,
+                running: dict[str, float], world_size: int = 1) -> tuple[dict[str, dict[str, mx.array]], dict]:
+        """Return (arrays by group, JSON state). ``running`` holds the epoch's sums over every rank."""
+        from mlx_train import __version__
+
+        cb_json, cb_arrays = callbacks.state()
+        arrays = {
+            "model": saved_parameters(model),
+            "optimizer": dict(tree_flatten(optimizer.state)),
+            "trainer": dict(self.loss_scale),
+        }
+        if cb_arrays:
+            arrays["callbacks"] = cb_arrays
+        state = {
+            "format_version": FORMAT_VERSION,
+            "step": self.step,
+            "epoch": loader.epoch if hasattr(loader, "epoch") else self.epoch,
+            "loop_epoch": self.epoch,
+            "epoch_done": self.epoch_done,
+            "loader": loader.state_dict() if hasattr(loader, "state_dict") else None,
+            "rng_key": rng_key(),
+            "history": self.history,
+            "stop_training": self.stop_training,
+            "running": running,
+            "report_base": self.report_base,
+            "trained_samples": self.trained_samples,
+            "last_val": self.last_val,
+            "micro_batch": self.micro_batch,
+            "model_scope": "trainable" if has_frozen_parameters(model) else "all",
+            "base_model": self.base_model,
+            "callbacks": cb_json,
+            "config": config.to_dict(),
+            "world_size": world_size,
+            "versions": {"mlx_train": __version__, "mlx": mx.__version__, "python": platform.python_version()},
+        }
+        return arrays, state
+
+    def restore(self, path: str, arrays: dict, state: dict, model: Any, optimizer: Any, loader: Any,
+                callbacks: Any, rank: int = 0) -> None:
+        """Put a captured state back, in place. Off rank 0 the running sums start at zero (rank 0's
+        hold the sums over every rank)."""
+        if state.get("format_version") not in (1, FORMAT_VERSION):
+            raise CheckpointError(
+                f"checkpoint {path} has format version {state.get('format_version')}; this mlx-train reads "
+                f"versions 1 and {FORMAT_VERSION}"
+            )
+        self._check_base_model(path, state.get("base_model"))
+        load_weights(model, path, dict(arrays["model"]))
+        current = dict(tree_flatten(optimizer.state))
+        check_keys(path, "optimizer", arrays["optimizer"], current)
+        assign_leaves(optimizer.state, arrays["optimizer"])
+        self.loss_scale["scale"] = arrays["trainer"]["loss_scale" if "loss_scale" in arrays["trainer"] else "scale"]
+        self.loss_scale["good_steps"] = arrays["trainer"]["good_steps"]
+        self.step = state["step"]
+        self.epoch = state.get("loop_epoch", state["epoch"])
+        self.epoch_done = state.get("epoch_done", False)
+        self.history = state["history"]
+        self.stop_training = state.get("stop_training", False)
+        running = state["running"]
+        self.running = {k: mx.array(0.0 if rank and k in RUNNING_KEYS else v) for k, v in running.items()}
+        self.report_base = state.get("report_base") or {"loss_sum": running.get("loss_sum", 0.0),
+                                                        "items": running.get("items", 0.0), "step": self.step}
+        self.trained_samples = state.get("trained_samples", 0)
+        self.last_val = state.get("last_val") or {}
+        self.micro_batch = state.get("micro_batch") or {}
+        if state.get("loader") is not None and hasattr(loader, "load_state_dict"):
+            loader.load_state_dict(state["loader"])
+        callbacks.load_state(state.get("callbacks", {}), arrays.get("callbacks", {}))
+        set_rng_key(state["rng_key"])
+        mx.eval(model.parameters(), optimizer.state, self.loss_scale)
+
+    def _check_base_model(self, path: str, saved: dict | None) -> None:
+        if not saved or not self.base_model:
+            return
+        if saved.get("sha256") and self.base_model.get("sha256") and saved["sha256"] != self.base_model["sha256"]:
+            raise CheckpointError(
+                f"checkpoint {path} was trained on base model {saved.get('path')} (sha256 {saved['sha256'][:12]}…), "
+                f"but this run loads {self.base_model.get('path')} (sha256 {self.base_model['sha256'][:12]}…). "
+                "The checkpoint holds only the trained parameters, so it needs the same base: load the base it "
+                "names, or start without --resume"
+            )

@@ -1,26 +1,74 @@
-"""The compiled training and evaluation steps.
+"""The training step: one builder, one step function.
 
-One function per step kind, compiled once with the model, optimizer and RNG state captured
-(``mx.compile(fn, inputs=state, outputs=state)``). Gradient accumulation happens inside the
-compiled path: each micro-batch's gradients are added to a running sum that the step carries,
-and the last micro-batch of a step applies the update. Gradients are weighted by the number of
-items each micro-batch averages over, so ``batch 8 x accumulation 4`` equals ``batch 32``.
+``build_step`` returns a ``TrainStep``; the loop reads ``state.running = step(state, batch)``.
+A step takes one step batch, splits it into ``accumulation`` micro-batches and runs each through
+a function compiled once with the model, optimizer and RNG state captured
+(``mx.compile(fn, inputs=state, outputs=state)``); the last micro-batch applies the update.
+Gradients are weighted by the number of items each micro-batch averages over, so
+``batch 8 x accumulation 4`` equals ``batch 32``. Distributed training passes its gradient
+reduction in (``Reduction``); extensions (pruning masks, weight averages) run inside the compiled
+update after the optimizer.
+
+Example::
+
+    step = build_step(model, optimizer, Loss(), StepOptions(accumulation=4), state.loss_scale)
+    state.running = step.zero_running()
+    state.running = step(state, batch)          # one optimizer step, one mx.eval per micro-batch
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
-from mlx.utils import tree_flatten, tree_map, tree_unflatten
+from mlx.utils import tree_flatten, tree_map
 
 from mlx_train.errors import DataError
 from mlx_train.training.losses import Loss, count_correct
 
-_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """How a step computes: precision, micro-batches per step, clipping, float16 loss scaling, compilation."""
+
+    precision: str = "float32"
+    accumulation: int = 1
+    max_grad_norm: float | None = None
+    loss_scale_window: int = 1000
+    compile: bool = True
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """How gradients are combined across processes (inside the compiled update).
+
+    ``reduce(grads, n_items) -> (grads, n_items)`` averages gradients and the item counts that
+    weight them; ``clip(grads, max_norm) -> (grads, norm)`` replaces the global-norm clip (sharded
+    models); ``before_update()`` runs in Python before the update is dispatched (a watchdog).
+    """
+
+    reduce: Callable[[Any, mx.array | None], tuple[Any, mx.array | None]]
+    clip: Callable[[Any, float | None], tuple[Any, mx.array | None]] | None = None
+    before_update: Callable[[], None] | None = None
+
+
+def average_gradients(group: Any) -> Reduction:
+    """Data-parallel reduction: gradients and item counts averaged over ``group`` (MLX's all-reduce)."""
+    world = group.size()
+
+    def reduce(grads: Any, n_items: mx.array | None) -> tuple[Any, mx.array | None]:
+        grads = nn.average_gradients(grads, group=group)
+        if n_items is not None:
+            n_items = mx.distributed.all_sum(n_items, group=group) / world
+        return grads, n_items
+
+    return Reduction(reduce)
 
 
 def _all_finite(tree: Any) -> mx.array:
@@ -28,156 +76,167 @@ def _all_finite(tree: Any) -> mx.array:
     return mx.stack(leaves).all() if leaves else mx.array(True)
 
 
-class Steps:
-    """Builds the compiled steps for one model/optimizer/loss/precision combination.
+def _cast(params: Any, dtype: mx.Dtype) -> Any:
+    return tree_map(lambda p: p.astype(dtype) if mx.issubdtype(p.dtype, mx.floating) else p, params)
 
-    Example::
 
-        steps = Steps(model, optimizer, Loss(), precision="float32")
-        metrics = steps.zero_metrics()
-        grads, metrics = steps.micro(batch, None, metrics, update=True)
-        mx.eval(steps.state, metrics)
+class TrainStep:
+    """One optimizer step: ``running = step(state, batch)`` (``state`` needs ``.running``).
+
+    ``state`` (the list) is what the compiled functions capture: model, optimizer, RNG, and the
+    float16 loss scale and extension state when used. ``micro`` runs one micro-batch.
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        optimizer: optim.Optimizer,
-        loss: Loss,
-        precision: str = "float32",
-        max_grad_norm: float | None = None,
-        loss_scale: float = 65536.0,
-        loss_scale_window: int = 1000,
-        compile: bool = True,
-        group: Any = None,
-    ) -> None:
-        self.model, self.optimizer, self.loss = model, optimizer, loss
-        self.compute_dtype = _DTYPES[precision]
-        self.max_grad_norm = max_grad_norm
-        self.dynamic_scaling = precision == "float16"
-        self.loss_scale_window = loss_scale_window
-        self.group = group
-        self.world_size = group.size() if group is not None else 1
-        self.scaler = {"scale": mx.array(loss_scale if self.dynamic_scaling else 1.0), "good_steps": mx.array(0)}
-        # The loss-scale state only joins the compiled state when float16 needs it (fewer inputs per call).
-        self.state = [model.state, optimizer.state, mx.random.state] + ([self.scaler] if self.dynamic_scaling else [])
-        wrap = partial(mx.compile, inputs=self.state, outputs=self.state) if compile else (lambda f: f)
-        self._train = {}
-        for update in (False, True):
-            for weighted in (False, True):
-                self._train[update, weighted] = wrap(partial(self._micro, update=update, weighted=weighted))
-        self._eval = (partial(mx.compile, inputs=self.state) if compile else (lambda f: f))(self._eval_step)
+    def __init__(self, model: nn.Module, optimizer: optim.Optimizer, loss: Loss, options: StepOptions,
+                 loss_scale: dict[str, mx.array], reduction: Reduction | None = None,
+                 extensions: Sequence[Any] = ()) -> None:
+        self.model, self.optimizer, self.loss, self.options = model, optimizer, loss, options
+        self.compute_dtype = DTYPES[options.precision]
+        self.dynamic_scaling = options.precision == "float16"
+        self.loss_scale, self.reduction, self.extensions = loss_scale, reduction, list(extensions)
+        self.state: list = [model.state, optimizer.state, mx.random.state]
+        if self.dynamic_scaling:  # only when used: fewer inputs per call
+            self.state.append(loss_scale)
+        self.state += [ext.step_state for ext in self.extensions]
+        wrap = partial(mx.compile, inputs=self.state, outputs=self.state) if options.compile else (lambda f: f)
+        self._compiled = {(update, weighted): wrap(partial(self._micro, update=update, weighted=weighted))
+                          for update in (False, True) for weighted in (False, True)}
+        # One micro-batch on one process: the gradient of the mean is used as is (fewer operations).
+        self._single = options.accumulation == 1 and reduction is None
 
-    # -- public entry points ------------------------------------------------------------
+    def zero_running(self) -> dict[str, mx.array]:
+        """Fresh on-device sums for an epoch's reported training metrics."""
+        running = {"loss_sum": mx.array(0.0), "items": mx.array(0.0)}
+        if self.options.max_grad_norm is not None:
+            running["grad_norm"] = mx.array(0.0)
+        return running
 
-    def zero_metrics(self) -> dict[str, mx.array]:
-        """Fresh on-device accumulators for reported training metrics."""
-        metrics = {"loss_sum": mx.array(0.0), "items": mx.array(0.0)}
-        if self.max_grad_norm is not None:
-            metrics["grad_norm"] = mx.array(0.0)
-        return metrics
+    def __call__(self, state: Any, batch: Any) -> dict[str, mx.array]:
+        running, grads = state.running, None
+        parts = split_batch(batch, self.options.accumulation)
+        last = len(parts) - 1
+        for i, part in enumerate(parts):
+            if i == last and self.reduction is not None and self.reduction.before_update is not None:
+                self.reduction.before_update()
+            grads, running = self.micro(part, grads, running, i == last, not self._single)
+            mx.eval(self.state, grads, running)
+        return running
 
-    def micro(self, batch: Any, grads: Any, metrics: dict, update: bool, single: bool = False):
-        """Run one micro-batch; apply the update when ``update``. Returns (grad_sum, metrics).
-
-        ``single`` marks a step made of one micro-batch on one rank: the gradient of the mean is
-        used directly instead of the weighted sum (same result, fewer operations).
-        """
-        fn = self._train[update, not single]
-        return fn(batch, grads, metrics)
-
-    def evaluate(self, batch: Any, metrics: dict) -> dict:
-        """Accumulate loss (and accuracy when it applies) of one batch into ``metrics``."""
-        return self._eval(batch, metrics)
+    def micro(self, batch: Any, grads: Any, running: dict, update: bool, weighted: bool) -> tuple[Any, dict]:
+        """Run one micro-batch; apply the update when ``update``. Returns (gradient sum, running sums)."""
+        try:
+            return self._compiled[update, weighted](batch, grads, running)
+        except DataError:
+            raise
+        except ValueError as error:  # MLX reports shape mismatches as ValueError
+            raise DataError(
+                f"the model failed on a batch of shapes {describe_shapes(batch)}: {error}. Check that the "
+                "dataset's arrays match what the model expects (feature size, dtype, sequence layout)"
+            ) from error
 
     # -- traced bodies ------------------------------------------------------------------
 
     def _objective(self, params: Any, batch: Any, weighted: bool):
         if self.compute_dtype != mx.float32:
-            params = tree_map(lambda p: p.astype(self.compute_dtype) if mx.issubdtype(p.dtype, mx.floating) else p, params)
+            params = _cast(params, self.compute_dtype)
         self.model.update(params)
         value, n, _ = self.loss(self.model, batch)
         objective = value * n if weighted else value
         if self.dynamic_scaling:
-            objective = objective * self.scaler["scale"]
+            objective = objective * self.loss_scale["scale"]
         return objective, (value, n)
 
-    def _micro(self, batch: Any, grad_sum: Any, metrics: dict, update: bool, weighted: bool):
+    def _micro(self, batch: Any, grad_sum: Any, running: dict, update: bool, weighted: bool):
         params = self.model.trainable_parameters()
         (_, (value, n)), grads = mx.value_and_grad(self._objective)(params, batch, weighted)
         self.model.update(params)  # back to the float32 master weights
         if grad_sum is not None:
             grads = tree_map(mx.add, grad_sum, grads)
-            n_total = metrics["pending_items"] + n
+            n_total = running["pending_items"] + n
         else:
             n_total = n
-        metrics = dict(metrics)
-        metrics["loss_sum"] = metrics["loss_sum"] + value * n
-        metrics["items"] = metrics["items"] + n
+        running = dict(running)
+        running["loss_sum"] = running["loss_sum"] + value * n
+        running["items"] = running["items"] + n
         if not update:
-            metrics["pending_items"] = n_total
-            return grads, metrics
-        metrics.pop("pending_items", None)
+            running["pending_items"] = n_total
+            return grads, running
+        running.pop("pending_items", None)
         norm = self._apply(grads, n_total if weighted else None)
         if norm is not None:
-            metrics["grad_norm"] = norm
-        return None, metrics
+            running["grad_norm"] = norm
+        return None, running
 
-    def _reduce_gradients(self, grads: Any, n_total: mx.array | None) -> tuple[Any, mx.array | None]:
-        """Average gradients (and the item counts that weight them) over the ranks; a no-op alone."""
-        if self.world_size > 1:
-            grads = nn.average_gradients(grads, group=self.group)
-            if n_total is not None:
-                n_total = mx.distributed.all_sum(n_total, group=self.group) / self.world_size
-        return grads, n_total
-
-    def _clip_gradients(self, grads: Any) -> tuple[Any, mx.array | None]:
-        """Clip to ``max_grad_norm`` when set; returns (gradients, their global L2 norm, or None)."""
-        if self.max_grad_norm is not None:
-            return optim.clip_grad_norm(grads, self.max_grad_norm)
-        # No norm without clipping: on a small model its reductions cost ~15% of a step.
-        return grads, None
-
-    def _apply(self, grads: Any, n_total: mx.array | None) -> mx.array:
-        grads, n_total = self._reduce_gradients(grads, n_total)
-        scale = self.scaler["scale"] if self.dynamic_scaling else None
+    def _apply(self, grads: Any, n_total: mx.array | None) -> mx.array | None:
+        if self.reduction is not None:
+            grads, n_total = self.reduction.reduce(grads, n_total)
+        scale = self.loss_scale["scale"] if self.dynamic_scaling else None
         if n_total is not None or scale is not None:
             divisor = (n_total if n_total is not None else 1.0) * (scale if scale is not None else 1.0)
             grads = tree_map(lambda g: g / divisor, grads)
-        grads, norm = self._clip_gradients(grads)
+        grads, norm = self._clip(grads)
         if not self.dynamic_scaling:
             self.optimizer.update(self.model, grads)
-            return norm
+        else:
+            self._update_unless_overflow(grads)
+        for extension in self.extensions:
+            extension.in_step(self.model, self.optimizer)
+        return norm
+
+    def _clip(self, grads: Any) -> tuple[Any, mx.array | None]:
+        if self.reduction is not None and self.reduction.clip is not None:
+            return self.reduction.clip(grads, self.options.max_grad_norm)
+        if self.options.max_grad_norm is not None:
+            return optim.clip_grad_norm(grads, self.options.max_grad_norm)
+        return grads, None  # no norm without clipping: its reductions cost ~15% of a small model's step
+
+    def _update_unless_overflow(self, grads: Any) -> None:
+        """float16: an overflowed step keeps the old weights and optimizer state; the scale adapts."""
+        from mlx_train.training.state import assign_leaves
+
         finite = _all_finite(grads)
         old_params = self.model.trainable_parameters()
         old_state = tree_flatten(self.optimizer.state)
         self.optimizer.update(self.model, grads)
-        # An overflowed step is skipped: keep the old weights and optimizer state.
-        self.model.update(tree_map(lambda new, old: mx.where(finite, new, old), self.model.trainable_parameters(), old_params))
+        self.model.update(tree_map(lambda new, old: mx.where(finite, new, old),
+                                   self.model.trainable_parameters(), old_params))
         new_state = dict(tree_flatten(self.optimizer.state))
-        kept = [(k, mx.where(finite, new_state[k], v)) for k, v in old_state]
-        self.optimizer.state.update(tree_unflatten(kept))
-        good = mx.where(finite, self.scaler["good_steps"] + 1, 0)
-        grow = good >= self.loss_scale_window
-        scale = self.scaler["scale"]
-        self.scaler["scale"] = mx.where(finite, mx.where(grow, scale * 2.0, scale), mx.maximum(scale * 0.5, 1.0))
-        self.scaler["good_steps"] = mx.where(grow, 0, good)
-        return norm
+        assign_leaves(self.optimizer.state, {k: mx.where(finite, new_state[k], v) for k, v in old_state})
+        good = mx.where(finite, self.loss_scale["good_steps"] + 1, 0)
+        grow = good >= self.options.loss_scale_window
+        scale = self.loss_scale["scale"]
+        self.loss_scale["scale"] = mx.where(finite, mx.where(grow, scale * 2.0, scale), mx.maximum(scale * 0.5, 1.0))
+        self.loss_scale["good_steps"] = mx.where(grow, 0, good)
 
-    def _eval_step(self, batch: Any, metrics: dict) -> dict:
-        params = self.model.parameters()
-        if self.compute_dtype != mx.float32:
-            self.model.update(tree_map(lambda p: p.astype(self.compute_dtype) if mx.issubdtype(p.dtype, mx.floating) else p, params))
-        value, n, outputs = self.loss(self.model, batch)
-        self.model.update(params)
-        metrics = dict(metrics)
-        metrics["loss_sum"] = metrics["loss_sum"] + value * n
-        metrics["items"] = metrics["items"] + n
+
+def build_step(model: nn.Module, optimizer: optim.Optimizer, loss: Loss, options: StepOptions,
+               loss_scale: dict[str, mx.array], reduction: Reduction | None = None,
+               extensions: Sequence[Any] = ()) -> TrainStep:
+    """The training step for this model, optimizer, loss and options (see the module docstring)."""
+    return TrainStep(model, optimizer, loss, options, loss_scale, reduction, extensions)
+
+
+def build_eval_step(model: nn.Module, loss: Loss, precision: str = "float32",
+                    compile: bool = True) -> Callable[[Any, dict], dict]:
+    """``sums = evaluate(batch, sums)``: adds one batch's loss (and accuracy counts when they apply)."""
+    dtype = DTYPES[precision]
+
+    def evaluate(batch: Any, sums: dict) -> dict:
+        params = model.parameters()
+        if dtype != mx.float32:
+            model.update(_cast(params, dtype))
+        value, n, outputs = loss(model, batch)
+        model.update(params)
+        sums = dict(sums)
+        sums["loss_sum"] = sums["loss_sum"] + value * n
+        sums["items"] = sums["items"] + n
         correct = count_correct(outputs, batch)
         if correct is not None:
-            metrics["correct"] = metrics.get("correct", mx.array(0.0)) + correct[0]
-            metrics["counted"] = metrics.get("counted", mx.array(0.0)) + correct[1]
-        return metrics
+            sums["correct"] = sums.get("correct", mx.array(0.0)) + correct[0]
+            sums["counted"] = sums.get("counted", mx.array(0.0)) + correct[1]
+        return sums
+
+    return mx.compile(evaluate, inputs=[model.state, mx.random.state]) if compile else evaluate
 
 
 def split_batch(batch: Any, parts: int) -> list[Any]:
@@ -198,38 +257,3 @@ def describe_shapes(batch: Any) -> str:
     if isinstance(batch, dict):
         return str({k: tuple(v.shape) for k, v in batch.items()})
     return str(tuple(tuple(v.shape) for v in batch))
-
-
-def make_step_runner(steps: Steps, accumulation: int) -> Callable[[Any, dict], dict]:
-    """Return ``run(step_batch, metrics) -> metrics`` doing one optimizer step, one mx.eval per micro-batch."""
-    single = accumulation == 1 and steps.world_size == 1
-
-    def call(micro: Any, grads: Any, metrics: dict, update: bool, one: bool):
-        try:
-            return steps.micro(micro, grads, metrics, update=update, single=one)
-        except DataError:
-            raise
-        except ValueError as error:  # MLX reports shape mismatches as ValueError
-            raise DataError(
-                f"the model failed on a batch of shapes {describe_shapes(micro)}: {error}. Check that the "
-                "dataset's arrays match what the model expects (feature size, dtype, sequence layout)"
-            ) from error
-
-    if accumulation == 1:
-        def run_single(batch: Any, metrics: dict) -> dict:
-            _, metrics = call(batch, None, metrics, True, single)
-            mx.eval(steps.state, metrics)
-            return metrics
-
-        return run_single
-
-    def run(batch: Any, metrics: dict) -> dict:
-        micro_batches = split_batch(batch, accumulation)
-        grads = None
-        last = len(micro_batches) - 1
-        for i, micro in enumerate(micro_batches):
-            grads, metrics = call(micro, grads, metrics, i == last, False)
-            mx.eval(steps.state, grads, metrics)
-        return metrics
-
-    return run

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from contextlib import nullcontext
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -24,54 +23,56 @@ from mlx_train.config import TrainConfig
 from mlx_train.distributed import rank as rank_runtime
 from mlx_train.distributed.backends import STRATEGIES, active_backend, check_strategy
 from mlx_train.errors import ConfigError, DistributedError
-from mlx_train.training.step import Steps
+from mlx_train.training.step import Reduction
 from mlx_train.training.trainer import Trainer
 
-__all__ = ["DistributedTrainer", "STRATEGIES"]
+__all__ = ["DistributedTrainer", "STRATEGIES", "fused_average", "sharded_reduction"]
 
 FUSE_BYTES = 32 * 2**20  # nn.average_gradients' bucket size: larger gradients keep its bucketing
 _TRANSPORT_ERRORS = ("[ring]", "[mpi]", "[nccl]", "[jaccl]", "connection to a peer")
 
 
-class DistributedSteps(Steps):
-    """Steps whose gradient all-reduce is watched (the rank's monitor times the wait) and, for
-    gradients up to ``FUSE_BYTES``, done in one collective with the item count that weights them."""
+def fused_average(group: Any, before_update: Callable[[], None] | None = None) -> Reduction:
+    """Data-parallel reduction: gradients up to ``FUSE_BYTES`` and their item count averaged in ONE
+    all-reduce (the ring's latency, not its bandwidth, bounds small models); larger ones use
+    ``nn.average_gradients``' buckets."""
+    world = group.size()
 
-    monitor: Any = None
-
-    def _reduce_gradients(self, grads: Any, n_total: mx.array | None):
+    def reduce(grads: Any, n_items: mx.array | None):
         flat = tree_flatten(grads)
         dtypes = {g.dtype for _, g in flat}
-        size = sum(g.nbytes for _, g in flat)
-        if self.world_size == 1 or n_total is None or len(dtypes) != 1 or size > FUSE_BYTES:
-            return super()._reduce_gradients(grads, n_total)
-        # One all_sum instead of two: the ring's latency, not its bandwidth, bounds small models.
+        if n_items is None or len(dtypes) != 1 or sum(g.nbytes for _, g in flat) > FUSE_BYTES:
+            grads = nn.average_gradients(grads, group=group)
+            if n_items is not None:
+                n_items = mx.distributed.all_sum(n_items, group=group) / world
+            return grads, n_items
         dtype = dtypes.pop()
-        joined = mx.concatenate([g.reshape(-1) for _, g in flat] + [n_total.reshape(1).astype(dtype)])
-        joined = mx.distributed.all_sum(joined, group=self.group) / self.world_size
+        joined = mx.concatenate([g.reshape(-1) for _, g in flat] + [n_items.reshape(1).astype(dtype)])
+        joined = mx.distributed.all_sum(joined, group=group) / world
         parts = mx.split(joined, list(itertools.accumulate(g.size for _, g in flat)))
         averaged = [(k, part.reshape(g.shape)) for (k, g), part in zip(flat, parts)]
-        return tree_unflatten(averaged), parts[-1].reshape(()).astype(n_total.dtype)
+        return tree_unflatten(averaged), parts[-1].reshape(()).astype(n_items.dtype)
 
-    def micro(self, batch: Any, grads: Any, metrics: dict, update: bool, single: bool = False):
-        if update and self.monitor is not None:
-            self.monitor.arm("gradient all-reduce")  # disarmed by the monitor's on_batch_end
-        return super().micro(batch, grads, metrics, update, single)
+    return Reduction(reduce, before_update=before_update)
 
 
-class ShardedSteps(DistributedSteps):
-    """FSDP steps: ``nn.fully_shard`` already reduce-scatters (and averages) each rank's gradient shard."""
+def sharded_reduction(group: Any, before_update: Callable[[], None] | None = None) -> Reduction:
+    """FSDP: ``nn.fully_shard`` already reduce-scatters (and averages) each rank's gradient shard; only
+    the item count is summed, and clipping uses the norm over all shards."""
+    world = group.size()
 
-    def _reduce_gradients(self, grads: Any, n_total: mx.array | None):
-        if n_total is not None:
-            n_total = mx.distributed.all_sum(n_total, group=self.group) / self.world_size
-        return grads, n_total
+    def reduce(grads: Any, n_items: mx.array | None):
+        if n_items is not None:
+            n_items = mx.distributed.all_sum(n_items, group=group) / world
+        return grads, n_items
 
-    def _clip_gradients(self, grads: Any):
-        if self.max_grad_norm is not None:
-            return nn.utils.clip_grad_norm_sharded(grads, self.max_grad_norm, group=self.group)
+    def clip(grads: Any, max_norm: float | None):
+        if max_norm is not None:
+            return nn.utils.clip_grad_norm_sharded(grads, max_norm, group=group)
         squares = sum(mx.sum(mx.square(g)) for _, g in tree_flatten(grads))
-        return grads, mx.sqrt(mx.distributed.all_sum(squares, group=self.group))
+        return grads, mx.sqrt(mx.distributed.all_sum(squares, group=group))
+
+    return Reduction(reduce, clip, before_update)
 
 
 class DistributedTrainer(Trainer):
@@ -112,18 +113,26 @@ class DistributedTrainer(Trainer):
         if distributed_config is not None:
             distributed_config.check_world_size(world)
         self.strategy = strategy
-        self.steps_class = ShardedSteps if strategy == "fsdp" and world > 1 else DistributedSteps
         self.monitor = self._make_monitor()
-        if world > 1:  # every rank starts from rank 0's weights (before fsdp shards them)
+        if self.monitor is not None:
+            self.collective = self.monitor.collective
+        if world > 1:
+            arm = (lambda: self.monitor.arm("gradient all-reduce")) if self.monitor is not None else None
+            sharded = strategy == "fsdp"
+            self.gradient_reduction = (sharded_reduction if sharded else fused_average)(self.group, arm)
             from mlx_train.distributed.checksum import broadcast_from_rank0
 
+            # every rank starts from rank 0's weights (before fsdp shards them)
             with self.collective("start-up broadcast of rank 0's parameters"):
                 model.update(broadcast_from_rank0(model.parameters(), self.group))
                 mx.eval(model.parameters())
+            if not sharded:
+                from mlx_train.distributed.comm import estimate_step_comm_seconds
+
+                with self.collective("start-up timing of the gradient all-reduce"):
+                    self.comm_seconds = estimate_step_comm_seconds(model, self.group)  # reports show time_comm
         if strategy == "fsdp":
             self.model = nn.fully_shard(model, group=self.group)  # the model itself when alone
-
-    # -- public helpers -----------------------------------------------------------------
 
     @property
     def world_size(self) -> int:
@@ -133,16 +142,28 @@ class DistributedTrainer(Trainer):
     def rank(self) -> int:
         return self.group.rank()
 
-    def collective(self, what: str) -> ContextManager:
-        """Guard a blocking collective with the rank's watchdog (``with trainer.collective("..."):``)."""
-        return self.monitor.collective(what) if self.monitor is not None else nullcontext()
-
     def train(self, train_dataset: Any = None, val_dataset: Any = None, epochs: int | None = None,
               checkpoint_dir: str | None = None, callbacks: list | None = None, resume: str | None = None) -> dict:
         """``Trainer.train``; after a supervised restart it resumes from the last complete checkpoint."""
+        if self.strategy == "fsdp" and self.world_size > 1 and (checkpoint_dir or self.config.checkpoint_dir):
+            raise ConfigError(
+                "checkpoints of strategy 'fsdp' runs are not supported yet: each rank holds only a shard of the "
+                "parameters and optimizer state, and a checkpoint must hold them whole. Train without "
+                "checkpoint_dir, or use strategy='data_parallel' (which resumes on any number of ranks)"
+            )
         if resume is None and (checkpoint_dir or self.config.checkpoint_dir):
             resume = rank_runtime.restart_resume()
-        return super().train(train_dataset, val_dataset, epochs, checkpoint_dir, callbacks, resume)
+        extra = [self.monitor] if self.monitor is not None else []
+        if self.config.checksum_every and self.world_size > 1:
+            from mlx_train.distributed.checksum import ParameterChecksum
+
+            extra.append(ParameterChecksum(self.config.checksum_every, self.config.checksum_action))
+        try:
+            return super().train(train_dataset, val_dataset, epochs, checkpoint_dir, extra + list(callbacks or []),
+                                 resume)
+        except RuntimeError as error:
+            self._raise_transport_error(error)
+            raise
 
     def evaluate(self, dataset: Any) -> dict[str, float]:
         try:
@@ -150,62 +171,6 @@ class DistributedTrainer(Trainer):
         except RuntimeError as error:
             self._raise_transport_error(error)
             raise
-
-    # -- hooks into the Trainer ---------------------------------------------------------
-
-    def _run(self, loader, val_loader, epochs, checkpoint_dir, callbacks, resume) -> dict:
-        if self.steps_class is ShardedSteps and (checkpoint_dir or self.config.checkpoint_dir):
-            raise ConfigError(
-                "checkpoints of strategy 'fsdp' runs are not supported yet: each rank holds only a shard of the "
-                "parameters and optimizer state, and a checkpoint must hold them whole. Train without "
-                "checkpoint_dir, or use strategy='data_parallel' (which resumes on any number of ranks)"
-            )
-        try:
-            return super()._run(loader, val_loader, epochs, checkpoint_dir, callbacks, resume)
-        except RuntimeError as error:
-            self._raise_transport_error(error)
-            raise
-
-    def _build(self) -> None:
-        if self._steps is not None:
-            return
-        super()._build()
-        self._steps.monitor = self.monitor if self.world_size > 1 else None
-        if self.world_size > 1 and self.steps_class is DistributedSteps:
-            from mlx_train.distributed.comm import estimate_step_comm_seconds
-
-            with self.collective("start-up timing of the gradient all-reduce"):
-                self.comm_seconds = estimate_step_comm_seconds(self.model, self.group)  # reports show time_comm
-
-    def _reduce(self, values: dict[str, mx.array]) -> dict[str, mx.array]:
-        if self.world_size == 1:
-            return values
-        with self.collective("metric reduction"):
-            reduced = super()._reduce(values)
-            mx.eval(reduced)
-        return reduced
-
-    def _save(self, checkpoints, loader, callbacks, clock) -> None:
-        # Rank 0 saves the running metrics summed over ranks (the others hold zeros), so that a
-        # checkpoint resumes on any number of ranks with the same reported loss.
-        if self.world_size > 1 and self._metrics:
-            sums = {k: v for k, v in self._metrics.items() if k in ("loss_sum", "items")}
-            total = self._reduce(sums)
-            self._metrics = {**self._metrics, **(total if self.is_main else
-                                                 {k: mx.zeros_like(v) for k, v in total.items()})}
-        super()._save(checkpoints, loader, callbacks, clock)
-
-    def _default_callbacks(self) -> list:
-        callbacks = super()._default_callbacks()
-        if self.monitor is not None:
-            callbacks.append(self.monitor)
-        if self.config.checksum_every and self.world_size > 1:
-            from mlx_train.distributed.checksum import ParameterChecksum
-
-            callbacks.append(ParameterChecksum(self.config.checksum_every, self.config.checksum_action))
-        return callbacks
-
-    # -- pieces -------------------------------------------------------------------------
 
     def _make_monitor(self):
         """The rank's heartbeat file and watchdog (None for a lone process outside the supervisor)."""
@@ -218,9 +183,6 @@ class DistributedTrainer(Trainer):
         if log_dir:  # each rank's own log: <run_dir>/logs/rank-<r>.log
             rank_runtime.tee_output(log_dir, self.rank)
         monitor = rank_runtime.RankMonitor(self.rank, self.world_size, directory, self.config.collective_timeout)
-        monitor.zero_rank_metrics = lambda: setattr(
-            self, "_metrics", {k: (mx.zeros_like(v) if k in ("loss_sum", "items") else v)
-                               for k, v in self._metrics.items()})
         return monitor.start()
 
     def _raise_transport_error(self, error: RuntimeError) -> None:

@@ -1,0 +1,124 @@
+"""Metering between reports: speed, where the step time went, and the report window's loss.
+
+The ``Meter`` only measures: it is handed the epoch's loss totals already summed over ranks, so
+no collective hides in it, and its clock is injectable, so tests need no sleeps.
+
+Example::
+
+    meter = Meter(state, world_size=1, clock=fake_clock)
+    for batch in meter.timed(loader):
+        state.running = step(state, batch); state.step += 1
+        meter.count(batch)
+    logs = meter.report({"loss_sum": 12.0, "items": 32.0}, learning_rate=1e-3)
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Iterable, Iterator
+
+import mlx.core as mx
+
+from mlx_train.training.losses import batch_size_of
+
+
+class Meter:
+    """Counts samples and train time (validation and saving left out) between reports.
+
+    It splits the step time: waiting for the loader (``timed``), the step itself (from a batch's
+    arrival to ``count``) and checkpoint saves (``resume(checkpoint=True)``). Validation counts in
+    none of them. Trained samples are counted in the loop state, so a checkpoint holds them.
+    """
+
+    def __init__(self, state: Any, world_size: int = 1, clock: Callable[[], float] = time.perf_counter,
+                 peak_memory: Callable[[], int] = mx.get_peak_memory,
+                 reset_peak: Callable[[], None] = mx.reset_peak_memory) -> None:
+        self.state, self.world_size, self.clock = state, world_size, clock
+        self.peak_memory, self.reset_peak = peak_memory, reset_peak
+        self.start = clock()
+        self.paused = 0.0
+        self.pending_samples = self.pending_steps = 0
+        self.data_seconds = self.step_seconds = self.checkpoint_seconds = 0.0
+        self.comm_seconds = 0.0  # per step, estimated by distributed training (it happens inside the step)
+        self._fetched = self.start
+        self._pause_start = self.start
+        reset_peak()
+
+    def timed(self, loader: Iterable) -> Iterator:
+        """Iterate ``loader``, adding the time spent waiting for each batch to ``data_seconds``."""
+        start = self.clock()
+        iterator = iter(loader)
+        while True:
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                self.data_seconds += self.clock() - start
+                return
+            self._fetched = self.clock()
+            self.data_seconds += self._fetched - start
+            yield batch
+            start = self.clock()
+
+    def count(self, batch: Any) -> None:
+        """One optimizer step on ``batch`` has finished."""
+        self.step_seconds += self.clock() - self._fetched
+        samples = batch_size_of(batch)
+        self.pending_samples += samples
+        self.pending_steps += 1
+        self.state.trained_samples += samples * self.world_size
+
+    def pause(self) -> None:
+        self._pause_start = self.clock()
+
+    def resume(self, checkpoint: bool = False) -> None:
+        seconds = self.clock() - self._pause_start
+        self.paused += seconds
+        if checkpoint:
+            self.checkpoint_seconds += seconds
+
+    @property
+    def pending(self) -> bool:
+        """Steps were counted since the last report."""
+        return self.pending_steps > 0
+
+    def report(self, totals: dict[str, float], learning_rate: float, grad_norm: float | None = None) -> dict:
+        """The report's logs. ``totals``: the epoch's ``loss_sum`` and ``items`` summed over ranks."""
+        state, now = self.state, self.clock()
+        seconds = max(now - self.start - self.paused, 1e-9)
+        base = state.report_base
+        d_items = totals["items"] - base["items"]
+        samples = self.pending_samples * self.world_size
+        logs = {
+            "step": state.step,
+            "epoch": state.epoch,
+            "loss": (totals["loss_sum"] - base["loss_sum"]) / max(d_items, 1e-9),
+            "learning_rate": learning_rate,
+            "samples_per_second": samples / seconds,
+            "steps_per_second": self.pending_steps / seconds,
+            "trained_samples": state.trained_samples,
+            "peak_memory_gb": self.peak_memory() / 1e9,
+        }
+        if d_items > samples * 1.5:  # sequences: items are tokens
+            logs["tokens_per_second"] = d_items / seconds
+        if grad_norm is not None:
+            logs["grad_norm"] = grad_norm
+        logs.update(self._step_times(seconds))
+        state.report_base = {"loss_sum": totals["loss_sum"], "items": totals["items"], "step": state.step}
+        self.pending_samples = self.pending_steps = 0
+        self.start, self.paused = now, 0.0
+        self.data_seconds = self.step_seconds = self.checkpoint_seconds = 0.0
+        self.reset_peak()
+        return logs
+
+    def _step_times(self, train_seconds: float) -> dict[str, float]:
+        """Seconds per optimizer step since the last report: the wall time and where it went."""
+        steps = max(self.pending_steps, 1)
+        step = self.step_seconds / steps
+        comm = min(max(self.comm_seconds, 0.0), step)
+        return {
+            "step_time": (train_seconds + self.checkpoint_seconds) / steps,
+            "time_data": self.data_seconds / steps,
+            "time_compute": step - comm,
+            "time_comm": comm,
+            "time_checkpoint": self.checkpoint_seconds / steps,
+        }
