@@ -6,6 +6,12 @@ Events (override only those you need; the Trainer skips the rest):
 ``on_epoch_end(trainer, epoch, logs)``, ``on_checkpoint(trainer, path)``,
 ``on_fit_end(trainer, history)``, ``on_exception(trainer, error)``.
 
+Two optional hooks extend the step and the reports: a callback with ``in_step(model, optimizer)``
+and ``step_state`` (a tree of arrays) runs inside the compiled update after the optimizer (pruning
+masks, weight averages; ``step_state`` joins the compiled state); ``report_metrics()`` adds values
+to reports and epoch logs; ``validation_weights()`` (flat name -> array, or None) replaces the
+weights during validation.
+
 ``logs`` are plain Python floats (``loss``, ``learning_rate``, ``val_loss``, ...). A callback stops
 training by setting ``trainer.stop_training = True``. State that must survive a resume is returned
 by ``state_dict()`` (JSON values and ``mx.array`` leaves) and given back to ``load_state_dict()``.
@@ -16,10 +22,11 @@ works as is: pass it in ``callbacks=[...]``.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import warnings
-from typing import Any
+from typing import Any, Iterator
 
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
@@ -136,6 +143,31 @@ class CallbackList:
             names.append(base if base not in seen else f"{base}_{seen[base]}")
             seen[base] = seen.get(base, 0) + 1
         return names
+
+    def report_metrics(self) -> dict[str, float]:
+        """Extra values for reports and epoch logs from callbacks that define ``report_metrics()``
+        (e.g. pruning's sparsity): they reach every ``on_report``/``on_epoch_end`` and metrics.jsonl."""
+        values: dict[str, float] = {}
+        for c in self.callbacks:
+            if hasattr(c, "report_metrics"):
+                values.update(c.report_metrics())
+        return values
+
+    @contextlib.contextmanager
+    def validation_weights(self, model: Any) -> Iterator[None]:
+        """Evaluate with the weights a callback's ``validation_weights()`` returns (flat name -> array,
+        e.g. an exponential moving average), then put the trained weights back."""
+        weights = next((w for c in self.callbacks if hasattr(c, "validation_weights")
+                        for w in [c.validation_weights()] if w), None)
+        if not weights:
+            yield
+            return
+        trained = dict(tree_flatten(model.parameters()))
+        model.load_weights(list(weights.items()), strict=False)
+        try:
+            yield
+        finally:
+            model.load_weights(list(trained.items()), strict=False)
 
     def state(self) -> tuple[dict, dict[str, mx.array]]:
         """(JSON state, arrays) of every callback that has state."""

@@ -258,6 +258,7 @@ class Trainer:
             self._validate(val_loader, callbacks, meter)
         logs.update({k: v for k, v in state.last_val.items() if k not in ("step", "epoch", "val_time")})
         logs["learning_rate"] = float(self.optimizer.learning_rate.item())
+        logs.update(callbacks.report_metrics())
         for key, value in {"epoch": state.epoch, **logs}.items():
             state.history.setdefault(key, []).append(value)
         state.running, state.epoch_done = {}, True
@@ -267,11 +268,12 @@ class Trainer:
         grad_norm = self.state.running.get("grad_norm")
         logs = meter.report(self._totals(), float(self.optimizer.learning_rate.item()),
                             None if grad_norm is None else float(grad_norm.item()))
-        callbacks.call("on_report", self, logs)
+        callbacks.call("on_report", self, {**logs, **callbacks.report_metrics()})
 
     def _validate(self, val_loader, callbacks, meter) -> None:
         meter.pause()
-        logs = {"step": self.state.step, "epoch": self.state.epoch, **self._evaluate_loader(val_loader)}
+        with callbacks.validation_weights(self.model):
+            logs = {"step": self.state.step, "epoch": self.state.epoch, **self._evaluate_loader(val_loader)}
         self.state.last_val = logs
         callbacks.call("on_validation_end", self, logs)
         meter.resume()
