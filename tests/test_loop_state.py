@@ -1,0 +1,269 @@
+"""LoopState round trips, the Meter with an injected clock, the memory guard with a fake step, callbacks."""
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from mlx_train.errors import CheckpointError, OutOfMemoryError
+from mlx_train.training.callbacks import Callback, CallbackList
+from mlx_train.training.meter import Meter
+from mlx_train.training.oom import CPU_MESSAGE, MemoryGuard, MemoryPolicy
+from mlx_train.training.state import LoopState, assign_leaves, saved_parameters
+
+
+class Block(nn.Module):
+    """A layer with a parameterless submodule (dropout) next to a linear one."""
+
+    def __init__(self):
+        super().__init__()
+        self.dropout = nn.Dropout(0.1)
+        self.linear = nn.Linear(4, 4)
+        self.act = nn.ReLU()
+
+    def __call__(self, x):
+        return self.act(self.linear(self.dropout(x)))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = [Block(), Block()]
+        self.head = nn.Linear(4, 2)
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+class Loader:
+    epoch = 1
+
+    def __init__(self):
+        self.loaded = None
+
+    def state_dict(self):
+        return {"position": 3}
+
+    def load_state_dict(self, state):
+        self.loaded = state
+
+
+class Config:
+    def to_dict(self):
+        return {"seed": 0}
+
+
+def _trained(frozen: bool):
+    mx.random.seed(0)
+    model = Net()
+    if frozen:
+        model.freeze()
+        model.layers[1].unfreeze()
+    optimizer = optim.AdamW(1e-2)
+    optimizer.init(model.trainable_parameters())
+    grads = nn.value_and_grad(model, lambda m: m(mx.ones((2, 4))).sum())(model)[1]
+    optimizer.update(model, grads)
+    mx.eval(model.parameters(), optimizer.state)
+    return model, optimizer
+
+
+def _flat(tree):
+    return {k: np.array(v) for k, v in tree_flatten(tree)}
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_capture_and_restore_round_trip_any_tree_in_place(frozen):
+    model, optimizer = _trained(frozen)
+    state = LoopState(step=7, epoch=1, history={"train_loss": [1.0]}, trained_samples=56)
+    state.running = {"loss_sum": mx.array(3.5), "items": mx.array(7.0)}
+    arrays, saved = state.capture(model, optimizer, Loader(), CallbackList([]), Config(), {"loss_sum": 3.5,
+                                                                                          "items": 7.0})
+    expected_model, expected_opt = _flat(model.parameters()), _flat(optimizer.state)
+    if frozen:  # only trainable parameters are saved
+        assert set(arrays["model"]) == set(dict(tree_flatten(model.trainable_parameters())))
+        assert len(arrays["model"]) < len(expected_model)
+        assert saved["model_scope"] == "trainable"
+
+    fresh_model, fresh_optimizer = Net(), optim.AdamW(1e-2)
+    if frozen:
+        fresh_model.freeze()
+        fresh_model.layers[1].unfreeze()
+        fresh_model.load_weights(list({k: mx.array(v) for k, v in expected_model.items()}.items()))
+    fresh_optimizer.init(fresh_model.trainable_parameters())
+    containers = (fresh_optimizer.state, fresh_optimizer.state["layers"])
+    restored, loader = LoopState(), Loader()
+    restored.restore("ckpt", arrays, saved, fresh_model, fresh_optimizer, loader, CallbackList([]))
+
+    assert containers[0] is fresh_optimizer.state and containers[1] is fresh_optimizer.state["layers"]
+    assert "dropout" in fresh_optimizer.state["layers"][0]  # empty subtrees kept: the update still works
+    assert _flat(fresh_model.parameters()).keys() == expected_model.keys()
+    assert all(np.array_equal(_flat(fresh_model.parameters())[k], v) for k, v in expected_model.items())
+    assert all(np.array_equal(_flat(fresh_optimizer.state)[k], v) for k, v in expected_opt.items())
+    assert (restored.step, restored.epoch, restored.history, restored.trained_samples) == (7, 1, {"train_loss": [1.0]},
+                                                                                           56)
+    assert float(restored.running["loss_sum"].item()) == 3.5 and loader.loaded == {"position": 3}
+    grads = nn.value_and_grad(fresh_model, lambda m: m(mx.ones((2, 4))).sum())(fresh_model)[1]
+    fresh_optimizer.update(fresh_model, grads)  # would raise KeyError with a lost subtree
+    mx.eval(fresh_model.parameters())
+
+
+def test_restore_off_rank_zero_starts_running_sums_at_zero():
+    model, optimizer = _trained(False)
+    state = LoopState(step=2)
+    arrays, saved = state.capture(model, optimizer, Loader(), CallbackList([]), Config(), {"loss_sum": 4.0,
+                                                                                          "items": 2.0})
+    restored = LoopState()
+    restored.restore("ckpt", arrays, saved, model, optimizer, Loader(), CallbackList([]), rank=1)
+    assert float(restored.running["loss_sum"].item()) == 0.0
+
+
+def test_a_different_base_model_is_refused():
+    model, optimizer = _trained(True)
+    state = LoopState(base_model={"path": "base-a", "sha256": "a" * 64})
+    arrays, saved = state.capture(model, optimizer, Loader(), CallbackList([]), Config(), {})
+    other = LoopState(base_model={"path": "base-b", "sha256": "b" * 64})
+    with pytest.raises(CheckpointError, match="was trained on base model base-a .* needs the same base"):
+        other.restore("ckpt", arrays, saved, model, optimizer, Loader(), CallbackList([]))
+
+
+def test_assign_leaves_writes_through_lists_and_dicts():
+    tree = {"a": [{"w": 1}, {"w": 2}], "b": {}}
+    assign_leaves(tree, {"a.1.w": 5})
+    assert tree == {"a": [{"w": 1}, {"w": 5}], "b": {}}
+
+
+def test_saved_parameters_are_all_of_them_without_frozen_parts():
+    model, _ = _trained(False)
+    assert saved_parameters(model).keys() == dict(tree_flatten(model.parameters())).keys()
+
+
+# -- the meter ------------------------------------------------------------------------------
+
+class FakeClock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_meter_splits_time_and_reports_the_window_loss():
+    clock, state = FakeClock(), LoopState()
+    meter = Meter(state, world_size=2, clock=clock, peak_memory=lambda: 2e9, reset_peak=lambda: None)
+
+    def loader():
+        for _ in range(2):
+            clock.now += 0.5  # waiting for data
+            yield (np.zeros((4, 3)),)
+
+    for batch in meter.timed(loader()):
+        clock.now += 1.0  # the step
+        meter.count(batch)
+    meter.pause()
+    clock.now += 10.0  # validation: not counted
+    meter.resume()
+    logs = meter.report({"loss_sum": 12.0, "items": 6.0}, learning_rate=0.1)
+    assert logs["loss"] == 2.0 and logs["steps_per_second"] == pytest.approx(2 / 3.0)
+    assert logs["time_data"] == pytest.approx(0.5) and logs["time_compute"] == pytest.approx(1.0)
+    assert logs["samples_per_second"] == pytest.approx(16 / 3.0) and state.trained_samples == 16
+    assert logs["peak_memory_gb"] == 2.0
+    # the next window starts from the reported totals
+    meter.count((np.zeros((4, 3)),))
+    assert meter.report({"loss_sum": 15.0, "items": 9.0}, 0.1)["loss"] == 1.0
+    assert state.report_base == {"loss_sum": 15.0, "items": 9.0, "step": 0}
+
+
+# -- the memory guard -----------------------------------------------------------------------
+
+class FakeStep:
+    """A step that runs out of memory while its micro-batch is larger than ``fits``."""
+
+    def __init__(self, accumulation, fits, counter, log):
+        self.accumulation, self.fits, self.log = accumulation, fits, log
+        self.model, self.optimizer = nn.Linear(2, 2), optim.SGD(0.1)
+        self.options = type("O", (), {"precision": "float32"})()
+        self.state = [counter]
+
+    def __call__(self, state, batch):
+        micro = -(-batch[0].shape[0] // self.accumulation)
+        self.state[0]["n"] = self.state[0]["n"] + 1  # a change the guard must undo on failure
+        self.log.append(micro)
+        if micro > self.fits:
+            raise RuntimeError(CPU_MESSAGE)
+        return {"loss_sum": mx.array(1.0), "items": mx.array(float(batch[0].shape[0]))}
+
+
+def test_the_guard_retries_the_same_batch_with_half_the_micro_batch():
+    counter, calls, messages = {"n": mx.array(0)}, [], []
+    guard = MemoryGuard(lambda acc, ckpt: FakeStep(acc, 8, counter, calls), 1, MemoryPolicy(), log=messages.append)
+    state = LoopState()
+    guard(state, (mx.zeros((32, 2)),))
+    assert calls == [32, 16, 8]
+    assert int(counter["n"].item()) == 1  # the two failed attempts were undone
+    assert guard.batch_size == 8 and guard.accumulation == 4
+    assert state.micro_batch["batch_size"] == 8 and state.micro_batch["gradient_accumulation"] == 4
+    assert "retrying the same step with micro-batch 16" in messages[0]
+    # a new guard built from the saved settings starts where this one settled
+    resumed = MemoryGuard(lambda acc, ckpt: FakeStep(acc, 8, counter, calls), 1, MemoryPolicy(),
+                          settings=state.micro_batch)
+    calls.clear()
+    resumed(state, (mx.zeros((32, 2)),))
+    assert calls == [8]
+
+
+def test_the_guard_gives_up_with_advice_at_micro_batch_one():
+    guard = MemoryGuard(lambda acc, ckpt: FakeStep(acc, 0, {"n": mx.array(0)}, []), 1, MemoryPolicy(),
+                        log=lambda m: None)
+    with pytest.raises(OutOfMemoryError, match="tried down to micro-batch 1 .* What to try"):
+        guard(LoopState(), (mx.zeros((4, 2)),))
+
+
+def test_without_recovery_the_first_failure_is_the_error():
+    guard = MemoryGuard(lambda acc, ckpt: FakeStep(acc, 1, {"n": mx.array(0)}, []), 1, MemoryPolicy(recover=False))
+    with pytest.raises(OutOfMemoryError, match="oom_recovery is off"):
+        guard(LoopState(), (mx.zeros((4, 2)),))
+
+
+# -- callbacks ------------------------------------------------------------------------------
+
+def test_callback_list_calls_only_overridden_events_and_round_trips_state():
+    class Counter(Callback):
+        def __init__(self):
+            self.batches, self.weights = 0, mx.array([1.0, 2.0])
+
+        def on_batch_end(self, trainer, step):
+            self.batches += 1
+
+        def state_dict(self):
+            return {"batches": self.batches, "weights": self.weights}
+
+        def load_state_dict(self, state):
+            self.batches, self.weights = state["batches"], state["weights"]
+
+    first, second = Counter(), Counter()
+    callbacks = CallbackList([first, second])
+    assert callbacks.has("on_batch_end") and not callbacks.has("on_epoch_end")
+    callbacks.call("on_batch_end", None, 1)
+    assert first.batches == second.batches == 1
+    json_state, arrays = callbacks.state()
+    assert set(json_state) == {"Counter", "Counter_1"} and set(arrays) == {"Counter/weights", "Counter_1/weights"}
+    fresh = CallbackList([Counter(), Counter()])
+    fresh.load_state(json_state, arrays)
+    assert fresh.callbacks[1].batches == 1 and np.array_equal(np.array(fresh.callbacks[1].weights), [1.0, 2.0])
+
+
+def test_validation_weights_are_swapped_in_and_back():
+    model = nn.Linear(2, 1)
+    trained = np.array(model.weight)
+
+    class Average(Callback):
+        def validation_weights(self):
+            return {"weight": mx.zeros((1, 2))}
+
+    with CallbackList([Average()]).validation_weights(model):
+        assert float(mx.abs(model.weight).sum().item()) == 0.0
+    assert np.array_equal(np.array(model.weight), trained)
