@@ -21,7 +21,9 @@ from mlx_train.errors import (  # noqa: E402
     DeviceError,
     DistributedError,
     MLXTrainError,
+    NonFiniteError,
     OutOfMemoryError,
+    TrainingInterrupted,
 )
 
 __version__ = "0.1.0"
@@ -49,6 +51,8 @@ __all__ = [
     "DataError",
     "DeviceError",
     "DistributedError",
+    "NonFiniteError",
+    "TrainingInterrupted",
     "MLXTrainError",
     "OutOfMemoryError",
     "TrainConfig",

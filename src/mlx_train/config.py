@@ -157,6 +157,10 @@ class TrainConfig:
                                choices=("auto", "min", "max"))
     early_stopping_patience: int | None = _field(None, "Stop after this many evaluations without improvement "
                                                        "of monitor (null: never stop early).")
+    nonfinite: str = _field("raise", "What a NaN/Inf loss or gradient does: 'raise' (stop with an error naming the "
+                                     "step and batch), 'skip' (the update is undone and training goes on) or "
+                                     "'stop' (stop, keeping the last finite checkpoint).",
+                            choices=("raise", "skip", "stop"))
     early_stopping_min_delta: float = _field(0.0, "Smallest change of monitor that counts as an "
                                                   "improvement.")
     num_workers: int = _field(2, "Background threads that prefetch batches (0: load in the training "

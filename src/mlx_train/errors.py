@@ -68,3 +68,25 @@ def did_you_mean(name: str, candidates: Iterable[str]) -> str:
     """Return ``" (did you mean 'x'?)"`` for the closest candidate, or ``""``."""
     close = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.5)
     return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+class NonFiniteError(MLXTrainError, FloatingPointError):
+    """A loss or gradient became NaN or infinite (with ``nonfinite="raise"``, the default)."""
+
+    exit_code = 8
+
+
+class TrainingInterrupted(SystemExit):
+    """Training stopped on SIGTERM or SIGINT after saving a checkpoint.
+
+    A ``SystemExit`` whose code is ``128 + signal`` (143 for SIGTERM, 130 for SIGINT), so an
+    uncaught one ends the process the way schedulers expect; ``checkpoint`` is the path saved
+    (None without a ``checkpoint_dir``).
+    """
+
+    def __init__(self, signum: int, step: int, checkpoint: str | None, message: str) -> None:
+        super().__init__(128 + signum)
+        self.signum, self.step, self.checkpoint, self.message = signum, step, checkpoint, message
+
+    def __str__(self) -> str:
+        return self.message

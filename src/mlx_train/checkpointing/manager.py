@@ -14,6 +14,8 @@ import json
 import os
 import re
 import sys
+import math
+import shutil
 import threading
 import time
 import uuid
@@ -112,6 +114,20 @@ def _snapshot(arrays) -> dict[str, dict[str, mx.array]]:
     return snapshot
 
 
+def _disk_full(directory: str, error: BaseException) -> str:
+    """". The disk is full: 0.1 MiB free on ..." when the failure looks like a full disk, else ""."""
+    if "://" in directory:
+        return ""
+    full = getattr(error, "errno", None) == 28  # ENOSPC
+    try:
+        free = shutil.disk_usage(directory).free
+    except OSError:
+        return ". The disk is full" if full else ""
+    if full or free < 64 * 2**20:
+        return f". The disk is full: {free / 2**20:.1f} MiB free on the device holding {directory}"
+    return ""
+
+
 class CheckpointManager:
     """Save, list, prune and find checkpoints in one directory (local path or fsspec URL).
 
@@ -168,11 +184,21 @@ class CheckpointManager:
             self._pending = self._executor.submit(self._write, job)
         return self._store.url(step_name(step))
 
-    def wait(self) -> None:
+    def wait(self, raise_error: bool = True) -> None:
         """Block until the pending save is written; re-raise its error (a CheckpointError) if it failed."""
         pending, self._pending = self._pending, None
-        if pending is not None:
+        if pending is not None and (raise_error or pending.exception() is None):
             pending.result()
+
+    def raise_failed_save(self) -> None:
+        """Re-raise the error of a background save that has already failed (a cheap check, no waiting)."""
+        pending = self._pending
+        if pending is not None and pending.done() and pending.exception() is not None:
+            self.wait()
+
+    def has_step_directories(self) -> bool:
+        """True when the directory holds any checkpoint directory, complete or not."""
+        return bool(scan(self._store)[0])
 
     def close(self) -> None:
         """Wait for the pending save and stop the writer thread."""
@@ -211,7 +237,8 @@ class CheckpointManager:
             self._discard(job.tmp)
             raise CheckpointError(
                 f"saving checkpoint {store.url(final)} failed ({type(error).__name__}: {error}); earlier "
-                "checkpoints are untouched: fix the cause (disk space, permissions, network) and save again"
+                "checkpoints are untouched: fix the cause (disk space, permissions, network) and resume"
+                f"{_disk_full(self.directory, error)}"
             ) from error
         except BaseException:
             self._discard(job.tmp)
@@ -239,7 +266,8 @@ class CheckpointManager:
         if self.keep_last is None:
             return
         complete = [info_from(store, name, manifest) for name, manifest in survey(store)]
-        scored = [info for info in complete if info.metric(self.monitor) is not None]
+        scored = [info for info in complete if info.metric(self.monitor) is not None
+                  and math.isfinite(info.metric(self.monitor))]  # a NaN is never "best"
         sign = 1.0 if self.mode == "min" else -1.0
         scored.sort(key=lambda info: (sign * info.metric(self.monitor), info.step))  # ties: the older one
         last = complete[-self.keep_last:] if self.keep_last else []

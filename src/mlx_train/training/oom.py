@@ -198,12 +198,18 @@ class MemoryGuard:
             self._tight = mx.get_peak_memory() > self._tight_above
             return result
         saved, key = [container[name] for container, name in self._slots], mx.random.state[0]
-        result, failure = self._attempt(state, batch)
-        while failure is not None:
-            self._restore(saved, key)  # nothing of the failed attempt stays applied
-            mx.clear_cache()
-            self._shrink(state, batch, failure)
+        try:
             result, failure = self._attempt(state, batch)
+            while failure is not None:
+                self._restore(saved, key)  # nothing of the failed attempt stays applied
+                mx.clear_cache()
+                self._shrink(state, batch, failure)
+                result, failure = self._attempt(state, batch)
+        except BaseException:
+            # Any failure (a bad batch, an interrupted trace) leaves the state as before the step: a
+            # failed first trace would otherwise leave placeholders in the model and MLX's random state.
+            self._restore(saved, key, strict=False)
+            raise
         self._runs[shape] = self._runs.get(shape, 0) + 1
         self._tight = mx.get_peak_memory() > self._tight_above
         return result
@@ -283,11 +289,14 @@ class MemoryGuard:
             "checkpoint, and set memory_limit below the free memory so the Trainer shrinks the micro-batch "
             "before running out")
 
-    def _restore(self, saved: list, key: mx.array) -> None:
+    def _restore(self, saved: list, key: mx.array, strict: bool = True) -> None:
         """Put back the state arrays of before the step: nothing of the failed step stays applied."""
         current = _slots(self.step.state, [])
         same = len(current) == len(self._slots) and all(
             a[0] is b[0] and a[1] == b[1] for a, b in zip(current, self._slots))
+        if not same and not strict:
+            set_rng_key(key.tolist())
+            return
         if not same:
             raise OutOfMemoryError(
                 "out of memory in a training step, and the model or optimizer state was restructured since "

@@ -42,6 +42,7 @@ class StepOptions:
     max_grad_norm: float | None = None
     loss_scale_window: int = 1000
     compile: bool = True
+    nonfinite: str = "raise"  # a NaN/Inf loss or gradient: "raise"/"stop" (flagged), "skip" (update undone)
 
 
 @dataclass(frozen=True)
@@ -105,8 +106,9 @@ class TrainStep:
         self._single = options.accumulation == 1 and reduction is None
 
     def zero_running(self) -> dict[str, mx.array]:
-        """Fresh on-device sums for an epoch's reported training metrics."""
-        running = {"loss_sum": mx.array(0.0), "items": mx.array(0.0)}
+        """Fresh on-device sums for an epoch's reported training metrics (``nonfinite`` counts steps whose
+        loss or gradient was NaN/Inf)."""
+        running = {"loss_sum": mx.array(0.0), "items": mx.array(0.0), "nonfinite": mx.array(0.0)}
         if self.options.max_grad_norm is not None:
             running["grad_norm"] = mx.array(0.0)
         return running
@@ -156,18 +158,26 @@ class TrainStep:
         else:
             n_total = n
         running = dict(running)
-        running["loss_sum"] = running["loss_sum"] + value * n
-        running["items"] = running["items"] + n
+        finite = mx.isfinite(value)
+        if grad_sum is not None:
+            finite = finite & running["pending_finite"]
+        # A non-finite micro-batch adds nothing to the sums: the reported loss stays readable.
+        running["loss_sum"] = running["loss_sum"] + mx.where(finite, value * n, 0.0)
+        running["items"] = running["items"] + mx.where(finite, n, 0.0)
         if not update:
-            running["pending_items"] = n_total
+            running["pending_items"], running["pending_finite"] = n_total, finite
             return grads, running
         running.pop("pending_items", None)
-        norm = self._apply(grads, n_total if weighted else None)
+        running.pop("pending_finite", None)
+        norm, finite = self._apply(grads, n_total if weighted else None, finite)
+        running["nonfinite"] = running["nonfinite"] + (~finite).astype(mx.float32)
         if norm is not None:
             running["grad_norm"] = norm
         return None, running
 
-    def _apply(self, grads: Any, n_total: mx.array | None) -> mx.array | None:
+    def _apply(self, grads: Any, n_total: mx.array | None, finite: mx.array) -> tuple[mx.array | None, mx.array]:
+        """Reduce, scale, clip and apply the gradients; returns (norm or None, whether loss and gradients
+        were finite)."""
         if self.reduction is not None:
             grads, n_total = self.reduction.reduce(grads, n_total)
         scale = self.loss_scale["scale"] if self.dynamic_scaling else None
@@ -175,13 +185,16 @@ class TrainStep:
             divisor = (n_total if n_total is not None else 1.0) * (scale if scale is not None else 1.0)
             grads = tree_map(lambda g: g / divisor, grads)
         grads, norm = self._clip(grads)
-        if not self.dynamic_scaling:
-            self.optimizer.update(self.model, grads)
+        # With a norm at hand it tells finiteness for free; otherwise one reduction over the gradients.
+        grads_finite = mx.isfinite(norm) if norm is not None else _all_finite(grads)
+        if self.dynamic_scaling or self.options.nonfinite == "skip":
+            self._update_if_finite(grads, finite & grads_finite)
         else:
-            self._update_unless_overflow(grads)
+            self.optimizer.update(self.model, grads)
         for extension in self.extensions:
             extension.in_step(self.model, self.optimizer)
-        return norm
+        # float16 gradients overflow by design while the loss scale settles: only a non-finite loss counts then.
+        return norm, finite if self.dynamic_scaling else finite & grads_finite
 
     def _clip(self, grads: Any) -> tuple[Any, mx.array | None]:
         if self.reduction is not None and self.reduction.clip is not None:
@@ -190,11 +203,10 @@ class TrainStep:
             return optim.clip_grad_norm(grads, self.options.max_grad_norm)
         return grads, None  # no norm without clipping: its reductions cost ~15% of a small model's step
 
-    def _update_unless_overflow(self, grads: Any) -> None:
-        """float16: an overflowed step keeps the old weights and optimizer state; the scale adapts."""
+    def _update_if_finite(self, grads: Any, finite: mx.array) -> None:
+        """A non-finite step keeps the old weights and optimizer state; with float16 the loss scale adapts."""
         from mlx_train.training.state import assign_leaves
 
-        finite = _all_finite(grads)
         old_params = self.model.trainable_parameters()
         old_state = tree_flatten(self.optimizer.state)
         self.optimizer.update(self.model, grads)
@@ -202,6 +214,8 @@ class TrainStep:
                                    self.model.trainable_parameters(), old_params))
         new_state = dict(tree_flatten(self.optimizer.state))
         assign_leaves(self.optimizer.state, {k: mx.where(finite, new_state[k], v) for k, v in old_state})
+        if not self.dynamic_scaling:
+            return
         good = mx.where(finite, self.loss_scale["good_steps"] + 1, 0)
         grow = good >= self.options.loss_scale_window
         scale = self.loss_scale["scale"]

@@ -2,26 +2,32 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import time
+import warnings
 from contextlib import nullcontext
-from typing import Any, Callable, ContextManager, Iterable
+from typing import Any, Callable, ContextManager, Iterable, Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 
+from mlx_train.checkpointing.manager import CheckpointWarning
 from mlx_train.config import TrainConfig, parse_every
 from mlx_train.data import DataLoader
-from mlx_train.errors import ConfigError, MLXTrainError
+from mlx_train.errors import (CheckpointError, ConfigError, MLXTrainError, NonFiniteError, OutOfMemoryError,
+                              TrainingInterrupted)
 from mlx_train.training.callbacks import CallbackList, EarlyStopping, ModelCheckpoint
 from mlx_train.training.heartbeat import Heartbeat
 from mlx_train.training.loggers import MetricsLogger, ProgressBar
 from mlx_train.training.losses import Loss, split_parts
 from mlx_train.training.meter import Meter
-from mlx_train.training.oom import MemoryGuard, MemoryPolicy, out_of_memory
+from mlx_train.training.interrupt import StopSignals
+from mlx_train.training.oom import MemoryGuard, MemoryPolicy, any_rank, is_out_of_memory
 from mlx_train.training.state import RUNNING_KEYS, LoopState
-from mlx_train.training.step import Reduction, StepOptions, TrainStep, build_eval_step, build_step
+from mlx_train.training.step import Reduction, StepOptions, TrainStep, build_eval_step, build_step, split_batch
 
 
 class Trainer:
@@ -85,6 +91,8 @@ class Trainer:
         self._checkpointed_blocks = False
         self._eval_step: Callable | None = None
         self._saved_step: int | None = None
+        self._poisoned = False
+        self._eval_parts = 1  # parts each evaluation batch is split into (more after running out of memory)
 
     # -- the loop state, by name ----------------------------------------------------------
 
@@ -166,11 +174,11 @@ class Trainer:
         """Model outputs for every sample, in dataset order."""
         loader = dataset if isinstance(dataset, DataLoader) else self._eval_loader(dataset)
         self.model.eval()
-        outputs = []
+        outputs: list[mx.array] = []
         try:
             for batch in loader:
-                outputs.append(self.model(split_parts(batch).inputs))
-                mx.async_eval(outputs[-1])
+                outputs += self._recovering("prediction", batch,
+                                            lambda part, acc: acc + [self.model(split_parts(part).inputs)], [])
         finally:
             self.model.train()
         return mx.concatenate(outputs, axis=0)
@@ -194,49 +202,57 @@ class Trainer:
         self._shard(loader, val_loader)
         callbacks = CallbackList(self._default_callbacks() + list(callbacks))
         checkpoints = self._checkpoints(checkpoint_dir or cfg.checkpoint_dir)
-        self._start(self._resume_path(checkpoints, resume), loader, callbacks)
-        step = self.memory_guard = self._guard(callbacks)
-        every = _Cadences(cfg)
-        self.total_steps = _total_steps(loader, epochs, cfg.max_steps)
-        meter = Meter(state, self.group.size() if self.group is not None else 1)
-        meter.comm_seconds = self.comm_seconds
-        per_batch = callbacks.has("on_batch_end")
-        callbacks.call("on_fit_start", self)
-        try:
-            while _epoch_of(loader, state) < epochs and not self._done():
-                self._begin_epoch(loader, callbacks)
-                for batch in meter.timed(loader):
-                    state.running = step(state, batch)
-                    state.step += 1
-                    meter.count(batch)
-                    if per_batch:
-                        callbacks.call("on_batch_end", self, state.step)
-                    if every.report.by_step(state.step):
-                        self._report(callbacks, meter)
-                    if every.validate.by_step(state.step) and val_loader is not None:
-                        self._validate(val_loader, callbacks, meter)
-                    # A save due on an epoch's last step waits for the epoch's end: the checkpoint then
-                    # holds its validation, history and callback decisions, and a resume does not redo them.
-                    if every.save.by_step(state.step) and checkpoints and not _at_epoch_end(loader):
-                        self._save(checkpoints, loader, callbacks, meter)
-                    if self._done():
+        with self._locks(checkpoints), StopSignals(self.log, lambda: state.step) as signals:
+            self._start(checkpoints, resume, loader, callbacks)
+            step = self.memory_guard = self._guard(callbacks)
+            every = _Cadences(cfg)
+            self.total_steps = _total_steps(loader, epochs, cfg.max_steps)
+            meter = Meter(state, self.group.size() if self.group is not None else 1)
+            meter.comm_seconds = self.comm_seconds
+            per_batch = callbacks.has("on_batch_end")
+            callbacks.call("on_fit_start", self)
+            try:
+                while _epoch_of(loader, state) < epochs and not self._done():
+                    self._begin_epoch(loader, callbacks)
+                    for batch in meter.timed(loader):
+                        state.running = step(state, batch)
+                        state.step += 1
+                        meter.count(batch)
+                        self._check_finite(batch, loader)
+                        if per_batch:
+                            callbacks.call("on_batch_end", self, state.step)
+                        if every.report.by_step(state.step):
+                            self._report(callbacks, meter)
+                        if every.validate.by_step(state.step) and val_loader is not None:
+                            self._validate(val_loader, callbacks, meter)
+                        # A save due on an epoch's last step waits for the epoch's end: the checkpoint then
+                        # holds its validation, history and callback decisions, and a resume does not redo them.
+                        if every.save.by_step(state.step) and checkpoints and not _at_epoch_end(loader):
+                            self._save(checkpoints, loader, callbacks, meter)
+                        if checkpoints:
+                            checkpoints.raise_failed_save()
+                        if self._done() or self._interrupted(signals):
+                            break
+                    if not self._epoch_complete(loader):
                         break
-                if not self._epoch_complete(loader):
-                    break
-                self._end_epoch(val_loader, callbacks, meter, every)
-                due = every.save.by_epoch(state.epoch + 1) or every.save.by_step(state.step)
-                if checkpoints and due and self._saved_step != state.step:
+                    self._end_epoch(val_loader, callbacks, meter, every)
+                    due = every.save.by_epoch(state.epoch + 1) or every.save.by_step(state.step)
+                    if checkpoints and due and self._saved_step != state.step:
+                        self._save(checkpoints, loader, callbacks, meter)
+                    if not isinstance(loader, DataLoader):
+                        state.epoch += 1
+                if checkpoints and self._saved_step != state.step and not self._poisoned:
                     self._save(checkpoints, loader, callbacks, meter)
-                if not isinstance(loader, DataLoader):
-                    state.epoch += 1
-            if checkpoints and self._saved_step != state.step:
-                self._save(checkpoints, loader, callbacks, meter)
-        except BaseException as error:
-            callbacks.call("on_exception", self, error)
-            raise
-        finally:
-            if checkpoints:
-                checkpoints.wait()
+                if checkpoints:
+                    checkpoints.wait()
+                if signals.requested is not None:
+                    raise self._interruption(signals.requested, checkpoints)
+            except BaseException as error:
+                callbacks.call("on_exception", self, error)
+                raise
+            finally:
+                if checkpoints:
+                    checkpoints.wait(raise_error=False)
         callbacks.call("on_fit_end", self, state.history)
         return state.history
 
@@ -299,22 +315,62 @@ class Trainer:
 
     # -- pieces -------------------------------------------------------------------------
 
-    def _start(self, path: str | None, loader, callbacks) -> None:
-        """Make the optimizer state, then restore a checkpoint into it or seed a fresh run."""
+    def _start(self, checkpoints, resume, loader, callbacks) -> None:
+        """Make the optimizer state, then restore a checkpoint into it or seed a fresh run.
+
+        With ``resume="auto"`` a checkpoint that passes its checks but cannot be restored (damaged
+        after its manifest was written) is skipped for the previous one, with a warning.
+        """
         if not self._optimizer_ready:
             self.optimizer.init(self.model.trainable_parameters())
             self._optimizer_ready = True
-        if path is not None:
-            from mlx_train.checkpointing import load_checkpoint
-
-            arrays, saved = load_checkpoint(path)
-            self.state.restore(path, arrays, saved, self.model, self.optimizer, loader, callbacks,
-                               rank=self.group.rank() if self.group is not None else 0)
-            self._saved_step = self.state.step
+        candidates = self._resume_candidates(checkpoints, resume)
+        for i, path in enumerate(candidates):
+            try:
+                self._restore(path, loader, callbacks)
+            except (CheckpointError, KeyError, ValueError, RuntimeError) as error:
+                if resume != "auto" or i == len(candidates) - 1:
+                    if isinstance(error, CheckpointError):
+                        raise
+                    raise CheckpointError(f"checkpoint {path} cannot be restored ({type(error).__name__}: {error}); "
+                                          "resume from an earlier checkpoint, or start without resume") from error
+                warnings.warn(f"checkpoint {path} cannot be restored ({type(error).__name__}: {error}); trying the "
+                              f"previous one, {candidates[i + 1]}", CheckpointWarning, stacklevel=3)
+                continue
+            self._saved_step, self._poisoned = self.state.step, False
             self.log(f"resumed from {path} (step {self.state.step}, epoch {self.state.epoch + 1})")
-        elif not self._seeded:
-            mx.random.seed(self.config.seed)
+            break
+        else:
+            if not self._seeded:
+                mx.random.seed(self.config.seed)
         self._seeded = True
+
+    def _restore(self, path: str, loader, callbacks) -> None:
+        from mlx_train.checkpointing import load_checkpoint
+
+        arrays, saved = load_checkpoint(path)
+        self.state.restore(path, arrays, saved, self.model, self.optimizer, loader, callbacks,
+                           rank=self.group.rank() if self.group is not None else 0)
+
+    @contextlib.contextmanager
+    def _locks(self, checkpoints) -> Iterator[None]:
+        """One run per checkpoint and run directory (rank 0 holds the locks); proves they are writable."""
+        from mlx_train.checkpointing.lock import RunLock
+
+        locks = []
+        if self.is_main:
+            if checkpoints is not None:
+                locks.append(RunLock(checkpoints.directory, "checkpoint_dir"))
+            run_dir = self.config.run_dir
+            if run_dir and (checkpoints is None or os.path.abspath(run_dir) != os.path.abspath(checkpoints.directory)):
+                locks.append(RunLock(run_dir, "run_dir"))
+        try:
+            for lock in locks:
+                lock.acquire()
+            yield
+        finally:
+            for lock in locks:
+                lock.release()
 
     def _guard(self, callbacks) -> MemoryGuard:
         """The memory guard around the step function, with the micro-batch settings of the loop state."""
@@ -328,7 +384,7 @@ class Trainer:
         policy = MemoryPolicy(recover=cfg.oom_recovery, budget=budget, device_memory=self._device_memory(),
                               can_checkpoint=self._can_checkpoint())
         options = dict(precision=cfg.precision, max_grad_norm=cfg.max_grad_norm,
-                       loss_scale_window=cfg.loss_scale_window, compile=cfg.compile)
+                       loss_scale_window=cfg.loss_scale_window, compile=cfg.compile, nonfinite=cfg.nonfinite)
 
         def build(accumulation: int, checkpointing: bool) -> TrainStep:
             if (checkpointing or cfg.gradient_checkpointing) and not self._checkpointed_blocks:
@@ -345,8 +401,54 @@ class Trainer:
         return guard
 
     def _done(self) -> bool:
+        if self._poisoned and self.state.stop_training:
+            return True
         max_steps = self.config.max_steps
         return self.state.stop_training or (max_steps is not None and self.state.step >= max_steps)
+
+    def _interrupted(self, signals: StopSignals) -> bool:
+        """A stop signal arrived here or, in a distributed run, on any rank (all stop at the same step)."""
+        if self.group is None or self.group.size() == 1:
+            return signals.requested is not None
+        with self.collective("stop-signal vote"):
+            asked = any_rank(signals.requested is not None, self.group)
+        if asked and signals.requested is None:
+            signals.requested = signal.SIGTERM
+        return asked
+
+    def _interruption(self, signum: int, checkpoints) -> TrainingInterrupted:
+        name = signal.Signals(signum).name
+        if checkpoints is None:
+            where, saved = "no checkpoint_dir was set, so nothing was saved", None
+        else:
+            saved = checkpoints.resolve("auto") if self.is_main else None
+            where = f"saved {saved}; resume with train(..., resume='auto') or --resume"
+        message = f"training stopped by {name} at step {self.state.step}: {where}"
+        self.log(message)
+        return TrainingInterrupted(signum, self.state.step, saved, message)
+
+    def _check_finite(self, batch, loader) -> None:
+        """Act on a NaN/Inf loss or gradient flagged inside the step (a value the step already computed)."""
+        flag = self.state.running.get("nonfinite")
+        if flag is None or not flag.item():
+            return
+        policy, step = self.config.nonfinite, self.state.step
+        where = f"step {step} (epoch {self.state.epoch + 1}{_batch_place(loader)})"
+        culprit = _nonfinite_inputs(batch)
+        if policy == "skip":
+            self.state.running["nonfinite"] = mx.array(0.0)
+            self.log(f"non-finite loss or gradient at {where}{culprit}: the update was skipped (nonfinite='skip')")
+            return
+        self._poisoned = True  # the update was applied: this state must never be saved
+        advice = ("resume from the last checkpoint; find the bad samples, lower learning_rate, set max_grad_norm, "
+                  "or set nonfinite='skip' to skip such steps")
+        if policy == "stop":
+            self.state.stop_training = True
+            self.log(f"non-finite loss or gradient at {where}{culprit}; stopping (nonfinite='stop'). The model's "
+                     f"weights are not finite; the last finite checkpoint is kept. To continue: {advice}")
+            return
+        raise NonFiniteError(f"non-finite loss or gradient at {where}{culprit}. The model's weights are no longer "
+                             f"finite and nothing was saved after this step. To fix: {advice}")
 
     def _epoch_complete(self, loader) -> bool:
         if not isinstance(loader, DataLoader):
@@ -369,13 +471,14 @@ class Trainer:
         start = time.perf_counter()
         if self._eval_step is None:
             self._eval_step = build_eval_step(self.model, self.loss, self.config.precision, self.config.compile)
+        guard, cfg = self.memory_guard, self.config
+        if guard is not None and guard.events and guard.batch_size:  # training settled on a smaller micro-batch
+            self._eval_parts = max(self._eval_parts, -(-(cfg.eval_batch_size or cfg.batch_size) // guard.batch_size))
         sums = {"loss_sum": mx.array(0.0), "items": mx.array(0.0)}
         self.model.eval()
         try:
-            with out_of_memory("evaluation", "set a smaller eval_batch_size"):
-                for batch in loader:
-                    sums = self._eval_step(batch, sums)
-                    mx.eval(sums)
+            for batch in loader:
+                sums = self._recovering("evaluation", batch, lambda part, acc: self._eval_step(part, acc), sums)
         finally:
             self.model.train()
         values = self._reduce(sums)
@@ -384,6 +487,38 @@ class Trainer:
             out["val_accuracy"] = values["correct"] / max(values["counted"], 1.0)
         out["val_time"] = time.perf_counter() - start
         return out
+
+    def _recovering(self, what: str, batch: Any, run: Callable[[Any, Any], Any], acc: Any) -> Any:
+        """``run`` over ``batch`` in parts, as many as memory needs: on out-of-memory the state is put back
+        and the batch split in two (the split is remembered); at one sample per part an OutOfMemoryError
+        says what to do. Any failure leaves the model's parameters and MLX's random state usable."""
+        from mlx_train.training.oom import _slots
+        from mlx_train.training.state import set_rng_key
+
+        while True:
+            slots = _slots([self.model.state], [])
+            saved, key = [c[k] for c, k in slots], mx.random.state[0]
+            parts = split_batch(batch, min(self._eval_parts, _rows(batch)))
+            try:
+                result = acc
+                for part in parts:
+                    result = run(part, result)
+                    mx.eval(result)
+                return result
+            except BaseException as error:
+                for (container, name), value in zip(slots, saved):
+                    container[name] = value
+                set_rng_key(key.tolist())
+                if not isinstance(error, Exception) or isinstance(error, MLXTrainError) or not is_out_of_memory(error):
+                    raise
+                if len(parts) >= _rows(batch):
+                    raise OutOfMemoryError(
+                        f"out of memory during {what}: {error} (even with each batch split down to one sample). The "
+                        "model is unchanged and usable. To fix: set a smaller eval_batch_size with shorter sequences, "
+                        "precision='bfloat16', or use a machine with more memory") from error
+                mx.clear_cache()
+                self._eval_parts = len(parts) * 2
+                self.log(f"out of memory during {what}; splitting each batch into {self._eval_parts} parts")
 
     def _totals(self) -> dict[str, float]:
         """The epoch's loss sum and item count, summed over ranks (report time only)."""
@@ -425,20 +560,26 @@ class Trainer:
         return CheckpointManager(directory, keep_last=cfg.keep_last, keep_best=cfg.keep_best,
                                  monitor=cfg.monitor, mode=cfg.monitor_direction())
 
-    def _resume_path(self, checkpoints, resume) -> str | None:
+    def _resume_candidates(self, checkpoints, resume) -> list[str]:
+        """Checkpoints to try, newest first: one for an explicit path; for "auto" every complete one."""
         if not resume:
-            return None
-        if resume == "auto":
-            if checkpoints is None:
-                raise ConfigError("resume='auto' needs a checkpoint_dir to look in; pass checkpoint_dir=... or a "
-                                  "checkpoint path")
-            path = checkpoints.resolve("auto")
-            if path is None:
-                self.log(f"no complete checkpoint in {checkpoints.directory}; starting from scratch")
-            return path
-        if checkpoints is not None:
-            return checkpoints.resolve(resume)
-        return resume
+            return []
+        if resume != "auto":
+            return [checkpoints.resolve(resume) if checkpoints is not None else resume]
+        if checkpoints is None:
+            raise ConfigError("resume='auto' needs a checkpoint_dir to look in; pass checkpoint_dir=... or a "
+                              "checkpoint path")
+        newest = checkpoints.resolve("auto")
+        if newest is None:
+            if checkpoints.has_step_directories():
+                raise CheckpointError(
+                    f"every checkpoint in {checkpoints.directory} is incomplete or damaged (see the warnings above), "
+                    "so there is nothing to resume from. To start fresh, use a new checkpoint_dir or remove those "
+                    "checkpoints; nothing was deleted")
+            self.log(f"no checkpoint in {checkpoints.directory} yet; starting from scratch")
+            return []
+        older = [info.path for info in reversed(checkpoints.checkpoints()) if info.path != newest]
+        return [newest] + older
 
     def _device_memory(self) -> int | None:
         from mlx_train.device import DeviceConfig
@@ -510,3 +651,34 @@ def _total_steps(loader: Any, epochs: int, max_steps: int | None) -> int | None:
     per_epoch = _length(loader)
     candidates = [x for x in (max_steps, per_epoch * epochs if per_epoch else None) if x]
     return min(candidates) if candidates else None
+
+
+def _batch_place(loader: Any) -> str:
+    """", batch 4 of 10" for a DataLoader (the batch just trained), else ""."""
+    length = _length(loader) if isinstance(loader, DataLoader) else None
+    if length is None:
+        return ""
+    return f", batch {loader.position} of {length}"
+
+
+def _nonfinite_inputs(batch: Any) -> str:
+    """Which samples of a batch hold NaN/Inf values (only computed on the error path)."""
+    import numpy as np
+
+    arrays = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (tuple, list)) else [batch]
+    bad: set[int] = set()
+    for array in arrays:
+        values = np.asarray(array)
+        if values.dtype.kind == "f" and values.ndim >= 1:
+            rows = ~np.isfinite(values.reshape(values.shape[0], -1)).all(axis=1)
+            bad.update(int(i) for i in np.nonzero(rows)[0])
+    if not bad:
+        return ""
+    listed = ", ".join(str(i) for i in sorted(bad)[:5])
+    return f"; the batch's samples at positions {listed}{' ...' if len(bad) > 5 else ''} hold NaN/Inf values"
+
+
+def _rows(batch: Any) -> int:
+    first = next(iter(batch.values())) if isinstance(batch, dict) else batch[0] if isinstance(batch, (tuple, list)) \
+        else batch
+    return int(first.shape[0])

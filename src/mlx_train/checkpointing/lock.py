@@ -1,0 +1,121 @@
+"""One process per run: a lock file in the checkpoint and run directories.
+
+``RunLock(directory)`` creates ``directory/.mlx-train.lock`` (host, pid, start time) with an
+exclusive create. A second process on the same directory is refused with a message naming the
+holder; the lock of a process that is gone (same host, pid not running) is taken over with a
+warning. Creating the file also proves the directory is writable, before any training. Remote
+(fsspec URL) directories are not locked: object stores have no exclusive create.
+
+Example::
+
+    with RunLock("runs/a"):
+        trainer.train(...)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import warnings
+from typing import Any
+
+from mlx_train.errors import CheckpointError
+
+LOCK_FILE = ".mlx-train.lock"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        import psutil
+
+        return bool(psutil.pid_exists(pid))
+    except ImportError:  # psutil is a dependency; this keeps a broken install usable
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+
+class RunLock:
+    """An exclusive lock on a local directory for the lifetime of a run (see the module docstring)."""
+
+    def __init__(self, directory: str, what: str = "checkpoint_dir") -> None:
+        self.directory, self.what = directory, what
+        self.path = os.path.join(directory, LOCK_FILE)
+        self.held = False
+
+    def acquire(self) -> RunLock:
+        if "://" in self.directory:
+            return self
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+        except OSError as error:
+            raise CheckpointError(f"{self.what} {self.directory} cannot be created ({error.strerror or error}); "
+                                  "choose a directory you can write to") from error
+        if not os.path.isdir(self.directory):
+            raise CheckpointError(f"{self.what} {self.directory} is a file, not a directory; choose another path")
+        me = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
+        for _ in range(3):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                self._take_over_if_stale()
+                continue
+            except OSError as error:
+                raise CheckpointError(
+                    f"{self.what} {self.directory} is not writable ({error.strerror or error}); fix its permissions "
+                    "or choose another directory — nothing was trained yet") from error
+            with os.fdopen(fd, "w") as file:
+                json.dump(me, file)
+            self.held = True
+            return self
+        raise CheckpointError(f"could not take the lock {self.path}: another process keeps creating it")
+
+    def _take_over_if_stale(self) -> None:
+        holder = self._holder()
+        host, pid = holder.get("host"), holder.get("pid")
+        if host == socket.gethostname() and isinstance(pid, int) and pid != os.getpid() and not _alive(pid):
+            warnings.warn(f"{self.what} {self.directory} was locked by pid {pid} on {host}, which is no longer "
+                          "running; taking the lock over", stacklevel=4)
+            self._remove()
+            return
+        if host == socket.gethostname() and pid == os.getpid():
+            raise CheckpointError(
+                f"{self.what} {self.directory} is already used by another training run in this process; wait for it "
+                "to finish, or give this run its own directory")
+        started = holder.get("started")
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)) if isinstance(started, (int, float)) else "?"
+        raise CheckpointError(
+            f"{self.what} {self.directory} is in use by another run: pid {pid} on host {host} (since {since}). Two runs "
+            f"on one directory overwrite each other's checkpoints. Use another directory, or stop that run; if it is "
+            f"gone (e.g. its machine died), delete {self.path}")
+
+    def _holder(self) -> dict[str, Any]:
+        try:
+            with open(self.path) as file:
+                value = json.load(file)
+            return value if isinstance(value, dict) else {}
+        except (OSError, ValueError):
+            return {}  # being written right now, or damaged: treated as held by an unknown process
+
+    def _remove(self) -> None:
+        try:
+            os.remove(self.path)
+        except FileNotFoundError:
+            pass
+
+    def release(self) -> None:
+        if self.held and self._holder().get("pid") == os.getpid():
+            self._remove()
+        self.held = False
+
+    def __enter__(self) -> RunLock:
+        return self.acquire()
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.release()
