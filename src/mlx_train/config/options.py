@@ -94,7 +94,9 @@ def options(cls_or_obj: Any) -> dict[str, dataclasses.Field]:
 
 def default_of(f: dataclasses.Field) -> Any:
     """A fresh copy of the default of ``f``."""
-    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    return f.default_factory()  # type: ignore[operator]  # a field has one or the other
 
 
 def kind_of(f: dataclasses.Field) -> tuple[str, bool]:
@@ -245,9 +247,12 @@ def cadence(value: Any) -> Every:
     if isinstance(value, Every):
         return value
     match = _EVERY.fullmatch(value.strip().lower()) if isinstance(value, str) else None
-    if isinstance(value, bool) or not (isinstance(value, int) or (match and any(match.groups()))):
+    if isinstance(value, int) and not isinstance(value, bool):
+        n, unit = value, "step"
+    elif match and any(match.groups()):
+        n, unit = int(match[1] or 1), match[2] or "step"
+    else:
         raise Invalid(f"must be 'N steps' or 'N epochs' (a bare number means steps), got {value!r}")
-    n, unit = (value, "step") if isinstance(value, int) else (int(match[1] or 1), match[2] or "step")
     if n < 1:
         raise Invalid(f"must be at least 1 step or epoch, got {value!r}")
     return Every(n, unit.rstrip("s"))

@@ -13,7 +13,7 @@ import os
 import re
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple
 
 from mlx_train.config import files
 from mlx_train.config.options import (Invalid, byte_count, cadence, check_fields, convert, default_of,
@@ -90,7 +90,7 @@ def _users(name: str) -> str:
     return ", ".join(users[:-1]) + " and " + users[-1] if len(users) > 1 else users[0]
 
 
-def _used_by_optimizer(name: str):
+def _used_by_optimizer(name: str) -> Callable[[Any, Mapping[str, Any]], str | None]:
     """The check of a hyper-parameter: set, it must be one the chosen optimizer uses."""
 
     def check(value: Any, values: Mapping[str, Any]) -> str | None:
@@ -311,9 +311,12 @@ class TrainConfig:
         return {name: copy.deepcopy(getattr(self, name)) for name in _FIELDS}
 
     def sections(self) -> dict[str, dict[str, Any]]:
-        """The config in the YAML layout: ``{"training": {...}, "optimizer": {"name": "adamw", ...}, ...}``.
+        """The config in the YAML layout; optimizer hyper-parameters the optimizer does not use are left out.
 
-        Optimizer hyper-parameters that the chosen optimizer does not use are left out.
+        Example::
+
+            TrainConfig(optimizer="sgd").sections()["optimizer"]
+            # {"name": "sgd", "learning_rate": 0.001, ..., "weight_decay": 0.01, "momentum": 0.0, ...}
         """
         unused = HYPER_PARAMETERS - set(OPTIMIZERS[self.optimizer][1])
         return files.sectioned(self.to_dict(), options(self), SECTIONS, leave_out=unused)
@@ -368,7 +371,7 @@ class FieldHelp(NamedTuple):
     default: Any
     help: str
     choices: tuple[str, ...] | None
-    section: str = "training"
+    section: str
 
 
 _FIELDS = options(TrainConfig)
