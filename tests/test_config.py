@@ -272,8 +272,7 @@ def test_distributed_and_device_configs_are_the_same_fields():
 
     for theirs, ours in [("batch_size_per_device", "batch_size"), ("gradient_accumulation", "gradient_accumulation"),
                          ("backend", "distributed_backend"), ("max_restarts", "max_restarts"),
-                         ("collective_timeout", "collective_timeout"), ("checksum_every", "checksum_every"),
-                         ("checksum_action", "checksum_action")]:
+                         ("collective_timeout", "collective_timeout"), ("checksum_every", "checksum_every")]:
         assert spec(DistributedConfig, theirs) is spec(TrainConfig, ours)  # one declaration, not a copy
         assert getattr(DistributedConfig(), theirs) == getattr(TrainConfig(), ours)
     assert spec(DeviceConfig, "memory_limit") is spec(TrainConfig, "memory_limit")

@@ -53,7 +53,6 @@ class DistributedConfig:
     collective_timeout: float = same_as(TrainConfig, "collective_timeout")
     checksum_every: int | None = same_as(TrainConfig, "checksum_every")
     env: dict[str, str] = field(default_factory=dict)
-    checksum_action: str = same_as(TrainConfig, "checksum_action")
 
     def __post_init__(self) -> None:
         check_fields(self)
