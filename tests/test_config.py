@@ -4,10 +4,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
+import sys
 
 import pytest
+import yaml
 
-from mlx_train.config import Every, FieldHelp, TrainConfig, parse_every
+from mlx_train.config import (
+    SECTIONS,
+    Every,
+    FieldHelp,
+    TrainConfig,
+    metric_direction,
+    parse_every,
+)
 from mlx_train.errors import ConfigError
 
 # The two YAML blocks of shared/seeds/002_* ("Training Settings", "Optimization"), unchanged.
@@ -68,7 +78,9 @@ def changed(config: TrainConfig) -> dict:
 def test_fields_match_the_contract_and_all_have_help():
     info = TrainConfig.fields_help()
     assert {name: (h.type, h.default) for name, h in info.items()} == SPEC_FIELDS
-    assert list(info) == list(SPEC_FIELDS)
+    # declared section by section, in the order of the YAML layout
+    sections = [h.section for h in info.values()]
+    assert sections == sorted(sections, key=SECTIONS.index) and set(sections) == set(SECTIONS)
     assert all(isinstance(h, FieldHelp) and len(h.help) > 20 for h in info.values())
     assert info["precision"].choices == ("float32", "bfloat16", "float16")
     assert "adamw" in info["optimizer"].choices and "cosine_decay" in info["lr_schedule"].choices
@@ -211,4 +223,141 @@ def test_monitor_direction():
     assert TrainConfig().monitor_direction() == "min"
     assert TrainConfig(monitor="val_accuracy").monitor_direction() == "max"
     assert TrainConfig(monitor="val_accuracy", monitor_mode="min").monitor_direction() == "min"
+    assert TrainConfig(monitor="val_f1").monitor_direction() == "max"
     assert dataclasses.is_dataclass(TrainConfig)
+
+
+# ----------------------------------------------------------------- sections, one declaration per field
+def test_to_yaml_writes_the_sections_users_write(tmp_path):
+    config = TrainConfig(epochs=3, optimizer="sgd", momentum=0.9, checkpoint_every="2 epochs", precision="bf16",
+                         distributed_backend="ring", model_options={"hidden_dims": [8]},
+                         dataset_options={"path": "/data"}, batch_size=16)
+    config.to_yaml(tmp_path / "out.yaml")
+    written = yaml.safe_load((tmp_path / "out.yaml").read_text())
+    assert list(written) == list(SECTIONS)
+    assert written["optimizer"]["name"] == "sgd" and written["optimizer"]["momentum"] == 0.9
+    assert "beta1" not in written["optimizer"]  # sgd does not use it
+    assert written["checkpoint"]["checkpoint_every"] == "2 epochs" and written["memory"]["precision"] == "bfloat16"
+    assert written["distributed"]["backend"] == "ring" and written["data"]["batch_size"] == 16
+    assert written["model"] == {"name": "mlp", "hidden_dims": [8]} and written["data"]["path"] == "/data"
+    assert TrainConfig.from_yaml(tmp_path / "out.yaml") == config
+    # an option whose name a field of its section already has stays whole, so it reads back
+    clash = TrainConfig(model_options={"name": "x"}, dataset_options={"shufle": 1})
+    clash.to_yaml(tmp_path / "clash.yaml")
+    assert TrainConfig.from_yaml(tmp_path / "clash.yaml") == clash
+
+
+def test_every_section_reads_its_own_keys(tmp_path):
+    config = load(tmp_path, "checkpoint:\n  keep_last: 5\n  checkpoint_frequency: 2\nmemory:\n  mixed_precision: true\n"
+                            "  memory_limit: 8GB\ndistributed:\n  backend: ring\n  max_restarts: 0\n")
+    assert changed(config) == {"keep_last": 5, "checkpoint_every": "2 epochs", "precision": "bfloat16",
+                               "memory_limit": 8_000_000_000, "distributed_backend": "ring", "max_restarts": 0}
+    with pytest.raises(ConfigError, match=r"custom.yaml:3: unknown key 'batch_size' in section 'optimizer'; "
+                                          r"batch_size belongs in section 'data' \(or 'training'\)"):
+        load(tmp_path, "optimizer:\n  name: adam\n  batch_size: 3\n")
+    with pytest.raises(ConfigError, match=r"custom.yaml:2: unknown key 'learning_rate' in section 'data'; "
+                                          r"learning_rate belongs in section 'optimizer'"):
+        load(tmp_path, "data:\n  learning_rate: 0.1\n")
+    with pytest.raises(ConfigError, match=r"custom.yaml:2: unknown key 'bakend' in section 'distributed' "
+                                          r"\(did you mean 'backend'\?\); valid keys: backend, max_restarts"):
+        load(tmp_path, "distributed:\n  bakend: ring\n")
+
+
+def test_distributed_and_device_configs_are_the_same_fields():
+    from mlx_train.device import DeviceConfig
+    from mlx_train.distributed.config import DistributedConfig
+
+    def spec(cls, name):
+        return next(f for f in dataclasses.fields(cls) if f.name == name).metadata["option"]
+
+    for theirs, ours in [("batch_size_per_device", "batch_size"), ("gradient_accumulation", "gradient_accumulation"),
+                         ("backend", "distributed_backend"), ("max_restarts", "max_restarts"),
+                         ("collective_timeout", "collective_timeout"), ("checksum_every", "checksum_every")]:
+        assert spec(DistributedConfig, theirs) is spec(TrainConfig, ours)  # one declaration, not a copy
+        assert getattr(DistributedConfig(), theirs) == getattr(TrainConfig(), ours)
+    assert spec(DeviceConfig, "memory_limit") is spec(TrainConfig, "memory_limit")
+    assert DeviceConfig(memory_limit="1GB").memory_limit == TrainConfig(memory_limit="1GB").memory_limit == 10**9
+    overrides = DistributedConfig(batch_size_per_device=8, backend="ring", checksum_every=5).train_overrides()
+    assert changed(TrainConfig().replace(**overrides)) == {"batch_size": 8, "distributed_backend": "ring",
+                                                           "checksum_every": 5}
+    with pytest.raises(ConfigError, match=r"DistributedConfig.batch_size_per_device: TrainConfig.batch_size must be "
+                                          r"at least 1, got 0"):
+        DistributedConfig(batch_size_per_device=0)
+
+
+def test_config_imports_neither_optim_nor_the_distributed_package():
+    code = ("import sys, mlx_train.config; "
+            "print(sorted(m for m in sys.modules if m.startswith(('mlx_train.optim', 'mlx_train.distributed', "
+            "'mlx_train.device', 'mlx.core'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+# ----------------------------------------------------------------- the errors of the bug report
+def test_mixed_precision_must_be_true_or_false(tmp_path):
+    with pytest.raises(ConfigError, match=r"custom.yaml:3: training.mixed_precision must be true or false "
+                                          r"\(true: bfloat16 compute, false: float32\), got 'maybe' \(str\)"):
+        load(tmp_path, "training:\n  seed: 1\n  mixed_precision: maybe\n")
+    with pytest.raises(ConfigError, match=r"memory.mixed_precision must be true or false .*got 'bf16'"):
+        load(tmp_path, "memory:\n  mixed_precision: bf16\n")
+
+
+def test_hyper_parameters_the_optimizer_does_not_use_are_errors(tmp_path):
+    seed_with_sgd = SEED_YAML.replace('name: "adamw"', 'name: "sgd"')
+    with pytest.raises(ConfigError, match=r"custom.yaml:13: optimizer.beta1 is set to 0.9, but optimizer 'sgd' does "
+                                          r"not use beta1 \(it uses momentum, weight_decay\); remove beta1, or choose "
+                                          r"an optimizer that uses it: adam, adamw, adamax and lion"):
+        load(tmp_path, seed_with_sgd)  # written in the file: an error even at its default value
+    with pytest.raises(ConfigError, match=r"training.momentum is set to 0.9, but optimizer 'adamw' does not use "
+                                          r"momentum"):
+        load(tmp_path, "training:\n  momentum: 0.9\n")
+    with pytest.raises(ConfigError, match=r"TrainConfig.epsilon is set to 1e-06, but optimizer 'lion' does not use "
+                                          r"epsilon"):
+        TrainConfig(optimizer="lion", epsilon=1e-6)
+    with pytest.raises(ConfigError, match=r"TrainConfig.momentum is set to 0.9, but optimizer 'adamw'"):
+        TrainConfig(optimizer="sgd", momentum=0.9).replace(optimizer="adamw")
+    # a flat dict (to_dict()) holds every field: there only values that differ from the default count
+    assert TrainConfig.from_dict(TrainConfig(optimizer="sgd").to_dict()).optimizer == "sgd"
+    assert TrainConfig(optimizer="sgd", momentum=0.9, weight_decay=0.0).momentum == 0.9
+
+
+@pytest.mark.parametrize("value", ["0", "-1e-3"])
+def test_learning_rate_must_be_positive(tmp_path, value):
+    with pytest.raises(ConfigError, match=r"custom.yaml:2: optimizer.learning_rate must be above 0, got -?0.0*1?: a rate "
+                                          r"of 0 never changes the weights"):
+        load(tmp_path, f"optimizer:\n  learning_rate: {value}\n")
+    with pytest.raises(ConfigError, match=r"TrainConfig.learning_rate must be above 0"):
+        TrainConfig(learning_rate=float(value))
+    with pytest.raises(ConfigError, match=r"learning_rate must be above 0"):
+        TrainConfig.parse_value("learning_rate", value)
+
+
+# ----------------------------------------------------------------- which way a metric improves
+@pytest.mark.parametrize("name, direction", [
+    ("val_loss", "min"), ("loss", "min"), ("val_perplexity", "min"), ("val_ppl", "min"), ("val_error_rate", "min"),
+    ("val_mse", "min"), ("val_accuracy", "max"), ("val_acc", "max"), ("accuracy", "max"), ("val_f1", "max"),
+    ("val_f1_macro", "max"), ("val_precision", "max"), ("val_recall", "max"), ("val_auc", "max"), ("val_top5", "max"),
+    ("eval/bleu", "max"), ("val_reward", "max"), ("my_custom_metric", "min"), ("val_accuracy_loss", "min"),
+])
+def test_metric_direction(name, direction):
+    assert metric_direction(name) == direction
+    assert metric_direction(name, "max") == "max" and metric_direction(name, "min") == "min"  # explicit wins
+
+
+def test_every_place_that_ranks_a_metric_uses_metric_direction(tmp_path):
+    from mlx_train.checkpointing.manager import CheckpointManager
+    from mlx_train.monitor.run import RunSnapshot
+    from mlx_train.training.callbacks import EarlyStopping, ModelCheckpoint
+
+    for name in ("val_f1", "val_perplexity", "val_recall", "custom"):
+        expected = metric_direction(name)
+        assert TrainConfig(monitor=name).monitor_direction() == expected
+        assert EarlyStopping(monitor=name).mode == expected
+        assert ModelCheckpoint(str(tmp_path / "best.safetensors"), monitor=name).mode == expected
+        assert CheckpointManager(str(tmp_path / "ckpt"), monitor=name, mode="auto").mode == expected
+        snapshot = RunSnapshot(str(tmp_path), {}, [], [{"step": 1, name: 0.5}, {"step": 2, name: 0.7}], [], [], [], [],
+                               0.0)
+        assert snapshot.best(name) == ((0.7, 2) if expected == "max" else (0.5, 1))
+    assert TrainConfig(monitor="val_f1", monitor_mode="min").monitor_direction() == "min"
+    with pytest.raises(ConfigError, match=r"mode must be 'min', 'max' or 'auto', got 'up'"):
+        metric_direction("val_loss", "up")

@@ -43,8 +43,10 @@ def test_bad_names_and_limits_are_config_errors():
         DeviceConfig(device="gpus")
     with pytest.raises(ConfigError, match=r"cache_limit must be a number of bytes"):
         DeviceConfig(cache_limit="lots")
-    with pytest.raises(ConfigError, match=r"memory_limit must be positive"):
+    with pytest.raises(ConfigError, match=r"DeviceConfig.memory_limit must be above 0, got 0"):
         DeviceConfig(memory_limit=0)
+    with pytest.raises(ConfigError, match=r"DeviceConfig.wired_limit must be above 0, got -1"):
+        DeviceConfig(wired_limit=-1)
 
 
 def test_info_names_the_device_its_memory_and_the_blas_on_a_linux_cpu():

@@ -6,7 +6,6 @@ import re
 import mlx.core as mx
 import numpy as np
 import pytest
-import yaml
 from mlx.utils import tree_flatten
 
 from mlx_train import ConfigError, MemoryOptimizer, TrainConfig
@@ -159,10 +158,10 @@ def test_train_with_optimize_memory_applies_the_plan_and_batch_size_overrides_it
     assert cli(common + ["--run-dir", str(tmp_path / "a")]) == 0
     out = capsys.readouterr().out
     assert "Memory plan for MLP" in out and "test: loss" in out
-    saved = yaml.safe_load((tmp_path / "a" / "config.yaml").read_text())
+    saved = TrainConfig.from_yaml(tmp_path / "a" / "config.yaml").to_dict()  # written by sections
     assert saved["batch_size"] * saved["gradient_accumulation"] == 32
 
     assert cli(common + ["--batch-size", "8", "--run-dir", str(tmp_path / "b")]) == 0
     assert re.search(r"batch size per device\s+8\s+as given", capsys.readouterr().out)
-    saved = yaml.safe_load((tmp_path / "b" / "config.yaml").read_text())
+    saved = TrainConfig.from_yaml(tmp_path / "b" / "config.yaml").to_dict()  # written by sections
     assert saved["batch_size"] == 8

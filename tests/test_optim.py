@@ -67,31 +67,44 @@ def test_schedule_args_from_yaml_strings(tmp_path):
 
 
 def test_hyper_parameters_reach_the_class():
-    config = TrainConfig(beta1=0.8, beta2=0.95, epsilon=1e-6, weight_decay=0.1, momentum=0.7)
-    adamw = build_optimizer(config)
+    betas = {"beta1": 0.8, "beta2": 0.95}
+    adamw = build_optimizer(TrainConfig(**betas, epsilon=1e-6, weight_decay=0.1))
     assert (adamw.betas, adamw.eps, adamw.weight_decay) == ([0.8, 0.95], 1e-6, 0.1)
-    sgd = build_optimizer(config.replace(optimizer="sgd"))
+    sgd = build_optimizer(TrainConfig(optimizer="sgd", momentum=0.7, weight_decay=0.1))
     assert type(sgd) is optim.SGD and (sgd.momentum, sgd.weight_decay) == (0.7, 0.1)
-    lion = build_optimizer(config.replace(optimizer="Lion"))
+    lion = build_optimizer(TrainConfig(optimizer="Lion", **betas, weight_decay=0.1))
     assert type(lion) is optim.Lion and lion.betas == [0.8, 0.95] and lion.weight_decay == 0.1
-    adam = build_optimizer(config.replace(optimizer="adam"))
+    adam = build_optimizer(TrainConfig(optimizer="adam", **betas, epsilon=1e-6))
     assert type(adam) is optim.Adam and (adam.betas, adam.eps) == ([0.8, 0.95], 1e-6)
-    muon = build_optimizer(config.replace(optimizer="muon"))
+    muon = build_optimizer(TrainConfig(optimizer="muon", momentum=0.7, weight_decay=0.1))
     assert type(muon) is optim.Muon and (muon.momentum, muon.weight_decay) == (0.7, 0.1)
-    rmsprop = build_optimizer(config.replace(optimizer="rmsprop"))
+    rmsprop = build_optimizer(TrainConfig(optimizer="rmsprop", epsilon=1e-6))
     assert type(rmsprop) is optim.RMSprop and rmsprop.eps == 1e-6
-    adafactor = build_optimizer(config.replace(optimizer="adafactor", learning_rate=0.01))
+    adafactor = build_optimizer(TrainConfig(optimizer="adafactor", learning_rate=0.01, weight_decay=0.1))
     assert type(adafactor) is optim.Adafactor and adafactor.relative_step is False
+    assert adafactor.weight_decay == 0.1
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_every_optimizer_builds_and_updates(name):
-    optimizer = build_optimizer(TrainConfig(optimizer=name, learning_rate=0.1, momentum=0.5))
+    momentum = {"momentum": 0.5} if "momentum" in OPTIMIZERS[name][1] else {}
+    optimizer = build_optimizer(TrainConfig(optimizer=name, learning_rate=0.1, **momentum))
     assert type(optimizer).__name__ == OPTIMIZERS[name][0]
     params = {"w": mx.ones((3, 3))}
     new = optimizer.apply_gradients({"w": mx.full((3, 3), 0.5)}, params)
     mx.eval(new)
     assert not mx.array_equal(new["w"], params["w"]).item()  # the parameters moved
+
+
+def test_the_table_names_real_keyword_arguments():
+    # every hyper-parameter an optimizer is said to use really is an argument of its mlx class
+    import inspect
+
+    keywords = {"beta1": "betas", "beta2": "betas", "epsilon": "eps", "weight_decay": "weight_decay",
+                "momentum": "momentum"}
+    for name, (class_name, uses) in OPTIMIZERS.items():
+        accepted = inspect.signature(getattr(optim, class_name)).parameters
+        assert {keywords[u] for u in uses} <= set(accepted), name
 
 
 def test_unknown_names_and_bad_arguments():

@@ -11,27 +11,19 @@ Example::
 from __future__ import annotations
 
 import os
-import re
 import sys
 from dataclasses import dataclass
 from typing import Any
 
-from mlx_train.errors import ConfigError, DeviceError, did_you_mean
+from mlx_train.config import TrainConfig, option, parse_bytes, same_as
+from mlx_train.config.options import byte_count, check_fields
+from mlx_train.errors import DeviceError
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+__all__ = ["DEVICES", "DeviceConfig", "DeviceInfo", "available_backends", "available_memory", "detect_devices",
+           "device_info", "format_bytes", "parse_bytes", "system_memory"]
+
 #: What ``DeviceConfig(device=...)`` accepts: ``gpu`` is whichever GPU backend the MLX build has.
 DEVICES = ("auto", "gpu", "cpu", "metal", "cuda")
-
-
-def parse_bytes(value: int | float | str | None, name: str = "memory") -> int | None:
-    """``"8GB" -> 8_000_000_000``, ``"512MiB" -> 536_870_912``; ints pass through; None stays None."""
-    if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)):
-        return None if value is None else int(value)
-    match = re.fullmatch(r"\s*([0-9.]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
-    if not match or match[2].lower() not in _UNITS:
-        raise ConfigError(f"{name} must be a number of bytes or a size like '8GB' or '512MiB', got {value!r}")
-    return int(float(match[1]) * _UNITS[match[2].lower()])
 
 
 def format_bytes(count: float | None) -> str:
@@ -168,20 +160,19 @@ class DeviceConfig:
         DeviceConfig(memory_limit="8GB", cache_limit="1GB").apply()
     """
 
-    device: str = "auto"
-    memory_limit: int | str | None = None
-    cache_limit: int | str | None = None
-    wired_limit: int | str | None = None
+    device: str = option("auto", "Device to train on: auto (the GPU when there is one, else the CPU), gpu, cpu, "
+                                 "metal or cuda.", section="device", choices=DEVICES)
+    # The Trainer's memory budget and MLX's allocation limit: TrainConfig.memory_limit, the same field.
+    memory_limit: int | str | None = same_as(TrainConfig, "memory_limit")
+    cache_limit: int | str | None = option(None, "Cap on MLX's buffer cache, bytes or a size like '1GB' "
+                                                 "(null: MLX's default).", section="device", parse=byte_count,
+                                           above=0)
+    wired_limit: int | str | None = option(None, "Memory kept resident for the GPU (macOS), bytes or a size "
+                                                 "like '8GB' (null: MLX's default).", section="device",
+                                           parse=byte_count, above=0)
 
     def __post_init__(self) -> None:
-        if self.device not in DEVICES:
-            raise ConfigError(f"DeviceConfig device must be one of {', '.join(DEVICES)}, got {self.device!r}"
-                              f"{did_you_mean(str(self.device), DEVICES)}")
-        for name in ("memory_limit", "cache_limit", "wired_limit"):
-            value = parse_bytes(getattr(self, name), name)
-            if value is not None and value <= 0:
-                raise ConfigError(f"DeviceConfig {name} must be positive, got {getattr(self, name)!r}")
-            setattr(self, name, value)
+        check_fields(self)
         if self.device not in ("auto", "cpu"):
             self.backend  # noqa: B018 - fail now, listing what there is, not at the first step
 

@@ -9,8 +9,8 @@ Example::
                          lr_schedule_args=[10_000, 1e-5], warmup_steps=500)
     optimizer = build_optimizer(config)   # AdamW, 500 linear warmup steps from 0, then cosine
 
-The name tables below are plain data (no ``mlx`` import) so that ``mlx_train.config`` can check
-names when a config is loaded, with the file and line of the mistake.
+The name tables (``OPTIMIZERS``, ``SCHEDULES``) belong to the config, which checks names when a
+config is loaded; this module only imports them (``mlx_train.config`` never imports this module).
 """
 
 from __future__ import annotations
@@ -18,37 +18,13 @@ from __future__ import annotations
 import inspect
 from typing import TYPE_CHECKING, Callable, Union
 
+from mlx_train.config import OPTIMIZERS, SCHEDULES, TrainConfig
 from mlx_train.errors import ConfigError, did_you_mean
 
 if TYPE_CHECKING:
     import mlx.optimizers
 
-    from mlx_train.config import TrainConfig
-
-# name -> (mlx.optimizers class, the TrainConfig hyper-parameters that class accepts).
-# "betas" is [beta1, beta2], "eps" is epsilon. Everything else keeps the class's own default.
-OPTIMIZERS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "adam": ("Adam", ("betas", "eps")),
-    "adamw": ("AdamW", ("betas", "eps", "weight_decay")),
-    "adamax": ("Adamax", ("betas", "eps")),
-    "lion": ("Lion", ("betas", "weight_decay")),
-    "sgd": ("SGD", ("momentum", "weight_decay")),
-    "rmsprop": ("RMSprop", ("eps",)),
-    "adagrad": ("Adagrad", ("eps",)),
-    "adadelta": ("AdaDelta", ("eps",)),
-    # Adafactor's eps is a pair with a different meaning, so epsilon is not passed.
-    "adafactor": ("Adafactor", ("weight_decay",)),
-    "muon": ("Muon", ("momentum", "weight_decay")),
-}
-
-# Schedules of mlx.optimizers, called as fn(learning_rate, *lr_schedule_args):
-# name -> (the parameters after the initial rate, an example of lr_schedule_args).
-SCHEDULES: dict[str, tuple[str, str]] = {
-    "cosine_decay": ("decay_steps, end=0.0", "[10000, 1e-5]"),
-    "exponential_decay": ("decay_rate", "[0.999]"),
-    "linear_schedule": ("end, steps", "[0.0, 10000]"),
-    "step_decay": ("decay_rate, step_size", "[0.5, 1000]"),
-}
+__all__ = ["OPTIMIZERS", "SCHEDULES", "build_optimizer", "build_schedule"]
 
 Schedule = Callable[["mlx.core.array"], "mlx.core.array"]
 
@@ -99,7 +75,7 @@ def build_schedule(config: TrainConfig) -> Union[float, Schedule]:
 def build_optimizer(config: TrainConfig) -> "mlx.optimizers.Optimizer":
     """The ``mlx.optimizers`` optimizer named by ``config.optimizer``, with its learning rate.
 
-    Passes each class only the hyper-parameters it accepts (see ``OPTIMIZERS``): ``betas=[beta1,
+    Passes each class only the hyper-parameters it uses (see ``OPTIMIZERS``): ``betas=[beta1,
     beta2]``, ``eps=epsilon``, ``weight_decay``, ``momentum``. Adafactor gets
     ``relative_step=False`` so that ``learning_rate`` (and its schedule) is used as given.
 
@@ -114,10 +90,13 @@ def build_optimizer(config: TrainConfig) -> "mlx.optimizers.Optimizer":
         raise ConfigError(
             f"unknown optimizer '{config.optimizer}'{did_you_mean(name, OPTIMIZERS)}; "
             f"choose one of {', '.join(OPTIMIZERS)}")
-    class_name, accepted = OPTIMIZERS[name]
+    class_name, uses = OPTIMIZERS[name]
+    # TrainConfig's names -> the keyword arguments of mlx.optimizers
+    keywords = {"beta1": "betas", "beta2": "betas", "epsilon": "eps", "weight_decay": "weight_decay",
+                "momentum": "momentum"}
     values = {"betas": [float(config.beta1), float(config.beta2)], "eps": float(config.epsilon),
               "weight_decay": float(config.weight_decay), "momentum": float(config.momentum)}
-    kwargs = {key: values[key] for key in accepted}
+    kwargs = {keywords[key]: values[keywords[key]] for key in uses}
     if name == "adafactor":
         kwargs["relative_step"] = False
     return getattr(optim, class_name)(learning_rate=build_schedule(config), **kwargs)

@@ -31,6 +31,7 @@ from mlx_train.checkpointing.format import (
     newest_complete, scan, step_name, survey, validate_checkpoint,
 )
 from mlx_train.checkpointing.storage import MANIFEST, open_store, split_location
+from mlx_train.config import metric_direction
 from mlx_train.errors import CheckpointError, ConfigError
 
 GROUP_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
@@ -133,7 +134,7 @@ class CheckpointManager:
 
     One process writes to a directory (rank 0 in distributed runs). ``keep_last=None`` keeps
     everything; the most recently saved complete checkpoint is never deleted. ``mode`` is
-    ``"min"``, ``"max"`` or ``"auto"`` (max when the monitor name contains "acc").
+    ``"min"``, ``"max"`` or ``"auto"`` (``metric_direction`` decides from the monitor name).
 
     Example::
 
@@ -149,11 +150,9 @@ class CheckpointManager:
             raise ConfigError(f"keep_last must be None (keep all) or an int >= 0, got {keep_last!r}")
         if isinstance(keep_best, bool) or not isinstance(keep_best, int) or keep_best < 0:
             raise ConfigError(f"keep_best must be an int >= 0, got {keep_best!r}")
-        if mode not in ("min", "max", "auto"):
-            raise ConfigError(f"mode must be 'min', 'max' or 'auto', got {mode!r}")
         self.directory = directory
         self.keep_last, self.keep_best, self.monitor = keep_last, keep_best, monitor
-        self.mode = mode if mode != "auto" else ("max" if "acc" in monitor else "min")
+        self.mode = metric_direction(monitor, mode)
         self.async_save = async_save
         self._store = open_store(directory)
         self._executor: ThreadPoolExecutor | None = None

@@ -16,7 +16,7 @@ Example::
 
 from __future__ import annotations
 
-# Loaded on first use: `import mlx_train.config` pulls in backends.py, and must stay cheap.
+# Loaded on first use, so that importing one part does not pull in the others.
 _LAZY = {
     "DistributedConfig": "mlx_train.distributed.config",
     "cluster_path": "mlx_train.distributed.config",

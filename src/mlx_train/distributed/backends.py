@@ -16,10 +16,10 @@ import os
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+from mlx_train.config import BACKEND_CHOICES as CHOICES
+from mlx_train.config import BACKENDS
 from mlx_train.errors import ConfigError, did_you_mean
 
-BACKENDS = ("ring", "mpi", "jaccl", "nccl")
-CHOICES = ("auto",) + BACKENDS
 STRATEGIES = ("data_parallel", "fsdp")
 
 _WHAT = {

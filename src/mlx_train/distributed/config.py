@@ -1,7 +1,8 @@
 """``DistributedConfig``: how many devices, the batch arithmetic, the backend and the recovery knobs.
 
-Defaults come from ``TrainConfig`` (the one source of defaults): a field left out here takes the
-``TrainConfig`` default of the same knob.
+Its knobs that ``TrainConfig`` also has are the same fields (``same_as``): one declaration of
+each default, help text and constraint, in ``TrainConfig``'s data, training and distributed
+sections; ``train_overrides()`` maps them back by name.
 
 Example::
 
@@ -15,18 +16,17 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
+from mlx_train.config import TrainConfig, option, same_as
+from mlx_train.config.options import check_fields, options
 from mlx_train.errors import ConfigError
 
 CLUSTER_FILE = "cluster.json"
 
 
-def _train_default(name: str) -> Any:
-    """A field default taken from TrainConfig's (evaluated when the DistributedConfig is made)."""
-    from mlx_train.config import TrainConfig
-
-    return field(default_factory=lambda: getattr(TrainConfig(), name))
+def _whole_devices(value: int, values: Mapping[str, Any]) -> str | None:
+    return None if value >= 1 else f"must be an integer >= 1 (or None: as many as launched), got {value!r}"
 
 
 @dataclass
@@ -38,33 +38,26 @@ class DistributedConfig:
     DataLoader gives each rank its slice of every global batch, so the sample order does not
     depend on the number of devices. ``num_devices=None`` means as many as were launched.
     ``hosts``/``hostfile`` say where to launch (default: the configured cluster, else
-    127.0.0.1); the other fields are the ``TrainConfig`` knobs of the same name.
+    127.0.0.1); the other fields are ``TrainConfig`` fields (``batch_size_per_device`` is
+    ``batch_size``, ``backend`` is ``distributed_backend``).
     """
 
-    num_devices: int | None = None
-    batch_size_per_device: int = _train_default("batch_size")
-    gradient_accumulation: int = _train_default("gradient_accumulation")
-    backend: str = _train_default("distributed_backend")
+    num_devices: int | None = option(None, "Processes in the group (null: as many as were launched).",
+                                     section="distributed", check=_whole_devices)
+    batch_size_per_device: int = same_as(TrainConfig, "batch_size")
+    gradient_accumulation: int = same_as(TrainConfig, "gradient_accumulation")
+    backend: str = same_as(TrainConfig, "distributed_backend")
     hosts: list[str] | None = None
     hostfile: str | None = None
-    max_restarts: int = _train_default("max_restarts")
-    collective_timeout: float = _train_default("collective_timeout")
-    checksum_every: int | None = _train_default("checksum_every")
+    max_restarts: int = same_as(TrainConfig, "max_restarts")
+    collective_timeout: float = same_as(TrainConfig, "collective_timeout")
+    checksum_every: int | None = same_as(TrainConfig, "checksum_every")
     env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        from mlx_train.config import TrainConfig
-
-        if self.num_devices is not None and (isinstance(self.num_devices, bool) or not isinstance(self.num_devices, int)
-                                             or self.num_devices < 1):
-            raise ConfigError(f"DistributedConfig.num_devices must be an integer >= 1 (or None: as many as "
-                              f"launched), got {self.num_devices!r}")
+        check_fields(self)
         if self.hosts is not None and self.hostfile is not None:
             raise ConfigError("DistributedConfig: give hosts or hostfile, not both")
-        try:  # the shared knobs are checked exactly as TrainConfig checks them
-            TrainConfig().replace(**self.train_overrides())
-        except ConfigError as error:
-            raise ConfigError(f"DistributedConfig: {error}".replace("TrainConfig.", "")) from None
 
     @property
     def global_batch_size(self) -> int:
@@ -80,9 +73,8 @@ class DistributedConfig:
 
     def train_overrides(self) -> dict[str, Any]:
         """The ``TrainConfig`` fields this config sets: ``TrainConfig().replace(**overrides)``."""
-        return {"batch_size": self.batch_size_per_device, "gradient_accumulation": self.gradient_accumulation,
-                "distributed_backend": self.backend, "max_restarts": self.max_restarts,
-                "collective_timeout": self.collective_timeout, "checksum_every": self.checksum_every}
+        return {f.metadata["same_as"][1]: getattr(self, name)
+                for name, f in options(self).items() if "same_as" in f.metadata}
 
     def check_world_size(self, world_size: int) -> None:
         """Raise ``DistributedError`` when the launched group does not have ``num_devices`` ranks."""

@@ -27,6 +27,7 @@ from typing import Any
 
 import yaml
 
+from mlx_train.config import TrainConfig, metric_direction
 from mlx_train.errors import ConfigError
 
 METRICS_FILE = "metrics.jsonl"
@@ -170,11 +171,11 @@ class RunSnapshot:
         return [], []
 
     def best(self, key: str = "val_loss") -> tuple[float, int] | None:
-        """(best value, step) of a validation metric; max for accuracies, min otherwise."""
+        """(best value, step) of a validation metric, best by ``metric_direction(key)``."""
         steps, values = self.series(key)
         if not values:
             return None
-        pick = max if "acc" in key else min
+        pick = max if metric_direction(key) == "max" else min
         value = pick(values)
         return value, steps[values.index(value)]
 
@@ -356,6 +357,11 @@ class RunReader:
             mtime = path.stat().st_mtime
             if mtime != self._config_mtime:
                 loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+                if isinstance(loaded, dict):  # config.yaml is written by sections: flatten it
+                    try:
+                        loaded = TrainConfig.from_dict(loaded, source=str(path)).to_dict()
+                    except ConfigError:
+                        pass  # keep what it says as it is: the monitor shows a run, it does not judge it
                 self._config, self._config_mtime = loaded if isinstance(loaded, dict) else {}, mtime
         except (OSError, yaml.YAMLError):
             pass

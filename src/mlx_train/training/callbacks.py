@@ -31,6 +31,7 @@ from typing import Any, Iterator
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
+from mlx_train.config import metric_direction
 from mlx_train.errors import ConfigError
 
 EVENTS = (
@@ -192,19 +193,11 @@ class CallbackList:
             c.load_state_dict(tree_unflatten(flat) if flat else {})
 
 
-def _resolve_mode(monitor: str, mode: str) -> str:
-    if mode not in ("auto", "min", "max"):
-        raise ConfigError(f"mode must be 'auto', 'min' or 'max', got '{mode}'")
-    if mode != "auto":
-        return mode
-    return "max" if "acc" in monitor or monitor.endswith("f1") else "min"
-
-
 class _Monitor:
     """Tracks the best value of one metric."""
 
     def __init__(self, monitor: str, mode: str, min_delta: float = 0.0) -> None:
-        self.monitor, self.mode, self.min_delta = monitor, _resolve_mode(monitor, mode), abs(min_delta)
+        self.monitor, self.mode, self.min_delta = monitor, metric_direction(monitor, mode), abs(min_delta)
         self.best = math.inf if self.mode == "min" else -math.inf
 
     def value(self, logs: dict) -> float | None:

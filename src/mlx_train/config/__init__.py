@@ -1,0 +1,42 @@
+"""``TrainConfig``: every training knob, declared once: default, help, constraint, YAML section, aliases.
+
+YAML files and CLI flags only overlay it; no default or rule is written anywhere else.
+``DistributedConfig`` and ``DeviceConfig`` reuse the same field declarations (``same_as``).
+
+Example::
+
+    config = TrainConfig.from_yaml("custom_config.yaml")      # sectioned (below) or flat
+    config = config.replace(batch_size=64, learning_rate="3e-4")
+    config.to_yaml("runs/a/config.yaml")                       # written by sections
+    parse_every(config.eval_every)                             # Every(n=1, unit='epoch')
+    metric_direction("val_f1")                                 # "max"
+
+YAML layout (every part optional; a flat file of field names also works)::
+
+    training:      # epochs (alias num_epochs), max_steps, gradient_accumulation (alias
+                   # gradient_accumulation_steps), seed, compile, report_every, eval_every, monitor,
+                   # monitor_mode, early_stopping_patience, early_stopping_min_delta, run_dir;
+                   # also any field of the other sections, and the aliases checkpoint_frequency
+                   # (N -> "N epochs") and mixed_precision (true -> bfloat16, false -> float32)
+    optimizer:     # name (-> optimizer), learning_rate, lr_schedule, lr_schedule_args, warmup_steps,
+                   # warmup_init, beta1, beta2, epsilon, weight_decay, momentum, max_grad_norm
+    checkpoint:    # checkpoint_dir, checkpoint_every (alias checkpoint_frequency), keep_last, keep_best
+    memory:        # precision (alias mixed_precision), loss_scale, loss_scale_window,
+                   # gradient_checkpointing, checkpoint_modules, memory_limit, oom_recovery
+    distributed:   # backend (-> distributed_backend), max_restarts, collective_timeout,
+                   # checksum_every, checksum_action
+    data:          # name (-> dataset), batch_size, eval_batch_size, num_workers, shuffle,
+                   # drop_last; other keys -> dataset_options
+    model:         # name (-> model); other keys -> model_options
+
+A hyper-parameter the chosen optimizer does not use (``beta1`` with ``sgd``) is an error when it
+is written under a section or differs from its default.
+"""
+
+from mlx_train.config.options import Every, Option, option, parse_bytes, parse_every, same_as
+from mlx_train.config.train import (BACKEND_CHOICES, BACKENDS, HYPER_PARAMETERS, OPTIMIZERS, SCHEDULES, SECTIONS,
+                                    FieldHelp, TrainConfig, metric_direction)
+
+__all__ = ["BACKENDS", "BACKEND_CHOICES", "Every", "FieldHelp", "HYPER_PARAMETERS", "OPTIMIZERS", "Option",
+           "SCHEDULES", "SECTIONS", "TrainConfig", "metric_direction", "option", "parse_bytes", "parse_every",
+           "same_as"]
