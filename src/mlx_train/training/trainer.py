@@ -217,6 +217,7 @@ class Trainer:
                     for batch in meter.timed(loader):
                         state.running = step(state, batch)
                         state.step += 1
+                        interrupted = self._interrupted(signals)
                         meter.count(batch)
                         self._check_finite(batch, loader)
                         if per_batch:
@@ -231,7 +232,7 @@ class Trainer:
                             self._save(checkpoints, loader, callbacks, meter)
                         if checkpoints:
                             checkpoints.raise_failed_save()
-                        if self._done() or self._interrupted(signals):
+                        if self._done() or interrupted:
                             break
                     if not self._epoch_complete(loader):
                         break
@@ -410,8 +411,8 @@ class Trainer:
         """A stop signal arrived here or, in a distributed run, on any rank (all stop at the same step)."""
         if self.group is None or self.group.size() == 1:
             return signals.requested is not None
-        with self.collective("stop-signal vote"):
-            asked = any_rank(signals.requested is not None, self.group)
+        # Right after the step, still under the step's watchdog (a distributed run arms it for the update).
+        asked = any_rank(signals.requested is not None, self.group)
         if asked and signals.requested is None:
             signals.requested = signal.SIGTERM
         return asked
