@@ -255,10 +255,10 @@ class EarlyStopping(Callback, _Monitor):
             trainer.stop_training = True
             if self.restore_best_weights and self.best_weights is not None:
                 trainer.model.update(tree_unflatten(list(self.best_weights.items())))
-            trainer.log(
-                f"early stopping at epoch {epoch + 1}: {self.monitor} did not improve for {self.patience} "
-                f"epoch(s); best {self.monitor} {self.best:.4f} at epoch {self.best_epoch + 1}"
-            )
+            best = (f"best {self.monitor} {self.best:.4f} at epoch {self.best_epoch + 1}" if self.best_epoch is not None
+                    else f"{self.monitor} was never finite")
+            trainer.log(f"early stopping at epoch {epoch + 1}: {self.monitor} did not improve for {self.patience} "
+                        f"epoch(s); {best}")
 
     def state_dict(self) -> dict:
         state = {"best": self.best, "wait": self.wait, "best_epoch": self.best_epoch, "stopped_epoch": self.stopped_epoch}

@@ -49,8 +49,9 @@ class StopSignals:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
         if self.requested is not None:
-            raise TrainingInterrupted(signum, self.step(), None,
-                                      f"{name} again: stopped at once at step {self.step()}, without a new checkpoint")
+            message = f"{name} again: stopped at once at step {self.step()}, without a new checkpoint"
+            self.log(message)
+            raise TrainingInterrupted(signum, self.step(), None, message)
         self.requested = signum
         self.log(f"{name} received: finishing step {self.step() + 1}, then saving a checkpoint and stopping "
                  f"({name} again stops at once)")

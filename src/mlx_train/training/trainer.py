@@ -17,7 +17,7 @@ import mlx.optimizers as optim
 from mlx_train.checkpointing.manager import CheckpointWarning
 from mlx_train.config import TrainConfig, parse_every
 from mlx_train.data import DataLoader
-from mlx_train.errors import (CheckpointError, ConfigError, MLXTrainError, NonFiniteError, OutOfMemoryError,
+from mlx_train.errors import (CheckpointError, ConfigError, DataError, MLXTrainError, NonFiniteError, OutOfMemoryError,
                               TrainingInterrupted)
 from mlx_train.training.callbacks import CallbackList, EarlyStopping, ModelCheckpoint
 from mlx_train.training.heartbeat import Heartbeat
@@ -27,7 +27,8 @@ from mlx_train.training.meter import Meter
 from mlx_train.training.interrupt import StopSignals
 from mlx_train.training.oom import MemoryGuard, MemoryPolicy, any_rank, is_out_of_memory
 from mlx_train.training.state import RUNNING_KEYS, LoopState
-from mlx_train.training.step import Reduction, StepOptions, TrainStep, build_eval_step, build_step, split_batch
+from mlx_train.training.step import (Reduction, StepOptions, TrainStep, build_eval_step, build_step,
+                                     describe_shapes, split_batch)
 
 
 class Trainer:
@@ -92,6 +93,8 @@ class Trainer:
         self._eval_step: Callable | None = None
         self._saved_step: int | None = None
         self._poisoned = False
+        self._signals: StopSignals | None = None
+        self._voted_stop = False
         self._eval_parts = 1  # parts each evaluation batch is split into (more after running out of memory)
 
     # -- the loop state, by name ----------------------------------------------------------
@@ -203,6 +206,7 @@ class Trainer:
         callbacks = CallbackList(self._default_callbacks() + list(callbacks))
         checkpoints = self._checkpoints(checkpoint_dir or cfg.checkpoint_dir)
         with self._locks(checkpoints), StopSignals(self.log, lambda: state.step) as signals:
+            self._signals, self._voted_stop = signals, False
             self._start(checkpoints, resume, loader, callbacks)
             step = self.memory_guard = self._guard(callbacks)
             every = _Cadences(cfg)
@@ -217,7 +221,7 @@ class Trainer:
                     for batch in meter.timed(loader):
                         state.running = step(state, batch)
                         state.step += 1
-                        interrupted = self._interrupted(signals)
+                        self._vote_stop(signals)
                         meter.count(batch)
                         self._check_finite(batch, loader)
                         if per_batch:
@@ -232,7 +236,7 @@ class Trainer:
                             self._save(checkpoints, loader, callbacks, meter)
                         if checkpoints:
                             checkpoints.raise_failed_save()
-                        if self._done() or interrupted:
+                        if self._done():
                             break
                     if not self._epoch_complete(loader):
                         break
@@ -242,7 +246,7 @@ class Trainer:
                         self._save(checkpoints, loader, callbacks, meter)
                     if not isinstance(loader, DataLoader):
                         state.epoch += 1
-                if checkpoints and self._saved_step != state.step and not self._poisoned:
+                if checkpoints and self._saved_step != state.step:
                     self._save(checkpoints, loader, callbacks, meter)
                 if checkpoints:
                     checkpoints.wait()
@@ -297,6 +301,8 @@ class Trainer:
 
     def _save(self, checkpoints, loader, callbacks, meter) -> None:
         state = self.state
+        if self._poisoned:
+            return  # non-finite weights are never saved: the last finite checkpoint stays the newest
         self._saved_step = state.step
         totals = self._totals() if state.running else {}
         if self.group is not None and self.group.size() > 1 and state.running:
@@ -402,20 +408,27 @@ class Trainer:
         return guard
 
     def _done(self) -> bool:
-        if self._poisoned and self.state.stop_training:
+        if self._stop_requested():
             return True
         max_steps = self.config.max_steps
         return self.state.stop_training or (max_steps is not None and self.state.step >= max_steps)
 
-    def _interrupted(self, signals: StopSignals) -> bool:
-        """A stop signal arrived here or, in a distributed run, on any rank (all stop at the same step)."""
+    def _vote_stop(self, signals: StopSignals) -> bool | None:
+        """In a distributed run: did a stop signal arrive on any rank (so all stop at the same step)? Every
+        rank votes right after each step, still under the step's watchdog. None for a lone process."""
         if self.group is None or self.group.size() == 1:
-            return signals.requested is not None
-        # Right after the step, still under the step's watchdog (a distributed run arms it for the update).
-        asked = any_rank(signals.requested is not None, self.group)
-        if asked and signals.requested is None:
+            return None
+        self._voted_stop = any_rank(signals.requested is not None, self.group)
+        if self._voted_stop and signals.requested is None:
             signals.requested = signal.SIGTERM
-        return asked
+        return self._voted_stop
+
+    def _stop_requested(self) -> bool:
+        if self._signals is None:
+            return False
+        if self.group is not None and self.group.size() > 1:
+            return self._voted_stop  # ranks agree: the decision of the last vote
+        return self._signals.requested is not None
 
     def _interruption(self, signum: int, checkpoints) -> TrainingInterrupted:
         name = signal.Signals(signum).name
@@ -510,6 +523,10 @@ class Trainer:
                 for (container, name), value in zip(slots, saved):
                     container[name] = value
                 set_rng_key(key.tolist())
+                if isinstance(error, ValueError) and not isinstance(error, MLXTrainError):
+                    raise DataError(f"the model failed on a {what} batch of shapes {describe_shapes(batch)}: {error}. "
+                                    "Check that this dataset's arrays match what the model was trained on (feature "
+                                    "size, dtype, sequence layout)") from error
                 if not isinstance(error, Exception) or isinstance(error, MLXTrainError) or not is_out_of_memory(error):
                     raise
                 if len(parts) >= _rows(batch):
