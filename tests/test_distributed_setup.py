@@ -17,14 +17,17 @@ from mlx.utils import tree_flatten
 
 from mlx_train import DistributedConfig, TrainConfig
 from mlx_train.cli.main import main
-from mlx_train.distributed import describe_cluster, reset_distributed
+from mlx_train import processes
 from mlx_train.distributed import registry
 from mlx_train.distributed.backends import check_strategy, choose_backend, passthrough_env
 from mlx_train.distributed.checksum import mismatching_ranks
-from mlx_train.distributed.hostfile import Host, Hostfile, check_host
-from mlx_train.distributed.network import verdict
-from mlx_train.distributed.rank import RankMonitor, rank_file, write_json_atomic
-from mlx_train.distributed.supervisor import Cause, _best, _exit_cause
+from mlx_train.distributed.hostfile import Host, Hostfile
+from mlx_train.distributed.rank import RankMonitor
+from mlx_train.launch import describe_cluster, reset_distributed
+from mlx_train.launch.network import check_host, verdict
+from mlx_train.launch.supervisor import Cause, _best, _exit_cause
+from mlx_train.rundir import atomic_write_json as write_json_atomic
+from mlx_train.rundir import heartbeat_path as rank_file
 from mlx_train.errors import ConfigError, DistributedError
 from mlx_train.training import DistributedTrainer, Trainer
 
@@ -236,7 +239,7 @@ def test_reset_stops_only_leftover_mlx_train_processes_and_names_them(home):
     try:
         registry.registry_dir().mkdir(parents=True)
         live = {"pid": supervisor.pid, "kind": "supervisor", "run_id": "live-run", "run_dir": "runs/live", "ranks": 1,
-                "start_time": registry.process_start_time(supervisor.pid), "started_at": time.time(), "backend": "ring"}
+                "start_time": processes.start_time(supervisor.pid), "started_at": time.time(), "backend": "ring"}
         write_json_atomic(registry.entry_path(supervisor.pid), live)
         dead = {"pid": 999999, "kind": "rank", "run_id": "old-run", "start_time": 1}
         write_json_atomic(registry.entry_path(999999), dead)
@@ -263,16 +266,16 @@ def test_reset_stops_only_leftover_mlx_train_processes_and_names_them(home):
 
 # ---------------------------------------------------------------------- diagnosis
 def _peer(directory, rank, **info):
-    base = {"rank": rank, "pid": 4242 + rank, "host": "mac2", "status": "running", "step": 6,
-            "heartbeat_at": time.time() + 60, "waiting": None}  # fresh for the whole test
+    base = {"rank": rank, "pid": 4242 + rank, "host": "mac2", "state": "running", "step": 6,
+            "time": time.time() + 60, "waiting": None, "steady": True, "interval": 0.05}  # fresh for the whole test
     write_json_atomic(rank_file(directory, rank), {**base, **info})
 
 
 def test_collective_timeout_names_the_missing_rank(tmp_path):
-    _peer(tmp_path, 1, heartbeat_at=time.time() - 10)              # frozen
+    _peer(tmp_path, 1, time=time.time() - 10)                      # frozen
     _peer(tmp_path, 2, step=4)                                     # alive but behind
     _peer(tmp_path, 3, step=6, waiting={"what": "gradient all-reduce", "since": time.time()})  # fine
-    _peer(tmp_path, 4, status="failed", error_type="DataError", error="bad batch")
+    _peer(tmp_path, 4, state="failed", error_type="DataError", error="DataError: bad batch")
     caught = []
     monitor = RankMonitor(0, 6, tmp_path, timeout=0.3, interval=0.05, on_timeout=caught.append)
     monitor.step = 6
@@ -293,7 +296,7 @@ def test_collective_timeout_names_the_missing_rank(tmp_path):
     assert "rank 4 failed: DataError: bad batch" in text
     assert "rank 5 has never reported" in text
     saved = json.loads(rank_file(tmp_path, 0).read_text())
-    assert saved["status"] == "failed" and saved["error_type"] == "DistributedError"
+    assert saved["state"] == "failed" and saved["error_type"] == "DistributedError"
 
 
 def test_checksum_mismatch_and_link_verdicts():

@@ -1,111 +1,19 @@
-"""``mlx-train train --distributed``: launch the training on the cluster under the supervisor.
-
-The launching process resolves the configuration once and writes it to
-``<run_dir>/distributed/launch-config.yaml``; every rank then runs
-``python -m mlx_train train --config <that file>`` (a ``DistributedTrainer``, because the
-supervisor's environment says it is a rank). Hosts: ``--hostfile FILE``, else the configured
-cluster (``mlx-train configure --distributed``), else ``-n N`` processes on 127.0.0.1.
+"""The ``mlx.launch`` wrapper: where the launcher is, and free ports for its ranks.
 
 Example::
 
-    mlx-train train --distributed -n 2 --max-steps 100 --max-restarts 2
+    argv = [launcher_path(), "--hostfile", "hosts.json", "--starting-port", str(free_port_base(2)), "--", ...]
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import shutil
 import socket
 import sys
-from typing import Any
 
-from mlx_train.distributed import rank as rank_runtime
 from mlx_train.errors import DistributedError
-
-
-def add_train_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``train`` flags of distributed runs (``--max-restarts`` is a TrainConfig flag)."""
-    parser.add_argument("--distributed", action="store_true",
-                        help="launch the training with mlx.launch on the configured cluster (mlx-train configure "
-                        "--distributed), or on -n N local processes when none is configured, under a supervisor "
-                        "that restarts the group from the last checkpoint when a rank dies or hangs")
-    parser.add_argument("-n", "--num-processes", type=int, default=None, metavar="N",
-                        help="with --distributed: N processes on 127.0.0.1 when no cluster is configured "
-                        "(default 2), N processes per host with a cluster")
-    parser.add_argument("--hostfile", default=None, metavar="FILE",
-                        help="with --distributed: launch on the hosts of this mlx.launch host file instead of "
-                        "the configured cluster")
-
-
-def launched_rank() -> int | None:
-    """This process's rank when a launcher started it (``MLX_RANK``, or MPI's), else None."""
-    for name in ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
-        value = os.environ.get(name)
-        if value is not None and value.isdigit():
-            return int(value)
-    return None
-
-
-def is_main_process() -> bool:
-    """False on the ranks other than 0 of a launched group (they print nothing and write no files)."""
-    return (launched_rank() or 0) == 0
-
-
-def trainer_class() -> type:
-    """``DistributedTrainer`` inside a launched group, else ``Trainer``."""
-    from mlx_train.training import DistributedTrainer, Trainer
-
-    return DistributedTrainer if launched_rank() is not None or rank_runtime.supervised() else Trainer
-
-
-def cluster_for(num_processes: int | None, hostfile: str | None, backend: str):
-    """The ``Hostfile`` a distributed run launches on (see the module docstring)."""
-    from mlx_train.distributed.config import load_cluster
-    from mlx_train.distributed.hostfile import Hostfile
-
-    if num_processes is not None and num_processes < 1:
-        from mlx_train.errors import ConfigError
-
-        raise ConfigError(f"-n must be at least 1, got {num_processes}")
-    cluster = Hostfile.read(hostfile) if hostfile else load_cluster()
-    if cluster is None:
-        cluster = Hostfile.local(num_processes or 2, backend)
-    elif num_processes and num_processes > 1:
-        cluster.hosts = [host for host in cluster.hosts for _ in range(num_processes)]
-    if backend != "auto":
-        cluster.backend = backend
-    return cluster
-
-
-def train_distributed(args: argparse.Namespace, config: Any, log=print) -> int:
-    """Run ``mlx-train train --distributed`` with the parsed ``args`` and resolved ``config``."""
-    from mlx_train.cli.train import resolve_run_dir
-    from mlx_train.distributed.supervisor import RecoveryPolicy, Supervisor
-
-    hosts = cluster_for(args.num_processes, args.hostfile, config.distributed_backend)
-    run_dir = resolve_run_dir(config, args.resume)
-    config = config.replace(run_dir=str(run_dir), checkpoint_dir=config.checkpoint_dir or str(run_dir / "checkpoints"))
-    state_dir = run_dir / "distributed"
-    state_dir.mkdir(parents=True, exist_ok=True)
-    config_path = state_dir / "launch-config.yaml"
-    config.to_yaml(str(config_path))
-    python = hosts.python or sys.executable
-    command = [python, "-m", "mlx_train", "train", "--config", str(config_path.resolve())]
-    if args.resume:
-        command += ["--resume", args.resume]
-    world = hosts.num_processes
-    log(f"distributed run: {world} process{'es' if world != 1 else ''} x batch {config.batch_size} x accumulation "
-        f"{config.gradient_accumulation} = global batch {world * config.batch_size * config.gradient_accumulation}; "
-        f"run directory {run_dir}")
-    policy = RecoveryPolicy.from_collective_timeout(config.max_restarts, config.collective_timeout)
-    supervisor = Supervisor(command, hosts, run_dir, policy, config.checkpoint_dir, restart_args=["--resume", "auto"])
-    result = supervisor.run()
-    restarts = len(result.restarts)
-    log(f"distributed run finished in {result.seconds:.1f} s with {restarts} restart{'s' if restarts != 1 else ''}"
-        + (f" ({'; '.join(r.cause for r in result.restarts)})" if restarts else ""))
-    return 0
 
 
 def launcher_path() -> str:
