@@ -111,11 +111,13 @@ def choose_run_dir(config: Any, resume: str | None, runs_root: str = "runs") -> 
 
 
 # ---------------------------------------------------------------------------------- atomic writes
-def atomic_write(path: str | os.PathLike, data: bytes | str) -> None:
+def atomic_write(path: str | os.PathLike, data: bytes | str, durable: bool = True) -> None:
     """Replace the local file ``path`` with ``data`` so that a reader sees the old or the new file, never half.
 
     Written to a temporary file in the same directory, flushed to disk (``fsync``), then renamed
     over ``path`` with ``os.replace``; a crash before the rename leaves the old file untouched.
+    ``durable=False`` skips the ``fsync`` for files rewritten every few seconds (heartbeats):
+    readers still never see half a file, only a power cut could lose the newest version.
 
     Example: ``atomic_write("runs/a/heartbeat-0.json", json.dumps(record))``
     """
@@ -126,7 +128,8 @@ def atomic_write(path: str | os.PathLike, data: bytes | str) -> None:
         with os.fdopen(fd, "wb") as file:
             file.write(payload)
             file.flush()
-            os.fsync(file.fileno())
+            if durable:
+                os.fsync(file.fileno())
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -136,9 +139,9 @@ def atomic_write(path: str | os.PathLike, data: bytes | str) -> None:
         raise
 
 
-def atomic_write_json(path: str | os.PathLike, data: Any) -> None:
+def atomic_write_json(path: str | os.PathLike, data: Any, durable: bool = True) -> None:
     """``atomic_write`` of ``data`` as JSON."""
-    atomic_write(path, json.dumps(data))
+    atomic_write(path, json.dumps(data), durable)
 
 
 def read_json(path: str | os.PathLike) -> Any | None:
@@ -322,7 +325,7 @@ class HeartbeatWriter:
             data = self.record.to_json()
             try:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
-                atomic_write_json(self.path, data)
+                atomic_write_json(self.path, data, durable=False)  # rewritten every few seconds
             except OSError:
                 return False  # a full disk must not stop training; readers see the heartbeat go stale
         return True

@@ -27,6 +27,7 @@ from typing import Any, Sequence
 
 from mlx_train.distributed.backends import CHOICES
 from mlx_train.errors import ConfigError, did_you_mean
+from mlx_train.rundir import atomic_write
 
 LOCAL = "127.0.0.1"
 _HOST_KEYS = ("ssh", "ips", "rdma")
@@ -207,11 +208,7 @@ class Hostfile:
         """Write atomically (temporary name, then rename); returns the path."""
         path = os.fspath(path)
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        tmp = f"{path}.tmp-{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as file:
-            json.dump(self.to_json(backend), file, indent=2)
-            file.write("\n")
-        os.replace(tmp, path)
+        atomic_write(path, json.dumps(self.to_json(backend), indent=2) + "\n")
         self.path = path
         return path
 

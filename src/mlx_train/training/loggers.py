@@ -136,7 +136,8 @@ class MetricsLogger(Callback):
             with open(self.jsonl_path) as f:
                 rows = [json.loads(line) for line in f if line.strip()]
             self._rows = [r for r in rows if r.get("step", 0) <= trainer.step]
-            rundir.atomic_write(self.jsonl_path, "".join(json.dumps(r) + "\n" for r in self._rows))
+            # Like the appended rows, not fsync'ed: a reader sees the old or the new file, never half.
+            rundir.atomic_write(self.jsonl_path, "".join(json.dumps(r) + "\n" for r in self._rows), durable=False)
             self._rewrite_csv()
 
     def _write(self, kind: str, logs: dict) -> None:
@@ -157,7 +158,7 @@ class MetricsLogger(Callback):
         writer = csv.DictWriter(text, fieldnames=self._columns)
         writer.writeheader()
         writer.writerows(self._rows)
-        rundir.atomic_write(self.csv_path, text.getvalue())
+        rundir.atomic_write(self.csv_path, text.getvalue(), durable=False)
 
     def on_report(self, trainer, logs: dict) -> None:
         self._write("train", logs)
