@@ -38,7 +38,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from mlx_train.errors import ConfigError
 
@@ -284,8 +284,8 @@ class HeartbeatWriter:
         writer.update(state="running", step=10, loss=0.42)     # written at once
     """
 
-    _writers: dict[Path, HeartbeatWriter] = {}
-    _registry_lock = threading.Lock()
+    _writers: ClassVar[dict[Path, HeartbeatWriter]] = {}
+    _registry_lock: ClassVar[threading.Lock] = threading.Lock()
 
     def __init__(self, run_dir: str | os.PathLike, rank: int) -> None:
         import socket
