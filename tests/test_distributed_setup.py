@@ -1,6 +1,7 @@
 """Distributed set-up without launching a group: DistributedConfig, backends, host files, the
 watchdog's diagnosis, the supervisor's verdicts, configure / status / reset-distributed."""
 
+import io
 import json
 import os
 import signal
@@ -326,3 +327,17 @@ def test_train_help_lists_the_distributed_flags(capsys):
         assert flag in out, flag
     for command in ("configure", "check-network", "reset-distributed"):
         assert main([command, "--help"]) == 0
+
+
+def test_a_launcher_killed_from_outside_is_a_failure_not_a_success(tmp_path, monkeypatch):
+    from mlx_train.launch import supervisor as supervisor_module
+
+    launcher = tmp_path / "fake-mlx.launch"
+    launcher.write_text("#!/bin/sh\nkill -TERM $$\n")  # dies before it could report on any rank
+    launcher.chmod(0o755)
+    monkeypatch.setattr(supervisor_module, "launcher_path", lambda: str(launcher))
+    with pytest.raises(DistributedError, match="max_restarts \\(0\\) is used up; last failure: mlx.launch was killed "
+                                               "by SIGTERM before it reported on its ranks"):
+        supervisor_module.supervise([sys.executable, "-c", "pass"], num_processes=2, run_dir=tmp_path / "run",
+                                    policy=supervisor_module.RecoveryPolicy(max_restarts=0),
+                                    output=(io.StringIO(), io.StringIO()))

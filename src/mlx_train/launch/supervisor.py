@@ -191,6 +191,10 @@ class Supervisor:
             if self._direct and process.returncode:
                 self._events.put((0, process.returncode))
             self._drain(causes, teardown=True)
+            if not self._direct and process.returncode and not causes:
+                # mlx.launch exits 0 even when ranks fail; anything else means it was itself stopped
+                # (a signal from outside) before it could report on its ranks.
+                _add(causes, _launcher_cause(process.returncode))
         return self._verdict(causes)
 
     def _watch(self, process: subprocess.Popen, causes: list[Cause]) -> None:
@@ -399,6 +403,14 @@ def _exit_cause(rank: int, code: int | None, after_failure: bool) -> Cause:
     if code == DistributedError.exit_code:
         return Cause(f"rank {rank} exited with a DistributedError (exit code {code})", weight=2)
     return Cause(f"rank {rank} exited with code {code}", final=code in FINAL_EXIT_CODES)
+
+
+def _launcher_cause(code: int) -> Cause:
+    """Why an attempt failed when ``mlx.launch`` itself ended abnormally (exit ``code``) without naming a rank."""
+    if code < 0:
+        name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else f"signal {-code}"
+        return Cause(f"mlx.launch was killed by {name} before it reported on its ranks (stopped from outside?)")
+    return Cause(f"mlx.launch exited with code {code} without naming a failed rank")
 
 
 def _add(causes: list[Cause], cause: Cause) -> None:
