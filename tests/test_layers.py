@@ -18,7 +18,7 @@ def _loaded_after(code: str) -> list[str]:
         import json, sys
         print(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))
     """)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False,
                           env={**os.environ, "COLUMNS": "100"})
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
