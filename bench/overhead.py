@@ -24,8 +24,8 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 
-from mlx_train.datasets import load_dataset
-from mlx_train.models import build_model
+from mlx_train.builtin.datasets import load_dataset
+from mlx_train.builtin.models import build_model
 from mlx_train.training import Trainer
 
 WORKLOADS = {

@@ -11,7 +11,7 @@ import mlx_train  # noqa: F401  (before mlx.core: loads the optimized BLAS)
 
 import mlx.core as mx
 
-from mlx_train.checkpoint import CheckpointManager
+from mlx_train.checkpointing import CheckpointManager
 
 
 def arrays_for(step: int) -> dict:

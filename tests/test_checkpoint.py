@@ -18,7 +18,7 @@ import pytest
 import mlx_train.checkpointing.manager as manager_module
 import mlx_train.checkpointing.storage as storage_module
 from helpers_checkpoint_kill import arrays_for
-from mlx_train.checkpoint import CheckpointManager, CheckpointWarning, load_checkpoint
+from mlx_train.checkpointing import CheckpointManager, CheckpointWarning, load_checkpoint
 from mlx_train.errors import CheckpointError, ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

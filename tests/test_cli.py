@@ -12,9 +12,10 @@ import mlx_train
 from mlx_train.cli import train as train_command
 from mlx_train.cli.evaluate import evaluate_checkpoint
 from mlx_train.cli.main import build_parser, main
-from mlx_train.cli.train import FLAGS, build_config, resolve_run_dir, run
+from mlx_train.cli.train import FLAGS, build_config, run
 from mlx_train.config import TrainConfig
 from mlx_train.errors import DataError
+from mlx_train.rundir import choose_run_dir as resolve_run_dir
 
 SRC = str(Path(mlx_train.__file__).resolve().parents[1])
 

@@ -5,7 +5,7 @@ import sys
 import numpy as np
 import pytest
 
-from mlx_train.datasets import available_datasets, load_dataset, stdlib_corpus
+from mlx_train.builtin.datasets import available_datasets, load_dataset, stdlib_corpus
 from mlx_train.errors import ConfigError, DataError
 
 

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 from mlx_train.cli.main import main
+from mlx_train import processes
 from mlx_train.distributed import registry
-from mlx_train.distributed.supervisor import RecoveryPolicy, supervise
+from mlx_train.launch.supervisor import RecoveryPolicy, supervise
 from mlx_train.errors import DistributedError
 
 SCRIPT = str(Path(__file__).parent / "scripts" / "ranked_run.py")
@@ -41,7 +42,7 @@ def _load(path: Path) -> dict:
 
 
 def _rank(run_dir: Path, rank: int) -> dict:
-    return json.loads((run_dir / "distributed" / f"rank-{rank}.json").read_text())
+    return json.loads((run_dir / f"heartbeat-{rank}.json").read_text())
 
 
 def test_a_killed_rank_is_restarted_and_the_run_ends_as_if_uninterrupted(tmp_path):
@@ -67,11 +68,11 @@ def test_a_rank_that_stops_responding_ends_the_others_with_distributed_error(tmp
                                                "gradient all-reduce of step 11: rank 1 is not responding"):
         _run(run_dir, "--stop-rank", "1", "--stop-step", "10", max_restarts=0, timeout=2.0)
     rank0, rank1 = _rank(run_dir, 0), _rank(run_dir, 1)
-    assert rank0["status"] == "failed" and rank0["error_type"] == "DistributedError"
+    assert rank0["state"] == "failed" and rank0["error_type"] == "DistributedError"
     waited = float(re.search(r"waited ([0-9.]+) s", rank0["error"])[1])
     assert waited >= 2.0  # the configured collective_timeout, then it ended
     assert "mlx-train: error: DistributedError: rank 0 waited" in (run_dir / "logs" / "rank-0.log").read_text()
-    assert not registry.process_alive(rank1["pid"])  # the frozen rank was stopped too
+    assert not processes.alive(rank1["pid"])  # the frozen rank was stopped too
 
 
 def test_a_checkpoint_written_by_two_ranks_resumes_on_one_and_on_two(tmp_path):
@@ -123,7 +124,7 @@ def test_train_distributed_on_local_ranks(tmp_path, capsys):
     assert (run_dir / "checkpoints" / "step-00000006").is_dir(), (sorted(os.listdir(run_dir / "checkpoints")), out)
     rank0, rank1 = (run_dir / "logs" / "rank-0.log").read_text(), (run_dir / "logs" / "rank-1.log").read_text()
     assert "test: loss" in rank0 and "test: loss" not in rank1  # rank 0 speaks for the group
-    assert _rank(run_dir, 0)["status"] == _rank(run_dir, 1)["status"] == "exited"
+    assert _rank(run_dir, 0)["state"] == _rank(run_dir, 1)["state"] == "finished"
 
 
 def test_check_network_on_local_ranks_and_an_unreachable_host(tmp_path, capsys):

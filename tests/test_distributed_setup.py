@@ -1,6 +1,7 @@
 """Distributed set-up without launching a group: DistributedConfig, backends, host files, the
 watchdog's diagnosis, the supervisor's verdicts, configure / status / reset-distributed."""
 
+import io
 import json
 import os
 import signal
@@ -17,14 +18,17 @@ from mlx.utils import tree_flatten
 
 from mlx_train import DistributedConfig, TrainConfig
 from mlx_train.cli.main import main
-from mlx_train.distributed import describe_cluster, reset_distributed
+from mlx_train import processes
 from mlx_train.distributed import registry
 from mlx_train.distributed.backends import check_strategy, choose_backend, passthrough_env
 from mlx_train.distributed.checksum import mismatching_ranks
-from mlx_train.distributed.hostfile import Host, Hostfile, check_host
-from mlx_train.distributed.network import verdict
-from mlx_train.distributed.rank import RankMonitor, rank_file, write_json_atomic
-from mlx_train.distributed.supervisor import Cause, _best, _exit_cause
+from mlx_train.distributed.hostfile import Host, Hostfile
+from mlx_train.distributed.rank import RankMonitor
+from mlx_train.launch import describe_cluster, reset_distributed
+from mlx_train.launch.network import check_host, verdict
+from mlx_train.launch.supervisor import Cause, _best, _exit_cause
+from mlx_train.rundir import atomic_write_json as write_json_atomic
+from mlx_train.rundir import heartbeat_path as rank_file
 from mlx_train.errors import ConfigError, DistributedError
 from mlx_train.training import DistributedTrainer, Trainer
 
@@ -236,7 +240,7 @@ def test_reset_stops_only_leftover_mlx_train_processes_and_names_them(home):
     try:
         registry.registry_dir().mkdir(parents=True)
         live = {"pid": supervisor.pid, "kind": "supervisor", "run_id": "live-run", "run_dir": "runs/live", "ranks": 1,
-                "start_time": registry.process_start_time(supervisor.pid), "started_at": time.time(), "backend": "ring"}
+                "start_time": processes.start_time(supervisor.pid), "started_at": time.time(), "backend": "ring"}
         write_json_atomic(registry.entry_path(supervisor.pid), live)
         dead = {"pid": 999999, "kind": "rank", "run_id": "old-run", "start_time": 1}
         write_json_atomic(registry.entry_path(999999), dead)
@@ -263,16 +267,16 @@ def test_reset_stops_only_leftover_mlx_train_processes_and_names_them(home):
 
 # ---------------------------------------------------------------------- diagnosis
 def _peer(directory, rank, **info):
-    base = {"rank": rank, "pid": 4242 + rank, "host": "mac2", "status": "running", "step": 6,
-            "heartbeat_at": time.time() + 60, "waiting": None}  # fresh for the whole test
+    base = {"rank": rank, "pid": 4242 + rank, "host": "mac2", "state": "running", "step": 6,
+            "time": time.time() + 60, "waiting": None, "steady": True, "interval": 0.05}  # fresh for the whole test
     write_json_atomic(rank_file(directory, rank), {**base, **info})
 
 
 def test_collective_timeout_names_the_missing_rank(tmp_path):
-    _peer(tmp_path, 1, heartbeat_at=time.time() - 10)              # frozen
+    _peer(tmp_path, 1, time=time.time() - 10)                      # frozen
     _peer(tmp_path, 2, step=4)                                     # alive but behind
     _peer(tmp_path, 3, step=6, waiting={"what": "gradient all-reduce", "since": time.time()})  # fine
-    _peer(tmp_path, 4, status="failed", error_type="DataError", error="bad batch")
+    _peer(tmp_path, 4, state="failed", error_type="DataError", error="DataError: bad batch")
     caught = []
     monitor = RankMonitor(0, 6, tmp_path, timeout=0.3, interval=0.05, on_timeout=caught.append)
     monitor.step = 6
@@ -293,7 +297,7 @@ def test_collective_timeout_names_the_missing_rank(tmp_path):
     assert "rank 4 failed: DataError: bad batch" in text
     assert "rank 5 has never reported" in text
     saved = json.loads(rank_file(tmp_path, 0).read_text())
-    assert saved["status"] == "failed" and saved["error_type"] == "DistributedError"
+    assert saved["state"] == "failed" and saved["error_type"] == "DistributedError"
 
 
 def test_checksum_mismatch_and_link_verdicts():
@@ -323,3 +327,17 @@ def test_train_help_lists_the_distributed_flags(capsys):
         assert flag in out, flag
     for command in ("configure", "check-network", "reset-distributed"):
         assert main([command, "--help"]) == 0
+
+
+def test_a_launcher_killed_from_outside_is_a_failure_not_a_success(tmp_path, monkeypatch):
+    from mlx_train.launch import supervisor as supervisor_module
+
+    launcher = tmp_path / "fake-mlx.launch"
+    launcher.write_text("#!/bin/sh\nkill -TERM $$\n")  # dies before it could report on any rank
+    launcher.chmod(0o755)
+    monkeypatch.setattr(supervisor_module, "launcher_path", lambda: str(launcher))
+    with pytest.raises(DistributedError, match="max_restarts \\(0\\) is used up; last failure: mlx.launch was killed "
+                                               "by SIGTERM before it reported on its ranks"):
+        supervisor_module.supervise([sys.executable, "-c", "pass"], num_processes=2, run_dir=tmp_path / "run",
+                                    policy=supervisor_module.RecoveryPolicy(max_restarts=0),
+                                    output=(io.StringIO(), io.StringIO()))

@@ -16,8 +16,8 @@ import pytest
 from mlx.utils import tree_flatten
 
 from mlx_train import DeviceConfig, OutOfMemoryError
-from mlx_train.datasets import load_dataset
-from mlx_train.models import build_model
+from mlx_train.builtin.datasets import load_dataset
+from mlx_train.builtin.models import build_model
 from mlx_train.training import Trainer
 from mlx_train.training.oom import (
     CPU_MESSAGE,

@@ -13,8 +13,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx_train import DeviceConfig
-from mlx_train.datasets import load_dataset
-from mlx_train.models import MLP
+from mlx_train.builtin.datasets import load_dataset
+from mlx_train.builtin.models import MLP
 
 _data = load_dataset("digits", seed=0)
 train_data, val_data, test_dataset = _data["train"], _data["val"], _data["test"]

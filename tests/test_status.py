@@ -67,9 +67,9 @@ def test_status_shows_devices(tmp_path, capsys):
 
 
 def test_status_shows_the_cluster_when_the_distributed_module_describes_it(tmp_path, capsys, monkeypatch):
-    module = types.ModuleType("mlx_train.distributed")
+    module = types.ModuleType("mlx_train.launch")
     module.describe_cluster = lambda: "2 hosts: 127.0.0.1 (2 ranks), 10.0.0.2 (2 ranks); backend ring"
-    monkeypatch.setitem(sys.modules, "mlx_train.distributed", module)
+    monkeypatch.setitem(sys.modules, "mlx_train.launch", module)
     out = _status(capsys, "--runs", tmp_path)
     assert "  2 hosts: 127.0.0.1 (2 ranks), 10.0.0.2 (2 ranks); backend ring" in out
     module.describe_cluster = lambda: {"hosts": 2, "backend": "ring"}
@@ -80,5 +80,5 @@ def test_status_shows_the_cluster_when_the_distributed_module_describes_it(tmp_p
 
     module.describe_cluster = broken
     assert cluster_lines() == ["cluster: could not be described (OSError: hostfile hosts.json not found)"]
-    monkeypatch.setitem(sys.modules, "mlx_train.distributed", types.ModuleType("mlx_train.distributed"))
+    monkeypatch.setitem(sys.modules, "mlx_train.launch", types.ModuleType("mlx_train.launch"))
     assert cluster_lines() == []

@@ -14,8 +14,8 @@ import pytest
 from mlx.utils import tree_flatten
 
 from mlx_train import ConfigError, DataError
-from mlx_train.datasets import load_dataset
-from mlx_train.models import build_model
+from mlx_train.builtin.datasets import load_dataset
+from mlx_train.builtin.models import build_model
 from mlx_train.training import Callback, DataLoader, EarlyStopping, ModelCheckpoint, Trainer
 
 

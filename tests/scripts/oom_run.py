@@ -19,8 +19,8 @@ import mlx.core as mx
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten
 
-from mlx_train.datasets import load_dataset
-from mlx_train.models import build_model
+from mlx_train.builtin.datasets import load_dataset
+from mlx_train.builtin.models import build_model
 from mlx_train.training import DistributedTrainer
 from mlx_train.training.oom import SimulatedOutOfMemory
 

@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from mlx_train.models import MLP
+from mlx_train.builtin.models import MLP
 from mlx_train.training import Callback, Trainer
 
 

@@ -2,7 +2,7 @@
 
 Example::
 
-    from mlx_train.checkpoint import CheckpointManager, load_checkpoint
+    from mlx_train.checkpointing import CheckpointManager, load_checkpoint
 
     manager = CheckpointManager("runs/a/checkpoints", keep_last=3, keep_best=1)
     manager.save(step, {"model": flat_params, "optimizer": flat_opt_state}, state, {"val_loss": 0.4})

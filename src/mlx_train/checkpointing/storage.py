@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from mlx_train.errors import CheckpointError
+from mlx_train.rundir import atomic_write
 
 MANIFEST = "manifest.json"
 _CHUNK = 1 << 20
@@ -147,10 +148,7 @@ class LocalStore:
         return digest.hexdigest()
 
     def write_bytes(self, rel: str, data: bytes) -> FileRecord:
-        with open(self.local(rel), "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        atomic_write(self.local(rel), data)  # the run directory's one local writer: temp, fsync, rename
         return FileRecord(len(data), hashlib.sha256(data).hexdigest())
 
     def write_safetensors(self, rel: str, arrays: dict[str, mx.array]) -> FileRecord:

@@ -18,7 +18,6 @@ import argparse
 
 from mlx_train.errors import DistributedError
 
-HELP = "check that every host is reachable and time the links between ranks"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,8 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from mlx_train.distributed.hostfile import Hostfile
-    from mlx_train.distributed.launch import cluster_for
-    from mlx_train.distributed.network import check_network
+    from mlx_train.launch.train import cluster_for
+    from mlx_train.launch.network import check_network
 
     if args.hosts:
         hostfile = Hostfile.from_hosts(args.hosts.split(","), repeat=args.num_processes or 1)

@@ -19,7 +19,6 @@ from typing import Any, Callable
 
 from mlx_train.errors import ConfigError, DistributedError
 
-HELP = "configure the cluster for distributed training (writes an mlx.launch host file)"
 EPILOG = """examples:
   mlx-train configure --distributed -n 2                          # 2 processes on this machine
   mlx-train configure --distributed --hosts 10.0.0.1,10.0.0.2     # two machines, one process each
@@ -63,7 +62,8 @@ def configure(hosts: str | None = None, hostfile: str | None = None, num_process
     """
     from mlx_train.distributed.backends import choose_backend
     from mlx_train.distributed.config import cluster_path
-    from mlx_train.distributed.hostfile import Hostfile, check_hosts
+    from mlx_train.distributed.hostfile import Hostfile
+    from mlx_train.launch.network import check_hosts
 
     if num_processes is not None and num_processes < 1:
         raise ConfigError(f"-n must be at least 1, got {num_processes}")

@@ -20,7 +20,6 @@ from typing import Any
 
 from mlx_train.errors import CheckpointError
 
-HELP = "evaluate a checkpoint on the test (or val/train) split of its dataset"
 SPLITS = ("test", "val", "train")
 
 
@@ -44,7 +43,7 @@ def resolve_checkpoint(path: str) -> str:
 
         resolve_checkpoint("runs/a")     # "runs/a/checkpoints/step-00000390"
     """
-    from mlx_train.checkpoint import CheckpointManager
+    from mlx_train.checkpointing import CheckpointManager
 
     if "://" in path:
         return path  # a URL: load_checkpoint reads and checks it
@@ -74,10 +73,10 @@ def evaluate_checkpoint(path: str, split: str = "test") -> dict[str, Any]:
     """
     import mlx.core as mx
 
-    from mlx_train.checkpoint import load_checkpoint
+    from mlx_train.checkpointing import load_checkpoint
     from mlx_train.config import TrainConfig
-    from mlx_train.datasets import load_dataset
-    from mlx_train.models import build_model
+    from mlx_train.builtin.datasets import load_dataset
+    from mlx_train.builtin.models import build_model
     from mlx_train.training import Trainer
 
     path = resolve_checkpoint(path)

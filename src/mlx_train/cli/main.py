@@ -1,8 +1,10 @@
 """The ``mlx-train`` command: one dispatcher, one module per subcommand.
 
-Each subcommand module under ``mlx_train.cli`` provides ``HELP`` (a one-line
-summary), ``add_arguments(parser)`` and ``main(args) -> int``. Errors become
-one message on stderr and the error's exit code; ``--debug`` adds the traceback.
+Each subcommand module under ``mlx_train.cli`` provides ``add_arguments(parser)``
+and ``main(args) -> int``, and imports its heavy work inside ``main``. Only the
+chosen subcommand's module is imported (``mlx-train --help`` imports none), so
+that the help and the light commands start fast. Errors become one message on
+stderr and the error's exit code; ``--debug`` adds the traceback.
 
 Example::
 
@@ -21,17 +23,22 @@ from typing import Sequence
 
 from mlx_train.errors import ConfigError, MLXTrainError, did_you_mean
 
-# Subcommand name -> module under mlx_train.cli (add a line here for a new command).
-COMMANDS: dict[str, str] = {
-    "train": "mlx_train.cli.train",
-    "evaluate": "mlx_train.cli.evaluate",
-    "monitor": "mlx_train.cli.monitor",
-    "plot": "mlx_train.cli.plot",
-    "status": "mlx_train.cli.status",
-    "configure": "mlx_train.cli.configure",
-    "check-network": "mlx_train.cli.check_network",
-    "reset-distributed": "mlx_train.cli.reset_distributed",
-    "optimize": "mlx_train.cli.optimize",
+# Subcommand name -> (module under mlx_train.cli, one-line help); add a line here for a new command.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("mlx_train.cli.train", "train a model (defaults: mlp on the digits dataset)"),
+    "evaluate": ("mlx_train.cli.evaluate", "evaluate a checkpoint on the test (or val/train) split of its dataset"),
+    "monitor": ("mlx_train.cli.monitor",
+                "watch a training run live (progress, loss curves, throughput, memory, heartbeats)"),
+    "plot": ("mlx_train.cli.plot", "draw a run's curves (loss, metrics, learning rate, throughput) into an image"),
+    "status": ("mlx_train.cli.status", "show devices and the runs in progress (step, throughput, heartbeat age)"),
+    "configure": ("mlx_train.cli.configure",
+                  "configure the cluster for distributed training (writes an mlx.launch host file)"),
+    "check-network": ("mlx_train.cli.check_network",
+                      "check that every host is reachable and time the links between ranks"),
+    "reset-distributed": ("mlx_train.cli.reset_distributed",
+                          "stop leftover processes of mlx-train runs and clear stale distributed state"),
+    "optimize": ("mlx_train.cli.optimize",
+                 "print a memory plan (micro-batch, accumulation, checkpointing) that fits the device"),
 }
 
 
@@ -62,8 +69,12 @@ class ArgumentParser(argparse.ArgumentParser):
         return namespace
 
 
-def build_parser() -> ArgumentParser:
-    """The full ``mlx-train`` parser with every subcommand's flags."""
+def build_parser(command: str | None = None) -> ArgumentParser:
+    """The ``mlx-train`` parser: every subcommand's flags, or with ``command`` only that one's.
+
+    Example: ``build_parser("monitor").parse_args(["monitor", "runs/a"])`` imports
+    ``mlx_train.cli.monitor`` and no other subcommand module.
+    """
     import mlx_train
 
     parser = ArgumentParser(
@@ -76,10 +87,13 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show the full traceback on errors")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     parser._subcommands = commands.choices
-    for name, module_name in COMMANDS.items():
+    for name, (module_name, summary) in COMMANDS.items():
+        if command is not None and name != command:
+            commands.add_parser(name, help=summary)  # listed in the help; its flags are not needed now
+            continue
         module = importlib.import_module(module_name)
         sub = commands.add_parser(
-            name, help=module.HELP, description=(module.__doc__ or "").split("Example::")[0].strip(),
+            name, help=summary, description=(module.__doc__ or "").split("Example::")[0].strip(),
             epilog=getattr(module, "EPILOG", None), formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         # SUPPRESS: an absent sub-flag must not reset a `mlx-train --debug train` given before it.
@@ -90,6 +104,16 @@ def build_parser() -> ArgumentParser:
         module.add_arguments(sub)
         sub.set_defaults(handler=module.main)
     return parser
+
+
+def chosen_command(argv: Sequence[str]) -> str:
+    """The subcommand named in ``argv`` ("" when there is none): the first word that is not a flag."""
+    for word in argv:
+        if word == "--":
+            break
+        if not word.startswith("-"):
+            return word
+    return ""
 
 
 def _wants_debug(argv: Sequence[str]) -> bool:
@@ -111,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not debug:
         warnings.formatwarning = _format_warning
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser(chosen_command(argv)).parse_args(argv)
         return int(args.handler(args) or 0)
     except SystemExit as exit_request:  # --help and --version
         code = exit_request.code

@@ -19,7 +19,6 @@ import os
 import sys
 import time
 
-HELP = "watch a training run live (progress, loss curves, throughput, memory, heartbeats)"
 EPILOG = """examples:
   mlx-train monitor                         # the latest run under ./runs, refreshed every second
   mlx-train monitor runs/a --performance    # also: where step time goes

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 from typing import Any, Callable
 
-HELP = "print a memory plan (micro-batch, accumulation, checkpointing) that fits the device"
 EPILOG = """examples:
   mlx-train optimize                                  # mlp on digits, measured
   mlx-train optimize --config my.yaml --device-memory 16GB
@@ -35,8 +34,8 @@ _CONFIG_FLAGS = {"--model": "model", "--dataset": "dataset", "--batch-size": "ba
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``optimize`` flags."""
-    from mlx_train.cli.train import FLAGS
-    from mlx_train.cli.train import _flag_type as flag_type
+    from mlx_train.cli.flags import FLAGS
+    from mlx_train.cli.flags import _flag_type as flag_type
 
     parser.add_argument("--config", metavar="FILE", help="YAML config to plan for (as for mlx-train train)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -66,9 +65,9 @@ def plan_for_config(config: Any, num_devices: int = 1, device_memory: int | str 
     """
     import mlx.core as mx
 
-    from mlx_train.datasets import load_dataset
+    from mlx_train.builtin.datasets import load_dataset
     from mlx_train.memory import MemoryOptimizer, plan_memory
-    from mlx_train.models import build_model
+    from mlx_train.builtin.models import build_model
     from mlx_train.optim import build_optimizer
     from mlx_train.training.state import rng_key, set_rng_key
 
@@ -103,7 +102,7 @@ def optimized_config(config: Any, batch_size: int | None = None, log: Callable[[
 
 def main(args: argparse.Namespace) -> int:
     """Run ``mlx-train optimize`` from parsed arguments."""
-    from mlx_train.cli.train import build_config
+    from mlx_train.cli.flags import build_config
     from mlx_train.errors import ConfigError
 
     if args.devices < 1:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import os
 
-HELP = "draw a run's curves (loss, metrics, learning rate, throughput) into an image"
 EPILOG = """examples:
   mlx-train plot runs/a -o curves.png
   mlx-train plot runs/a -o loss.svg --metrics loss,val_loss

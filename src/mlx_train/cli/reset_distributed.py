@@ -18,7 +18,6 @@ import argparse
 import subprocess
 import sys
 
-HELP = "stop leftover processes of mlx-train runs and clear stale distributed state"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,7 +51,7 @@ def reset_cluster_hosts(stop_running: bool, timeout: float = 30.0) -> list[str]:
 
 
 def main(args: argparse.Namespace) -> int:
-    from mlx_train.distributed.reset import reset_distributed
+    from mlx_train.launch.reset import reset_distributed
 
     for line in reset_distributed(stop_running=args.stop_running, clear_config=args.clear_config):
         print(line)

@@ -18,7 +18,6 @@ import os
 import sys
 from typing import Any
 
-HELP = "show devices and the runs in progress (step, throughput, heartbeat age)"
 EPILOG = """examples:
   mlx-train status                 # devices, and runs in progress under ./runs
   mlx-train status --all           # finished and stopped runs too
@@ -53,11 +52,11 @@ def device_lines() -> list[str]:
 
 
 def cluster_lines() -> list[str]:
-    """What ``mlx_train.distributed.describe_cluster()`` says, when that module and function exist."""
+    """What ``mlx_train.launch.describe_cluster()`` says, when that module and function exist."""
     try:
-        module = importlib.import_module("mlx_train.distributed")
+        module = importlib.import_module("mlx_train.launch")
     except ModuleNotFoundError as error:
-        if error.name in ("mlx_train.distributed", "mlx_train"):
+        if error.name in ("mlx_train.launch", "mlx_train"):
             return []
         return [f"cluster: could not be described ({error})"]
     try:

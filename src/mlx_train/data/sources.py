@@ -153,7 +153,7 @@ def make_source(dataset: Any) -> ArraySource | MapSource | IterableSource:
     if isinstance(dataset, (str, bytes)):
         raise DataError(
             f"dataset is a {type(dataset).__name__}; a file name is not a dataset: load it "
-            "first (e.g. mlx_train.datasets.load_dataset) and pass arrays or samples"
+            "first (e.g. mlx_train.builtin.datasets.load_dataset) and pass arrays or samples"
         )
     if _is_array(dataset):
         return ArraySource((dataset,))

@@ -1,17 +1,18 @@
-"""Distributed training on ``mlx.core.distributed``, launched with ``mlx.launch``, under a supervisor.
+"""The distributed runtime: what each rank of a data-parallel run does, on ``mlx.core.distributed``.
 
 - ``DistributedConfig``: devices x batch per device x accumulation, backend, recovery knobs.
 - ``choose_backend`` / ``available_backends``: which backend, and why.
-- ``Hostfile``: read, write and validate the host files ``mlx.launch`` takes.
-- ``Supervisor`` / ``supervise``: launch a group, stop it when a rank dies or hangs, restart it from
-  the last complete checkpoint up to ``max_restarts`` times.
-- ``ParameterChecksum``: every K steps the ranks compare a checksum of their parameters.
-- ``check_network``, ``describe_cluster``, ``reset_distributed``: the CLI's cluster tools.
+- ``Hostfile``: the host files ``mlx.launch`` takes (read, write, validate).
+- ``RankMonitor``: a rank's heartbeat and collective watchdog; ``ParameterChecksum``: every K
+  steps the ranks compare a checksum of their parameters.
+
+Launching a group (the supervisor, ``mlx.launch``, network checks, reset) is ``mlx_train.launch``,
+one layer above: this package never imports it.
 
 Example::
 
-    from mlx_train.distributed import supervise
-    supervise(["python", "train.py"], num_processes=2, run_dir="runs/a", checkpoint_dir="runs/a/ckpt")
+    from mlx_train.distributed import DistributedConfig
+    DistributedConfig(num_devices=4, batch_size_per_device=32).describe()
 """
 
 from __future__ import annotations
@@ -26,14 +27,8 @@ _LAZY = {
     "check_strategy": "mlx_train.distributed.backends",
     "Host": "mlx_train.distributed.hostfile",
     "Hostfile": "mlx_train.distributed.hostfile",
-    "check_hosts": "mlx_train.distributed.hostfile",
-    "Supervisor": "mlx_train.distributed.supervisor",
-    "supervise": "mlx_train.distributed.supervisor",
     "RankMonitor": "mlx_train.distributed.rank",
     "ParameterChecksum": "mlx_train.distributed.checksum",
-    "check_network": "mlx_train.distributed.network",
-    "describe_cluster": "mlx_train.distributed.status",
-    "reset_distributed": "mlx_train.distributed.reset",
 }
 
 __all__ = sorted(_LAZY)

@@ -22,12 +22,12 @@ import ipaddress
 import json
 import os
 import socket
-import subprocess
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from mlx_train.distributed.backends import CHOICES
 from mlx_train.errors import ConfigError, did_you_mean
+from mlx_train.rundir import atomic_write
 
 LOCAL = "127.0.0.1"
 _HOST_KEYS = ("ssh", "ips", "rdma")
@@ -208,11 +208,7 @@ class Hostfile:
         """Write atomically (temporary name, then rename); returns the path."""
         path = os.fspath(path)
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        tmp = f"{path}.tmp-{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as file:
-            json.dump(self.to_json(backend), file, indent=2)
-            file.write("\n")
-        os.replace(tmp, path)
+        atomic_write(path, json.dumps(self.to_json(backend), indent=2) + "\n")
         self.path = path
         return path
 
@@ -264,43 +260,3 @@ def _host_entry(entry: Any, index: int, path: str) -> Host:
     if rdma is not None and not isinstance(rdma, list):
         raise ConfigError(f"{where} (ssh {ssh!r}): \"rdma\" must be a list with one device (or null) per host")
     return Host(ssh.strip(), list(ips), rdma)
-
-
-@dataclass
-class HostCheck:
-    """Whether one host can be reached, and what went wrong if not."""
-
-    host: Host
-    ok: bool
-    detail: str
-
-
-def check_host(host: Host, timeout: float = 5.0) -> HostCheck:
-    """Check that ``mlx.launch`` can start a rank on ``host``: local, or passwordless ssh works.
-
-    Example: ``check_host(Host("127.0.0.1", ["127.0.0.1"])).ok  # True``
-    """
-    if host.is_local:
-        return HostCheck(host, True, "this machine")
-    command = ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={max(1, int(timeout))}", host.ssh, "true"]
-    hint = " (only 127.0.0.1 runs without ssh: use 127.0.0.1 for this machine)" if host.ssh == "localhost" else ""
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout + 5)
-    except FileNotFoundError:
-        return HostCheck(host, False, "ssh is not installed on this machine; install an ssh client")
-    except subprocess.TimeoutExpired:
-        return HostCheck(host, False, f"ssh {host.ssh} did not answer within {timeout:.0f} s{hint}")
-    if done.returncode != 0:
-        reason = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
-        return HostCheck(host, False, f"ssh {host.ssh} failed: {reason}; set up passwordless ssh "
-                                      f"(ssh-copy-id {host.ssh}) and check the name{hint}")
-    return HostCheck(host, True, "ssh ok")
-
-
-def check_hosts(hostfile: Hostfile, timeout: float = 5.0) -> list[HostCheck]:
-    """``check_host`` for each distinct host (in rank order)."""
-    seen: dict[str, HostCheck] = {}
-    for host in hostfile.hosts:
-        if host.ssh not in seen:
-            seen[host.ssh] = check_host(host, timeout)
-    return list(seen.values())

@@ -1,22 +1,25 @@
-"""What each rank of a distributed run does besides training: a heartbeat file and a collective watchdog.
+"""What each rank of a distributed run does besides training: its heartbeat and a collective watchdog.
 
-Each rank keeps ``<state dir>/rank-<r>.json`` up to date from a background thread (every
-``interval`` seconds): pid, host, completed steps, whether it is waiting in a collective, and its
-status (``running``, ``failed`` with the error, ``exited``). The supervisor reads these files to
-notice a rank that stopped responding; a rank whose collective waits longer than ``timeout``
-reads its peers' files to name the missing rank.
+Each rank keeps its heartbeat (``<run_dir>/heartbeat-<r>.json``, the one schema of
+``mlx_train.rundir.HeartbeatRecord``) fresh from a background thread every ``interval``
+seconds: pid, host, completed steps, whether it is waiting in a collective, and its state
+(``running``, ``failed`` with the error, ``finished``...). The Trainer's ``Heartbeat`` callback
+adds the progress figures to the same file. The supervisor reads these files to notice a rank
+that stopped responding; a rank whose collective waits longer than ``timeout`` reads its peers'
+files to name the missing rank.
 
 A blocked collective cannot be interrupted from Python (MLX waits in C++ with the GIL
 released), so the watchdog thread ends the process: it records and prints the
 ``DistributedError`` and exits with code 7. The launcher then stops the other ranks.
 
 Environment set by the supervisor for its ranks: ``MLX_TRAIN_RUN_ID``, ``MLX_TRAIN_STATE_DIR``
-(the heartbeat files), ``MLX_TRAIN_RUN_DIR`` (per-rank logs go to ``logs/rank-<r>.log``),
-``MLX_TRAIN_ATTEMPT`` (0, 1, ... one per restart) and, on restarts, ``MLX_TRAIN_RESUME=auto``.
+(the run's ``distributed/`` folder, inside the run directory that holds the heartbeats),
+``MLX_TRAIN_RUN_DIR`` (per-rank logs go to ``logs/rank-<r>.log``), ``MLX_TRAIN_ATTEMPT``
+(0, 1, ... one per restart) and, on restarts, ``MLX_TRAIN_RESUME=auto``.
 
 Example::
 
-    monitor = RankMonitor(group, directory="runs/a/distributed", timeout=60.0)
+    monitor = RankMonitor(group.rank(), group.size(), directory="runs/a", timeout=60.0)
     with monitor.collective("gradient all-reduce"):
         mx.eval(mx.distributed.all_sum(x))
 """
@@ -24,9 +27,7 @@ Example::
 from __future__ import annotations
 
 import atexit
-import json
 import os
-import socket
 import sys
 import threading
 import time
@@ -34,7 +35,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, TextIO
 
+from mlx_train import rundir
 from mlx_train.errors import DistributedError
+from mlx_train.rundir import HeartbeatRecord
 from mlx_train.training.callbacks import Callback
 
 ENV_RUN_ID = "MLX_TRAIN_RUN_ID"
@@ -47,33 +50,6 @@ ENV_BACKEND = "MLX_TRAIN_BACKEND"
 STALE_AFTER = 3.0  # seconds without a heartbeat after which a peer counts as not responding (at most)
 
 
-def rank_file(directory: str | os.PathLike, rank: int) -> Path:
-    """``<directory>/rank-<rank>.json``"""
-    return Path(directory) / f"rank-{rank}.json"
-
-
-def read_rank_files(directory: str | os.PathLike | None) -> dict[int, dict]:
-    """Every readable ``rank-<r>.json`` in ``directory`` by rank (a file being replaced is skipped)."""
-    found: dict[int, dict] = {}
-    if directory is None or not Path(directory).is_dir():
-        return found
-    for path in Path(directory).glob("rank-*.json"):
-        try:
-            data = json.loads(path.read_text())
-            found[int(data["rank"])] = data
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-    return found
-
-
-def write_json_atomic(path: str | os.PathLike, data: dict) -> None:
-    """Write JSON under a temporary name, then rename (readers never see half a file)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
-
-
 def supervised() -> bool:
     """True inside a rank started by the mlx-train supervisor."""
     return bool(os.environ.get(ENV_STATE_DIR))
@@ -84,33 +60,51 @@ def restart_resume() -> str | None:
     return os.environ.get(ENV_RESUME) or None
 
 
-def describe_peer(rank: int, info: dict | None, now: float, my_step: int, stale_after: float = STALE_AFTER) -> str | None:
+def launched_rank() -> int | None:
+    """This process's rank when a launcher started it (``MLX_RANK``, or MPI's), else None."""
+    for name in ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        value = os.environ.get(name)
+        if value is not None and value.isdigit():
+            return int(value)
+    return None
+
+
+def is_main_process() -> bool:
+    """False on the ranks other than 0 of a launched group (they print nothing and write no files)."""
+    return (launched_rank() or 0) == 0
+
+
+def in_group() -> bool:
+    """True inside a launched or supervised group (the CLI then trains with a ``DistributedTrainer``)."""
+    return launched_rank() is not None or supervised()
+
+
+def describe_peer(rank: int, info: HeartbeatRecord | None, now: float, my_step: int,
+                  stale_after: float = STALE_AFTER) -> str | None:
     """Why peer ``rank`` is holding up a collective, or None when it looks fine.
 
     Example: ``"rank 1 is not responding (no heartbeat for 4.2 s; pid 812 on mac2, 6 steps done)"``
     """
     if info is None:
         return f"rank {rank} has never reported (no heartbeat file): it may not have started"
-    where = f"pid {info.get('pid')} on {info.get('host')}, last heartbeat after step {info.get('step', 0)}"
-    status = info.get("status")
-    if status == "failed":
-        return f"rank {rank} failed: {info.get('error_type', 'error')}: {info.get('error')} ({where})"
-    if status == "exited":
-        return f"rank {rank} has exited ({where})"
-    silent = now - float(info.get("heartbeat_at", 0.0))
-    if silent > stale_after:
-        return f"rank {rank} is not responding (no heartbeat for {silent:.1f} s; {where})"
-    if int(info.get("step", 0)) < my_step:
-        waiting = info.get("waiting")
-        doing = f"waiting in the {waiting['what']}" if waiting else "not in a collective (data loading, a callback?)"
-        return f"rank {rank} is alive but behind: {info.get('step', 0)} steps done against {my_step} here, {doing} ({where})"
+    where = f"pid {info.pid} on {info.host}, last heartbeat after step {info.step}"
+    if info.state == "failed":
+        return f"rank {rank} failed: {info.error or 'unknown error'} ({where})"
+    if not info.live:
+        return f"rank {rank} has exited ({info.state}; {where})"
+    if rundir.is_stale(info, now, stale_after):
+        return f"rank {rank} is not responding (no heartbeat for {now - info.time:.1f} s; {where})"
+    if info.step < my_step:
+        doing = f"waiting in the {info.waiting['what']}" if info.waiting else \
+            "not in a collective (data loading, a callback?)"
+        return f"rank {rank} is alive but behind: {info.step} steps done against {my_step} here, {doing} ({where})"
     return None
 
 
 def missing_ranks(directory: str | os.PathLike | None, me: int, world_size: int, my_step: int,
                   stale_after: float = STALE_AFTER) -> list[str]:
     """Descriptions of the peers that are holding up this rank (empty when none can be named)."""
-    peers = read_rank_files(directory)
+    peers = rundir.read_heartbeats(rundir.run_dir_of(directory)) if directory is not None else {}
     now = time.time()
     found = []
     for rank in range(world_size):
@@ -122,54 +116,53 @@ def missing_ranks(directory: str | os.PathLike | None, me: int, world_size: int,
 
 
 class RankMonitor(Callback):
-    """Heartbeat file and collective watchdog of one rank (a callback the DistributedTrainer adds).
+    """Heartbeat and collective watchdog of one rank (a callback the DistributedTrainer adds).
 
-    ``directory`` holds the heartbeat files (None: no files; the watchdog still runs but cannot
-    name the missing rank). ``on_timeout(error)`` defaults to printing the error and ending the
-    process with exit code 7.
+    ``directory`` is the run directory (or its ``distributed/`` folder) whose
+    ``heartbeat-<rank>.json`` this rank keeps fresh (None: no file; the watchdog still runs but
+    cannot name the missing rank). ``on_timeout(error)`` defaults to printing the error and
+    ending the process with exit code 7.
     """
 
     def __init__(self, rank: int, world_size: int, directory: str | os.PathLike | None, timeout: float,
                  interval: float = 0.5, on_timeout: Callable[[DistributedError], None] | None = None) -> None:
         self.rank, self.world_size, self.timeout, self.interval = rank, world_size, float(timeout), interval
-        self.directory = Path(directory) if directory is not None else None
+        self.directory = rundir.run_dir_of(directory) if directory is not None else None
         self.on_timeout = on_timeout or _exit_with
         self.step = 0
-        self.status = "running"
+        self.state = "running"
         self.error: BaseException | None = None
         self._waiting: tuple[str, float, float] | None = None  # (what, monotonic start, wall start)
         self._fired = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
-        self._started_at = time.time()
         self.zero_rank_metrics: Callable[[], None] | None = None
         # A peer silent for this long is frozen; well below the timeout, so that it shows by then.
         self.stale_after = min(STALE_AFTER, max(2 * interval, self.timeout / 2))
+        self._writer = rundir.HeartbeatWriter.of(self.directory, rank) if self.directory is not None else None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> "RankMonitor":
         """Write the first heartbeat and start the background thread (idempotent)."""
         if self._thread is not None:
             return self
-        if self.directory is not None:
-            self.directory.mkdir(parents=True, exist_ok=True)
         self.write()
         if self.world_size > 1 or supervised():
             from mlx_train.distributed import registry
 
             registry.register("rank", rank=self.rank, world_size=self.world_size, run_id=os.environ.get(ENV_RUN_ID),
-                              state_dir=str(self.directory) if self.directory else None)
+                              run_dir=str(self.directory) if self.directory else None)
         self._thread = threading.Thread(target=self._loop, name=f"mlx-train-rank{self.rank}-monitor", daemon=True)
         self._thread.start()
         atexit.register(self.close)
         return self
 
     def close(self) -> None:
-        """Stop the thread and mark the rank ``exited`` (or leave it ``failed``)."""
+        """Stop the thread; a rank that leaves while still running is recorded ``interrupted``."""
         self._stop.set()
-        if self.status == "running":
-            self.status = "exited"
+        if self._writer is not None and self._writer.record.live:
+            self.state = "interrupted"
         self.write()
 
     def _loop(self) -> None:
@@ -229,36 +222,39 @@ class RankMonitor(Callback):
         self.record_failure(error)
         self.on_timeout(error)
 
-    # ------------------------------------------------------------------ status
+    # ------------------------------------------------------------------ the heartbeat
     def record_failure(self, error: BaseException) -> None:
         """Mark this rank ``failed`` with ``error`` (written immediately)."""
-        self.status, self.error = "failed", error
+        self.state, self.error = "failed", error
         self.write()
 
-    def snapshot(self) -> dict[str, Any]:
+    def write(self) -> None:
+        """Refresh this rank's heartbeat with its step, state and collective (at most the state moves forward)."""
+        if self._writer is None:
+            return
         waiting = self._waiting
-        data = {
-            "rank": self.rank, "world_size": self.world_size, "pid": os.getpid(), "host": socket.gethostname(),
-            "run_id": os.environ.get(ENV_RUN_ID), "attempt": int(os.environ.get(ENV_ATTEMPT, "0") or 0),
-            "status": self.status, "step": self.step, "heartbeat_at": time.time(), "started_at": self._started_at,
+        fields: dict[str, Any] = {
+            "world_size": self.world_size, "run_id": os.environ.get(ENV_RUN_ID), "steady": True,
+            "attempt": int(os.environ.get(ENV_ATTEMPT, "0") or 0), "interval": self.interval,
             "waiting": None if waiting is None else {"what": waiting[0], "since": waiting[2]},
         }
-        if self.error is not None:
-            data["error_type"], data["error"] = type(self.error).__name__, str(self.error)
-        return data
-
-    def write(self) -> None:
-        if self.directory is None:
-            return
         with self._lock:
-            try:
-                write_json_atomic(rank_file(self.directory, self.rank), self.snapshot())
-            except OSError:
-                pass  # a full disk must not kill training; the supervisor sees a stale heartbeat
+            record = self._writer.record
+            fields["step"] = max(record.step, self.step)
+            if self.state != "running":
+                fields["state"] = self.state  # failed, interrupted, finished
+            elif record.state == "starting":
+                fields["state"] = "running"  # else the callback's finer state (validating...) stands
+            if self.error is not None:
+                kind = type(self.error).__name__
+                fields["error_type"], fields["error"] = kind, f"{kind}: {self.error}"
+            self._writer.update(**fields)
 
     # ------------------------------------------------------------------ callback events
     def on_fit_start(self, trainer) -> None:
-        self.step = trainer.step
+        self.step, self.state, self.error = trainer.step, "running", None
+        if self._writer is not None:
+            self._writer.update(state="running", write=False)
         self.start()
 
     def on_batch_end(self, trainer, step: int) -> None:
@@ -268,6 +264,10 @@ class RankMonitor(Callback):
     def on_exception(self, trainer, error: BaseException) -> None:
         self._waiting = None
         self.record_failure(error)
+
+    def on_fit_end(self, trainer, history: dict) -> None:
+        self.state = "finished"
+        self.write()
 
     def state_dict(self) -> dict:
         return {"world_size": self.world_size}
@@ -308,7 +308,7 @@ class _Tee:
 
 def tee_output(run_dir: str | os.PathLike, rank: int) -> Path:
     """Copy this process's stdout and stderr to ``<run_dir>/logs/rank-<rank>.log`` (appending)."""
-    path = Path(run_dir) / "logs" / f"rank-{rank}.log"
+    path = rundir.rank_log_path(run_dir, rank)
     if isinstance(sys.stdout, _Tee):
         return path
     path.parent.mkdir(parents=True, exist_ok=True)

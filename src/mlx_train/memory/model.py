@@ -38,7 +38,7 @@ _MAX_BATCH = 1 << 20  # "unbounded" when the activations do not grow with the ba
 # The analytic transformer. Per token, MLX keeps about 14 * dims + 2 * heads * tokens values per
 # block for the backward pass, and 60 * dims outside the blocks (embeddings, final norm, head input),
 # plus the float32 logits, their softmax and gradient: fitted to measured peaks of
-# mlx_train.models.CharTransformerLM on MLX 0.32 (2-4 layers, 128-256 wide, 64-256 tokens; within 3%).
+# mlx_train.builtin.models.CharTransformerLM on MLX 0.32 (2-4 layers, 128-256 wide, 64-256 tokens; within 3%).
 _PER_DIM, _PER_SCORE, _OUTSIDE = 14, 2, 60
 _VOCAB, _HEAD_DIM, _ASPECT = 32_000, 128, 86_700  # vocabulary, dims per head, params ~ 86,700 * layers^3
 

@@ -1,9 +1,10 @@
 """Reading a run directory: the contract between a training run and what watches it.
 
-A run directory holds ``config.yaml`` (the TrainConfig used), ``metrics.jsonl`` (one JSON row per
-report, validation and epoch, written by rank 0), ``heartbeat-<rank>.json`` (one per process),
-``checkpoints/`` and ``train.log``. ``RunReader`` reads it repeatedly and cheaply (only the new
-lines of ``metrics.jsonl``) into a ``RunSnapshot``.
+The files and their formats are ``mlx_train.rundir``'s: ``config.yaml``, ``metrics.jsonl`` (one
+JSON row per report, validation and epoch, written by rank 0), ``heartbeat-<rank>.json`` (one
+per process), ``checkpoints/`` and ``train.log``. ``RunReader`` reads a run directory
+repeatedly and cheaply (only the new lines of ``metrics.jsonl``) into a ``RunSnapshot``; a
+rank's staleness is ``rundir.is_stale``, whether its process still exists ``mlx_train.processes``.
 
 Example::
 
@@ -27,14 +28,11 @@ from typing import Any
 
 import yaml
 
+from mlx_train import processes, rundir
 from mlx_train.config import TrainConfig, metric_direction
 from mlx_train.errors import ConfigError
+from mlx_train.rundir import CONFIG_FILE, HEARTBEAT_GLOB, LOG_FILE, METRICS_FILE, RUN_MARKERS, looks_like_run
 
-METRICS_FILE = "metrics.jsonl"
-CONFIG_FILE = "config.yaml"
-LOG_FILE = "train.log"
-HEARTBEAT_GLOB = "heartbeat-*.json"
-RUN_MARKERS = (METRICS_FILE, CONFIG_FILE)
 DEFAULT_STALE_AFTER = 60.0
 TIMING_PARTS = ("time_data", "time_compute", "time_comm", "time_checkpoint")
 
@@ -126,7 +124,7 @@ class RunSnapshot:
             return "stale"
         if "gone" in statuses:
             return "stopped"
-        if "running" in statuses:
+        if any(s in rundir.LIVE_STATES for s in statuses):
             return "running"
         if statuses and all(s == "finished" for s in statuses):
             return "finished"
@@ -206,43 +204,25 @@ def _since_last_restart(rows: list[dict]) -> list[dict]:
     return rows[start:]
 
 
-def pid_alive(pid: Any) -> bool:
-    """True when a process with this id exists on this machine (or when that cannot be told)."""
-    if not isinstance(pid, int) or pid <= 0:
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OSError):
-        return True
-    return True
-
-
 def rank_status(heartbeat: dict, now: float, stale_after: float = DEFAULT_STALE_AFTER) -> RankStatus:
-    """Judge one heartbeat: its age, and whether the rank is stale or gone.
+    """Judge one heartbeat: its age, and whether the rank is stale (``rundir.is_stale``) or gone.
 
-    A running rank is stale when its heartbeat is older than the largest of ``stale_after``,
-    three heartbeat intervals, five of its steps and twice its last validation.
+    A live rank is stale when its heartbeat is older than ``rundir.stale_limit``: the largest of
+    ``stale_after``, three heartbeat intervals, five of its steps and twice its last validation.
     """
-    age = max(now - float(heartbeat.get("time", 0.0)), 0.0)
-    rate = heartbeat.get("steps_per_second")
-    limit = max(stale_after, 3 * float(heartbeat.get("interval") or 0.0),
-                5.0 / rate if _is_number(rate) and rate > 0 else 0.0,
-                2 * float(heartbeat.get("val_time") or 0.0))
+    try:
+        beat = rundir.HeartbeatRecord.from_json({"rank": 0, "state": "running", **heartbeat})
+    except (ConfigError, TypeError):
+        beat = rundir.HeartbeatRecord(rank=int(heartbeat.get("rank") or 0), time=float(heartbeat.get("time") or 0.0))
+    age = max(now - float(beat.time), 0.0)
+    limit = rundir.stale_limit(beat, stale_after)
     status = str(heartbeat.get("state", "running"))
-    if status == "running":
-        if heartbeat.get("host") == socket.gethostname() and not pid_alive(heartbeat.get("pid")):
+    if beat.live:
+        if beat.host == socket.gethostname() and beat.pid > 0 and not processes.alive(beat.pid):
             status = "gone"
-        elif age > limit:
+        elif rundir.is_stale(beat, now, stale_after):
             status = "stale"
-    return RankStatus(int(heartbeat.get("rank", 0)), heartbeat, age, status, limit)
-
-
-def looks_like_run(path: str | os.PathLike) -> bool:
-    """True when ``path`` is a directory with a metrics file, a config or a heartbeat."""
-    p = Path(path)
-    return p.is_dir() and (any((p / m).exists() for m in RUN_MARKERS) or any(p.glob(HEARTBEAT_GLOB)))
+    return RankStatus(beat.rank, heartbeat, age, status, limit)
 
 
 def _last_activity(path: Path) -> float:

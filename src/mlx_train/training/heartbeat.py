@@ -1,10 +1,12 @@
-"""A per-rank heartbeat file in the run directory, for ``mlx-train monitor`` and ``status``.
+"""A per-rank heartbeat file in the run directory, for ``mlx-train monitor``, ``status`` and the supervisor.
 
-Every process of a run writes ``RUN_DIR/heartbeat-<rank>.json`` (rank from ``trainer.group``):
-step, epoch, time, throughput, memory and the step-time breakdown of the last report, plus a
-``state`` (``running``, ``finished``, ``failed``, ``interrupted``). It is rewritten atomically at
-most every ``interval`` seconds while training, and at once when the state changes. A running
-rank whose file stops changing is stale: the monitor flags it.
+Every process of a run keeps ``RUN_DIR/heartbeat-<rank>.json`` (rank from ``trainer.group``), in
+the one schema of ``mlx_train.rundir.HeartbeatRecord``: step, epoch, time, throughput, memory and
+the step-time breakdown of the last report, plus a ``state`` (``starting``, ``running``,
+``validating``, ``checkpointing``, ``finished``, ``failed``, ``interrupted``). It is rewritten
+atomically at most every ``interval`` seconds while training, and at once when the state
+changes. A distributed rank's monitor writes the same file (one file per rank). A live rank whose
+file stops changing is stale (``rundir.is_stale``): the monitor flags it.
 
 Example::
 
@@ -13,23 +15,22 @@ Example::
 
 from __future__ import annotations
 
-import json
-import os
-import socket
 import time
 from typing import Any
 
 import mlx.core as mx
 
+from mlx_train import rundir
+from mlx_train.errors import TrainingInterrupted
 from mlx_train.training.callbacks import Callback
 
-HEARTBEAT_PREFIX = "heartbeat-"
+HEARTBEAT_PREFIX = rundir.HEARTBEAT_PREFIX
 TIMING_KEYS = ("step_time", "time_data", "time_compute", "time_comm", "time_checkpoint")
 
 
 def heartbeat_path(run_dir: str, rank: int) -> str:
     """``heartbeat_path("runs/a", 1) == "runs/a/heartbeat-1.json"``."""
-    return os.path.join(run_dir, f"{HEARTBEAT_PREFIX}{rank}.json")
+    return str(rundir.heartbeat_path(run_dir, rank))
 
 
 class Heartbeat(Callback):
@@ -46,6 +47,7 @@ class Heartbeat(Callback):
         self._next = 0.0
         self._info: dict[str, Any] = {}
         self._anchor: tuple[float, int] | None = None
+        self._writer: rundir.HeartbeatWriter | None = None
 
     # -- events -------------------------------------------------------------------------
 
@@ -53,8 +55,9 @@ class Heartbeat(Callback):
         group = getattr(trainer, "group", None)
         self.rank, self.world_size = (group.rank(), group.size()) if group is not None else (0, 1)
         self.path = heartbeat_path(self.run_dir, self.rank)
-        os.makedirs(self.run_dir, exist_ok=True)
-        self._info = {"started": time.time(), "start_step": trainer.step, "peak_memory_gb": 0.0}
+        self._writer = rundir.HeartbeatWriter.of(self.run_dir, self.rank)
+        self._info = {"start_step": trainer.step, "peak_memory_gb": 0.0}
+        self._writer.update(write=False, started=time.time(), error=None, error_type=None)
         self._anchor = None
         self.beat(trainer, "running")
 
@@ -84,33 +87,34 @@ class Heartbeat(Callback):
         self.beat(trainer, "finished")
 
     def on_exception(self, trainer, error: BaseException) -> None:
-        state = "interrupted" if isinstance(error, KeyboardInterrupt) else "failed"
-        self._info["error"] = f"{type(error).__name__}: {error}"
-        self.beat(trainer, state)
+        state = "interrupted" if isinstance(error, (KeyboardInterrupt, TrainingInterrupted)) else "failed"
+        self.beat(trainer, state, error)
 
     # -- writing ------------------------------------------------------------------------
 
-    def beat(self, trainer, state: str = "running") -> None:
-        """Write the heartbeat file now (atomically: a reader never sees half a file)."""
+    def beat(self, trainer, state: str = "running", error: BaseException | None = None) -> None:
+        """Write the heartbeat file now (atomically: a reader never sees half a file).
+
+        ``state`` is one of ``rundir.STATES``: e.g. ``beat(trainer, "validating")`` before a long evaluation.
+        """
+        if self._writer is None:
+            self._writer = rundir.HeartbeatWriter.of(self.run_dir, self.rank)
         now, step = time.time(), trainer.step
         if self._anchor is None or step < self._anchor[1]:
             self._anchor = (now, step)
         elif now - self._anchor[0] >= self.interval:  # a rate over at least one interval
             self._info["steps_per_second"] = (step - self._anchor[1]) / (now - self._anchor[0])
             self._anchor = (now, step)
-        record = {
-            "rank": self.rank, "world_size": self.world_size, "host": socket.gethostname(), "pid": os.getpid(),
-            "state": state, "time": now, "interval": self.interval, "step": step, "epoch": trainer.epoch,
+        fields: dict[str, Any] = {
+            "state": state, "world_size": self.world_size, "step": step, "epoch": trainer.epoch,
             "epochs": trainer.epochs, "total_steps": trainer.total_steps,
             "active_memory_gb": mx.get_active_memory() / 1e9, "cache_memory_gb": mx.get_cache_memory() / 1e9,
             **self._info,
         }
-        record["peak_memory_gb"] = max(record["peak_memory_gb"], mx.get_peak_memory() / 1e9)
-        tmp = f"{self.path}.tmp-{os.getpid()}"
-        try:
-            with open(tmp, "w") as f:
-                json.dump(record, f)
-            os.replace(tmp, self.path)
-        except OSError:
-            pass  # a full disk must not stop training; the monitor shows the heartbeat going stale
+        fields["peak_memory_gb"] = max(fields["peak_memory_gb"], mx.get_peak_memory() / 1e9)
+        if not self._writer.record.steady:  # a rank monitor's thread writes more often: its interval stands
+            fields["interval"] = self.interval
+        if error is not None:
+            fields["error"], fields["error_type"] = f"{type(error).__name__}: {error}", type(error).__name__
+        self._writer.update(**fields)
         self._next = time.perf_counter() + self.interval

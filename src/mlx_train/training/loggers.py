@@ -1,14 +1,16 @@
-"""Progress display and the run directory's metrics files."""
+"""Progress display and the run directory's metrics files (names and writing from ``mlx_train.rundir``)."""
 
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
 import sys
 import time
 from typing import Any, TextIO
 
+from mlx_train import rundir
 from mlx_train.training.callbacks import Callback
 
 
@@ -115,8 +117,8 @@ class MetricsLogger(Callback):
 
     def __init__(self, run_dir: str) -> None:
         self.run_dir = run_dir
-        self.jsonl_path = os.path.join(run_dir, "metrics.jsonl")
-        self.csv_path = os.path.join(run_dir, "metrics.csv")
+        self.jsonl_path = os.path.join(run_dir, rundir.METRICS_FILE)
+        self.csv_path = os.path.join(run_dir, rundir.METRICS_CSV)
         self._rows: list[dict] = []
         self._columns: list[str] = []
 
@@ -124,7 +126,7 @@ class MetricsLogger(Callback):
         os.makedirs(self.run_dir, exist_ok=True)
         config = getattr(trainer, "config", None)
         if config is not None:  # the config this run actually uses, for the monitor and for people
-            config.to_yaml(os.path.join(self.run_dir, "config.yaml"))
+            config.to_yaml(os.path.join(self.run_dir, rundir.CONFIG_FILE))
         if trainer.step == 0:
             for path in (self.jsonl_path, self.csv_path):
                 if os.path.exists(path):
@@ -134,9 +136,8 @@ class MetricsLogger(Callback):
             with open(self.jsonl_path) as f:
                 rows = [json.loads(line) for line in f if line.strip()]
             self._rows = [r for r in rows if r.get("step", 0) <= trainer.step]
-            with open(self.jsonl_path, "w") as f:
-                for r in self._rows:
-                    f.write(json.dumps(r) + "\n")
+            # Like the appended rows, not fsync'ed: a reader sees the old or the new file, never half.
+            rundir.atomic_write(self.jsonl_path, "".join(json.dumps(r) + "\n" for r in self._rows), durable=False)
             self._rewrite_csv()
 
     def _write(self, kind: str, logs: dict) -> None:
@@ -153,10 +154,11 @@ class MetricsLogger(Callback):
     def _rewrite_csv(self) -> None:
         for r in self._rows:
             self._columns += [k for k in r if k not in self._columns]
-        with open(self.csv_path, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=self._columns)
-            writer.writeheader()
-            writer.writerows(self._rows)
+        text = io.StringIO(newline="")
+        writer = csv.DictWriter(text, fieldnames=self._columns)
+        writer.writeheader()
+        writer.writerows(self._rows)
+        rundir.atomic_write(self.csv_path, text.getvalue(), durable=False)
 
     def on_report(self, trainer, logs: dict) -> None:
         self._write("train", logs)

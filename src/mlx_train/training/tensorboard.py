@@ -19,6 +19,7 @@ import os
 import time
 from typing import Any
 
+from mlx_train import rundir
 from mlx_train.errors import ConfigError
 from mlx_train.training.callbacks import Callback
 
@@ -58,7 +59,7 @@ class TensorBoardLogger(Callback):
             if not run_dir:
                 raise ConfigError("TensorBoardLogger needs a directory: pass TensorBoardLogger(log_dir=...) "
                                   "or set run_dir in the Trainer's config (it then writes to RUN_DIR/tensorboard)")
-            log_dir = os.path.join(run_dir, "tensorboard")
+            log_dir = os.path.join(run_dir, rundir.TENSORBOARD_DIR)
         self.log_dir = log_dir
         os.makedirs(log_dir, exist_ok=True)
         self._writer = self._writer_class(log_dir, flush_secs=self.flush_seconds)

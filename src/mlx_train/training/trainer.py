@@ -14,6 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 
+from mlx_train import rundir
 from mlx_train.checkpointing.manager import CheckpointWarning
 from mlx_train.config import TrainConfig, parse_every
 from mlx_train.data import DataLoader
@@ -190,11 +191,7 @@ class Trainer:
         """Print a message from the training run (rank 0 only when distributed); with a
         ``run_dir``, also append it to ``RUN_DIR/train.log``."""
         if self.is_main:
-            print(message, flush=True)
-            if self.config.run_dir:
-                os.makedirs(self.config.run_dir, exist_ok=True)
-                with open(os.path.join(self.config.run_dir, "train.log"), "a") as log_file:
-                    log_file.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {message}\n")
+            rundir.log_message(self.config.run_dir, message)
 
     # -- the loop -----------------------------------------------------------------------
 

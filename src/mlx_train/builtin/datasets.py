@@ -2,7 +2,7 @@
 
 ``load_dataset`` returns a dict with the splits ``"train"``, ``"val"`` and
 ``"test"``, each in the DataLoader's arrays form, and ``"info"``, which tells
-:func:`mlx_train.models.build_model` how to size a model.
+:func:`mlx_train.builtin.models.build_model` how to size a model.
 
 - ``digits``: scikit-learn's bundled 8x8 handwritten digits (1797 images, no
   download), pixels scaled to [0, 1], float32 ``x`` of shape ``[N, 64]`` (or
@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from mlx_train.errors import ConfigError, DataError, did_you_mean
-from mlx_train.models import check_options
+from mlx_train.builtin import check_options
 
 __all__ = ["load_dataset", "available_datasets", "stdlib_corpus", "STDLIB_MODULES"]
 

@@ -6,8 +6,8 @@ others), when a rank records an error in its heartbeat file, or when a rank's he
 a bounded time (SIGTERM to the launcher's process group, SIGKILL after ``stop_grace`` seconds,
 and SIGKILL to any local rank still alive) and, up to ``max_restarts`` times, launches it again
 with ``MLX_TRAIN_RESUME=auto`` (and ``restart_args``) so that it continues from the newest
-complete checkpoint. Each restart is logged with its cause, on stderr and in
-``<run_dir>/distributed/restarts.jsonl``. A rank that fails with a configuration, data,
+complete checkpoint. Each restart is logged with its cause, on stderr and ``supervisor.log``
+(the ``mlx_train.supervisor`` logger) and in ``<run_dir>/distributed/restarts.jsonl``. A rank that fails with a configuration, data,
 checkpoint, device or memory error is not restarted: it would fail the same way.
 
 Example::
@@ -20,6 +20,7 @@ Example::
 from __future__ import annotations
 
 import json
+import logging
 import os
 import queue
 import re
@@ -33,18 +34,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence, TextIO
 
+from mlx_train import processes, rundir
 from mlx_train.distributed import rank as rank_runtime
 from mlx_train.distributed import registry
 from mlx_train.distributed.backends import choose_backend, passthrough_env
 from mlx_train.distributed.hostfile import Hostfile
-from mlx_train.distributed.launch import free_port_base, launcher_path
 from mlx_train.errors import ConfigError, DistributedError
+from mlx_train.launch.launcher import free_port_base, launcher_path
 
 # Errors that a restart would hit again: not worth restarting for.
 FINAL_ERRORS = {"ConfigError", "UsageError", "DataError", "CheckpointError", "DeviceError", "OutOfMemoryError"}
 FINAL_EXIT_CODES = {2, 3, 4, 5, 6}
 _RANK_EXIT = re.compile(r"Node with rank (\d+) exited with code (-?\d+)")
 _RANK_KILLED = re.compile(r"Node with rank (\d+) was killed")
+_LOG = logging.getLogger("mlx_train.supervisor")
 _ERROR_LINE = re.compile(r"^(mlx-train: error: |[\w.]*Error: )")  # the CLI's one-line errors, a traceback's last line
 
 
@@ -116,7 +119,7 @@ class Supervisor:
         self.command = list(command)
         self.hostfile = hostfile
         self.run_dir = Path(run_dir)
-        self.state_dir = self.run_dir / "distributed"
+        self.state_dir = rundir.distributed_dir(self.run_dir)
         self.policy = policy or RecoveryPolicy()
         self.checkpoint_dir = checkpoint_dir
         self.restart_args = list(restart_args)
@@ -134,6 +137,7 @@ class Supervisor:
         """Launch, watch, restart; returns when the group finished, raises ``DistributedError`` when it
         cannot (restarts exhausted, or an error a restart would repeat)."""
         self.state_dir.mkdir(parents=True, exist_ok=True)
+        handlers = self._open_log()
         entry = registry.register("supervisor", run_id=self.run_id, run_dir=str(self.run_dir),
                                   ranks=self.hostfile.num_processes, backend=self.backend.name,
                                   state_dir=str(self.state_dir))
@@ -155,18 +159,21 @@ class Supervisor:
                     raise DistributedError(
                         f"the group failed {attempt + 1} time{'s' if attempt else ''} and max_restarts "
                         f"({self.policy.max_restarts}) is used up; last failure: {cause.text}. Rank logs: "
-                        f"{self.run_dir / 'logs'}; restarts: {self.state_dir / 'restarts.jsonl'}"
+                        f"{self.run_dir / rundir.LOGS_DIR}; restarts: {self.state_dir / rundir.RESTARTS_FILE}"
                     )
                 result.restarts.append(self._record_restart(attempt + 1, cause))
         finally:
             result.seconds = time.monotonic() - start
             registry.unregister(entry)
+            for handler in handlers:
+                _LOG.removeHandler(handler)
+                handler.close()
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
         return result
 
     def _attempt(self, attempt: int) -> Cause | None:
-        for stale in self.state_dir.glob("rank-*.json"):
+        for stale in self.run_dir.glob(rundir.HEARTBEAT_GLOB):  # the last attempt's
             stale.unlink(missing_ok=True)
         process = subprocess.Popen(self._argv(attempt), env=self._env(attempt), stdin=subprocess.PIPE,
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
@@ -184,6 +191,10 @@ class Supervisor:
             if self._direct and process.returncode:
                 self._events.put((0, process.returncode))
             self._drain(causes, teardown=True)
+            if not self._direct and process.returncode and not causes:
+                # mlx.launch exits 0 even when ranks fail; anything else means it was itself stopped
+                # (a signal from outside) before it could report on its ranks.
+                _add(causes, _launcher_cause(process.returncode))
         return self._verdict(causes)
 
     def _watch(self, process: subprocess.Popen, causes: list[Cause]) -> None:
@@ -192,12 +203,12 @@ class Supervisor:
         while process.poll() is None:
             now = time.monotonic()
             self._drain(causes)
-            ranks = rank_runtime.read_rank_files(self.state_dir)
+            ranks = rundir.read_heartbeats(self.run_dir)
             for rank, info in sorted(ranks.items()):
-                silent = time.time() - float(info.get("heartbeat_at", 0.0))
-                if info.get("status") == "running" and silent > policy.heartbeat_timeout:
-                    _add(causes, Cause(f"rank {rank} stopped responding (no heartbeat for {silent:.1f} s; pid "
-                                       f"{info.get('pid')} on {info.get('host')}, {info.get('step', 0)} steps done)"))
+                wall = time.time()
+                if rundir.is_stale(info, wall, policy.heartbeat_timeout):
+                    _add(causes, Cause(f"rank {rank} stopped responding (no heartbeat for {wall - info.time:.1f} s; pid "
+                                       f"{info.pid} on {info.host}, {info.step} steps done)"))
                     stop_at = now  # a frozen rank: nothing will end the group by itself
             if ranks and first_seen is None:
                 first_seen = now
@@ -217,31 +228,31 @@ class Supervisor:
 
     def _stop(self, process: subprocess.Popen) -> None:
         """Stop the launcher and every local rank: SIGTERM, then SIGKILL after ``stop_grace`` seconds."""
-        registry.signal_group(process.pid, signal.SIGTERM)
+        processes.signal_group(process.pid, signal.SIGTERM)
         try:
             process.wait(timeout=self.policy.stop_grace)
         except subprocess.TimeoutExpired:
             pass
-        registry.signal_group(process.pid, signal.SIGKILL)  # also ends a frozen (SIGSTOP) rank
+        processes.signal_group(process.pid, signal.SIGKILL)  # also ends a frozen (SIGSTOP) rank
         process.wait(timeout=10)
 
     def _kill_leftovers(self, process: subprocess.Popen) -> None:
         """Make sure no local process of this attempt survives it (bounded: a few seconds)."""
         if process.poll() is None:
             self._stop(process)
-        registry.signal_group(process.pid, signal.SIGKILL)  # members the launcher left behind, if any
+        processes.signal_group(process.pid, signal.SIGKILL)  # members the launcher left behind, if any
         pids = [process.pid]
-        for info in rank_runtime.read_rank_files(self.state_dir).values():
-            pid = info.get("pid")
-            if info.get("host") == socket.gethostname() and isinstance(pid, int) and registry.process_alive(pid) \
-                    and registry.process_environ(pid).get(rank_runtime.ENV_RUN_ID) == self.run_id:
+        for info in rundir.read_heartbeats(self.run_dir).values():
+            pid = info.pid
+            if info.host == socket.gethostname() and processes.alive(pid) \
+                    and processes.environ(pid).get(rank_runtime.ENV_RUN_ID) == self.run_id:
                 pids.append(pid)
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except OSError:
                     pass
         deadline = time.monotonic() + 5.0
-        while time.monotonic() < deadline and (registry.group_alive(process.pid) or any(map(registry.process_alive, pids[1:]))):
+        while time.monotonic() < deadline and (processes.group_alive(process.pid) or any(map(processes.alive, pids[1:]))):
             time.sleep(0.05)
         for entry in registry.entries():  # ranks killed before they could remove their entry
             if entry.get("run_id") == self.run_id and entry.get("kind") == "rank" and not entry["alive"]:
@@ -288,29 +299,30 @@ class Supervisor:
                 final = cause.final or any(name in self._last_error for name in FINAL_ERRORS)
                 cause = Cause(f"{cause.text} after printing: {self._last_error}", cause.weight, final)
             _add(causes, cause)
-        for rank, info in rank_runtime.read_rank_files(self.state_dir).items():
-            if info.get("status") == "failed":
+        for rank, info in rundir.read_heartbeats(self.run_dir).items():
+            if info.state == "failed":
                 _add(causes, self._failed(rank, info))
 
-    def _failed(self, rank: int, info: dict) -> Cause:
-        kind = info.get("error_type", "error")
-        return Cause(f"rank {rank} failed after step {info.get('step', 0)}: {kind}: {info.get('error')}",
+    def _failed(self, rank: int, info: rundir.HeartbeatRecord) -> Cause:
+        kind = info.error_type or "error"
+        return Cause(f"rank {rank} failed after step {info.step}: {info.error or kind}",
                      weight=1 if kind == "DistributedError" else 0, final=kind in FINAL_ERRORS)
 
     def _verdict(self, causes: list[Cause]) -> Cause | None:
         if causes:
             return _best(causes)
-        unfinished = [r for r, info in rank_runtime.read_rank_files(self.state_dir).items()
-                      if info.get("status") == "running"]
+        unfinished = [(r, info.state) for r, info in rundir.read_heartbeats(self.run_dir).items()
+                      if info.live]
         if unfinished:
-            return Cause(f"rank {unfinished[0]} ended without finishing (its last heartbeat says running)")
+            rank, state = unfinished[0]
+            return Cause(f"rank {rank} ended without finishing (its last heartbeat says {state})")
         return None
 
     # ------------------------------------------------------------------ restarts
     def _record_restart(self, attempt: int, cause: Cause) -> Restart:
         resume_from = None
         if self.checkpoint_dir:
-            from mlx_train.checkpoint import CheckpointManager
+            from mlx_train.checkpointing import CheckpointManager
 
             try:
                 latest = CheckpointManager(self.checkpoint_dir, keep_last=None, async_save=False).latest()
@@ -321,7 +333,7 @@ class Supervisor:
         source = f"checkpoint {resume_from}" if resume_from else (
             "the last complete checkpoint" if not self.checkpoint_dir else "scratch (no complete checkpoint yet)")
         self.log(f"restart {attempt} of {self.policy.max_restarts}: {cause.text}; resuming from {source}")
-        with open(self.state_dir / "restarts.jsonl", "a", encoding="utf-8") as file:
+        with open(self.state_dir / rundir.RESTARTS_FILE, "a", encoding="utf-8") as file:
             file.write(json.dumps({"attempt": attempt, "cause": cause.text, "resume_from": resume_from,
                                    "time": restart.time, "run_id": self.run_id}) + "\n")
         return restart
@@ -331,7 +343,7 @@ class Supervisor:
         command = self.command + (self.restart_args if attempt > 0 else [])
         if self._direct:
             return command
-        hostfile_path = self.state_dir / "hostfile.json"
+        hostfile_path = self.state_dir / rundir.HOSTFILE_FILE
         self.hostfile.write(hostfile_path, backend=self.backend.name)
         ports = sum(max(1, len(h.ips)) for h in self.hostfile.hosts)
         argv = [launcher_path(), "--hostfile", str(hostfile_path), "--backend", self.backend.name,
@@ -353,16 +365,21 @@ class Supervisor:
         env.update(self._run_env(attempt))
         return env
 
+    def _open_log(self) -> list[logging.Handler]:
+        """Send this run's supervisor messages to stderr (``mlx-train: ...``) and to ``supervisor.log``."""
+        console = logging.StreamHandler(self.err)
+        console.setFormatter(logging.Formatter("mlx-train: %(message)s"))
+        file = logging.FileHandler(self.state_dir / rundir.SUPERVISOR_LOG, encoding="utf-8")
+        file.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%Y-%m-%d %H:%M:%S"))
+        for handler in (console, file):
+            _LOG.addHandler(handler)
+        _LOG.setLevel(logging.INFO)
+        _LOG.propagate = False  # these are the supervisor's own lines; a root handler would repeat them
+        return [console, file]
+
     def log(self, message: str) -> None:
         """A supervisor message: on stderr and in ``<run_dir>/distributed/supervisor.log``."""
-        line = f"mlx-train: {message}"
-        try:
-            print(line, file=self.err, flush=True)
-        except (OSError, ValueError):
-            pass
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.state_dir / "supervisor.log", "a", encoding="utf-8") as file:
-            file.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {message}\n")
+        _LOG.info(message)
 
 
 def _stop_on_sigterm():
@@ -386,6 +403,14 @@ def _exit_cause(rank: int, code: int | None, after_failure: bool) -> Cause:
     if code == DistributedError.exit_code:
         return Cause(f"rank {rank} exited with a DistributedError (exit code {code})", weight=2)
     return Cause(f"rank {rank} exited with code {code}", final=code in FINAL_EXIT_CODES)
+
+
+def _launcher_cause(code: int) -> Cause:
+    """Why an attempt failed when ``mlx.launch`` itself ended abnormally (exit ``code``) without naming a rank."""
+    if code < 0:
+        name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else f"signal {-code}"
+        return Cause(f"mlx.launch was killed by {name} before it reported on its ranks (stopped from outside?)")
+    return Cause(f"mlx.launch exited with code {code} without naming a failed rank")
 
 
 def _add(causes: list[Cause], cause: Cause) -> None:

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from mlx_train import processes, rundir
 from mlx_train.distributed import rank as rank_runtime
 from mlx_train.distributed import registry
 from mlx_train.distributed.config import cluster_path
@@ -34,7 +35,7 @@ class Leftover:
     pid: int
     what: str
     why: str
-    start_time: int | None = None
+    start_time: float | None = None
 
 
 def _dead_supervisors() -> set[str]:
@@ -43,8 +44,8 @@ def _dead_supervisors() -> set[str]:
 
 
 def _orphaned(pid: int) -> bool:
-    parent = registry.parent_pid(pid)
-    return parent is None or parent == 1 or not registry.process_alive(parent)
+    parent = processes.parent(pid)
+    return parent is None or parent == 1 or not processes.alive(parent)
 
 
 def _candidates() -> dict[int, dict]:
@@ -53,17 +54,16 @@ def _candidates() -> dict[int, dict]:
     for entry in registry.entries():
         if entry["alive"] and entry.get("pid") not in (None, os.getpid()):
             found[int(entry["pid"])] = dict(entry)
-    for name in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        if not name.isdigit() or int(name) in found or int(name) == os.getpid():
+    for pid in processes.pids():
+        if pid in found or pid == os.getpid():
             continue
-        env = registry.process_environ(int(name))
+        env = processes.environ(pid)
         if rank_runtime.ENV_RUN_ID in env:
-            found[int(name)] = {"pid": int(name), "kind": "rank" if "MLX_RANK" in env else "launcher",
-                                "run_id": env[rank_runtime.ENV_RUN_ID], "rank": env.get("MLX_RANK"),
-                                "start_time": registry.process_start_time(int(name)),
-                                "state_dir": env.get(rank_runtime.ENV_STATE_DIR)}
+            found[pid] = {"pid": pid, "kind": "rank" if "MLX_RANK" in env else "launcher",
+                          "run_id": env[rank_runtime.ENV_RUN_ID], "rank": env.get("MLX_RANK"),
+                          "start_time": processes.start_time(pid), "run_dir": env.get(rank_runtime.ENV_RUN_DIR)}
     for pid, info in found.items():  # processes a rank started (a compiler, a data worker) inherit its marks
-        parent = registry.parent_pid(pid)
+        parent = processes.parent(pid)
         if info.get("kind") == "rank" and parent in found and found[parent].get("kind") in ("rank", "child"):
             info["kind"], info["parent"] = "child", parent
     return found
@@ -96,10 +96,11 @@ def find_leftovers(stop_running: bool = False) -> list[Leftover]:
 
 
 def _failed(info: dict) -> bool:
-    state = rank_runtime.read_rank_files(info.get("state_dir")) if info.get("state_dir") else {}
+    where = info.get("run_dir") or info.get("state_dir")
+    beats = rundir.read_heartbeats(rundir.run_dir_of(where)) if where else {}
     rank = info.get("rank")
-    entry = state.get(int(rank)) if rank is not None and str(rank).isdigit() else None
-    return bool(entry and entry.get("status") == "failed" and entry.get("pid") == info.get("pid"))
+    beat = beats.get(int(rank)) if rank is not None and str(rank).isdigit() else None
+    return bool(beat and beat.state == "failed" and beat.pid == info.get("pid"))
 
 
 def _name(pid: int, info: dict) -> str:
@@ -108,7 +109,7 @@ def _name(pid: int, info: dict) -> str:
     if kind == "child":
         label = f"child process of pid {info['parent']} (rank {rank})"
     run = f" of run {info['run_id']}" if info.get("run_id") else ""
-    command = registry.process_cmdline(pid) or info.get("cmdline", "")
+    command = processes.cmdline(pid) or info.get("cmdline", "")
     return f"{label}{run} ({command[:100]})"
 
 
@@ -119,7 +120,7 @@ def _stop(leftover: Leftover, grace: float) -> bool:
         return True
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline:
-        if not registry.process_alive(leftover.pid, leftover.start_time):
+        if not processes.alive(leftover.pid, leftover.start_time):
             return True
         time.sleep(0.05)
     try:
@@ -127,7 +128,7 @@ def _stop(leftover: Leftover, grace: float) -> bool:
     except ProcessLookupError:
         return True
     time.sleep(0.1)
-    return not registry.process_alive(leftover.pid, leftover.start_time)
+    return not processes.alive(leftover.pid, leftover.start_time)
 
 
 def reset_distributed(stop_running: bool = False, clear_config: bool = False, grace: float = 3.0) -> list[str]:
@@ -137,7 +138,7 @@ def reset_distributed(stop_running: bool = False, clear_config: bool = False, gr
     """
     lines = []
     for leftover in find_leftovers(stop_running):
-        if not registry.process_alive(leftover.pid, leftover.start_time):
+        if not processes.alive(leftover.pid, leftover.start_time):
             continue
         stopped = _stop(leftover, grace)
         state = "stopped" if stopped else "could not stop"

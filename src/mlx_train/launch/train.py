@@ -14,15 +14,10 @@ Example::
 from __future__ import annotations
 
 import argparse
-import os
-import random
-import shutil
-import socket
 import sys
 from typing import Any
 
-from mlx_train.distributed import rank as rank_runtime
-from mlx_train.errors import DistributedError
+from mlx_train import rundir
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,27 +32,6 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hostfile", default=None, metavar="FILE",
                         help="with --distributed: launch on the hosts of this mlx.launch host file instead of "
                         "the configured cluster")
-
-
-def launched_rank() -> int | None:
-    """This process's rank when a launcher started it (``MLX_RANK``, or MPI's), else None."""
-    for name in ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
-        value = os.environ.get(name)
-        if value is not None and value.isdigit():
-            return int(value)
-    return None
-
-
-def is_main_process() -> bool:
-    """False on the ranks other than 0 of a launched group (they print nothing and write no files)."""
-    return (launched_rank() or 0) == 0
-
-
-def trainer_class() -> type:
-    """``DistributedTrainer`` inside a launched group, else ``Trainer``."""
-    from mlx_train.training import DistributedTrainer, Trainer
-
-    return DistributedTrainer if launched_rank() is not None or rank_runtime.supervised() else Trainer
 
 
 def cluster_for(num_processes: int | None, hostfile: str | None, backend: str):
@@ -81,15 +55,15 @@ def cluster_for(num_processes: int | None, hostfile: str | None, backend: str):
 
 def train_distributed(args: argparse.Namespace, config: Any, log=print) -> int:
     """Run ``mlx-train train --distributed`` with the parsed ``args`` and resolved ``config``."""
-    from mlx_train.cli.train import resolve_run_dir
-    from mlx_train.distributed.supervisor import RecoveryPolicy, Supervisor
+    from mlx_train.launch.supervisor import RecoveryPolicy, Supervisor
 
     hosts = cluster_for(args.num_processes, args.hostfile, config.distributed_backend)
-    run_dir = resolve_run_dir(config, args.resume)
-    config = config.replace(run_dir=str(run_dir), checkpoint_dir=config.checkpoint_dir or str(run_dir / "checkpoints"))
-    state_dir = run_dir / "distributed"
+    run_dir = rundir.choose_run_dir(config, args.resume)
+    config = config.replace(run_dir=str(run_dir),
+                            checkpoint_dir=config.checkpoint_dir or str(run_dir / rundir.CHECKPOINTS_DIR))
+    state_dir = rundir.distributed_dir(run_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
-    config_path = state_dir / "launch-config.yaml"
+    config_path = state_dir / rundir.LAUNCH_CONFIG_FILE
     config.to_yaml(str(config_path))
     python = hosts.python or sys.executable
     command = [python, "-m", "mlx_train", "train", "--config", str(config_path.resolve())]
@@ -106,32 +80,3 @@ def train_distributed(args: argparse.Namespace, config: Any, log=print) -> int:
     log(f"distributed run finished in {result.seconds:.1f} s with {restarts} restart{'s' if restarts != 1 else ''}"
         + (f" ({'; '.join(r.cause for r in result.restarts)})" if restarts else ""))
     return 0
-
-
-def launcher_path() -> str:
-    """The ``mlx.launch`` console script installed with mlx."""
-    beside = os.path.join(os.path.dirname(sys.executable), "mlx.launch")  # skips version-manager shims
-    path = beside if os.path.exists(beside) else shutil.which("mlx.launch")
-    if not path:
-        raise DistributedError("mlx.launch was not found (it is installed with mlx): reinstall mlx "
-                               "(pip install mlx) in this environment")
-    return path
-
-
-def free_port_base(count: int, host: str = "127.0.0.1") -> int:
-    """A port P such that P .. P+count-1 can be bound on ``host`` now."""
-    for _ in range(50):
-        base = random.randrange(20000, 60000 - count)
-        sockets = []
-        try:
-            for port in range(base, base + count):
-                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                sockets.append(s)
-                s.bind((host, port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in sockets:
-                s.close()
-    return 32323

@@ -19,17 +19,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from mlx_train.distributed.backends import choose_backend
-from mlx_train.distributed.hostfile import HostCheck, Hostfile, check_hosts
-from mlx_train.errors import DistributedError
+from mlx_train.distributed.hostfile import Host, Hostfile
 
 GOOD_LATENCY, OK_LATENCY = 1e-3, 10e-3      # seconds, one way
 GOOD_BANDWIDTH, OK_BANDWIDTH = 1e9, 100e6   # bytes per second
@@ -79,6 +76,46 @@ class NetworkReport:
         return "\n".join(lines)
 
 
+@dataclass
+class HostCheck:
+    """Whether one host can be reached, and what went wrong if not."""
+
+    host: Host
+    ok: bool
+    detail: str
+
+
+def check_host(host: Host, timeout: float = 5.0) -> HostCheck:
+    """Check that ``mlx.launch`` can start a rank on ``host``: local, or passwordless ssh works.
+
+    Example: ``check_host(Host("127.0.0.1", ["127.0.0.1"])).ok  # True``
+    """
+    if host.is_local:
+        return HostCheck(host, True, "this machine")
+    command = ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={max(1, int(timeout))}", host.ssh, "true"]
+    hint = " (only 127.0.0.1 runs without ssh: use 127.0.0.1 for this machine)" if host.ssh == "localhost" else ""
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout + 5)
+    except FileNotFoundError:
+        return HostCheck(host, False, "ssh is not installed on this machine; install an ssh client")
+    except subprocess.TimeoutExpired:
+        return HostCheck(host, False, f"ssh {host.ssh} did not answer within {timeout:.0f} s{hint}")
+    if done.returncode != 0:
+        reason = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
+        return HostCheck(host, False, f"ssh {host.ssh} failed: {reason}; set up passwordless ssh "
+                                      f"(ssh-copy-id {host.ssh}) and check the name{hint}")
+    return HostCheck(host, True, "ssh ok")
+
+
+def check_hosts(hostfile: Hostfile, timeout: float = 5.0) -> list[HostCheck]:
+    """``check_host`` for each distinct host (in rank order)."""
+    seen: dict[str, HostCheck] = {}
+    for host in hostfile.hosts:
+        if host.ssh not in seen:
+            seen[host.ssh] = check_host(host, timeout)
+    return list(seen.values())
+
+
 def _rate(bytes_per_second: float) -> str:
     if bytes_per_second >= 1e9:
         return f"{bytes_per_second / 1e9:.2f} GB/s"
@@ -106,7 +143,7 @@ def verdict(latency_s: float, bandwidth: float, local: bool = False) -> str:
 
 def check_network(hostfile: Hostfile, timeout: float = 60.0, message_bytes: int = 8 * 2**20) -> NetworkReport:
     """Check every host of ``hostfile``, then measure its links with a probe launched by ``mlx.launch``."""
-    from mlx_train.distributed.launch import free_port_base, launcher_path
+    from mlx_train.launch.launcher import free_port_base, launcher_path
 
     backend = choose_backend(hostfile.backend, hostfile.has_rdma).name
     report = NetworkReport(backend, check_hosts(hostfile))
@@ -125,7 +162,7 @@ def check_network(hostfile: Hostfile, timeout: float = 60.0, message_bytes: int 
         port = free_port_base(hostfile.num_processes) if hostfile.is_local else 32323
         python = hostfile.python or sys.executable
         argv = [launcher_path(), "--hostfile", str(hostfile_path), "--backend", backend, "--starting-port", str(port),
-                "--", python, "-m", "mlx_train.distributed.network", str(out), str(message_bytes)]
+                "--", python, "-m", "mlx_train.distributed.probe", str(out), str(message_bytes)]
         process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                    start_new_session=True, text=True)
         try:
@@ -158,57 +195,3 @@ def _links(result: dict, hostfile: Hostfile) -> list[Link]:
     links.append(Link(f"all-reduce over {result['world_size']} ranks", "ok", reduce["latency_s"], reduce["bandwidth"],
                       verdict(reduce["latency_s"], reduce["bandwidth"], hostfile.is_local)))
     return links
-
-
-# ---------------------------------------------------------------------- the probe (runs on every rank)
-def _ping_pong(group, a: int, b: int, x, repeats: int) -> float:
-    """Median one-way time of ``x`` between ranks ``a`` and ``b`` (meaningful on rank ``a``)."""
-    import mlx.core as mx
-
-    rank, times = group.rank(), []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        if rank == a:
-            mx.eval(mx.distributed.send(x, b, group=group))
-            mx.eval(mx.distributed.recv_like(x, b, group=group))
-        elif rank == b:
-            y = mx.distributed.recv_like(x, a, group=group)
-            mx.eval(y)
-            mx.eval(mx.distributed.send(y, a, group=group))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) / 2
-
-
-def probe(out: str, message_bytes: int) -> None:
-    """Measure every neighbouring pair and the all-reduce; rank 0 writes the results to ``out``."""
-    import mlx_train  # noqa: F401  (the optimized BLAS first)
-    import mlx.core as mx
-
-    from mlx_train.distributed.comm import time_all_sum
-
-    group = mx.distributed.init()
-    world, rank = group.size(), group.rank()
-    pairs = [(i, (i + 1) % world) for i in range(world if world > 2 else 1)]
-    small = mx.ones((1,), dtype=mx.float32)
-    big = mx.ones((max(1, message_bytes // 4),), dtype=mx.float32)
-    table = mx.zeros((len(pairs), 2), dtype=mx.float32)
-    for k, (a, b) in enumerate(pairs):
-        _ping_pong(group, a, b, small, 3)  # connect and warm up
-        latency = _ping_pong(group, a, b, small, 30)
-        seconds = _ping_pong(group, a, b, big, 5)
-        if rank == a:
-            table[k] = mx.array([latency, big.nbytes / max(seconds - latency, 1e-9)])
-        mx.eval(mx.distributed.all_sum(mx.zeros((1,)), group=group))  # barrier before the next pair
-    table = mx.distributed.all_sum(table, group=group, stream=mx.cpu)
-    mx.eval(table)  # on every rank, before the next collective
-    timing = time_all_sum(group, nbytes=message_bytes)
-    if rank == 0:
-        rows = table.tolist()
-        result = {"world_size": world,
-                  "links": [{"ranks": list(pair), "latency_s": row[0], "bandwidth": row[1]} for pair, row in zip(pairs, rows)],
-                  "all_reduce": {"latency_s": timing.latency_s, "bandwidth": timing.bandwidth}}
-        Path(out).write_text(json.dumps(result))
-
-
-if __name__ == "__main__":
-    probe(sys.argv[1], int(sys.argv[2]))

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 
-from mlx_train.distributed import rank as rank_runtime
+from mlx_train import rundir
 from mlx_train.distributed import registry
 from mlx_train.distributed.backends import available_backends, choose_backend, describe_backends
 from mlx_train.distributed.config import cluster_path
@@ -60,12 +60,11 @@ def _runs() -> list[str]:
         restarts = f", {attempt} restart{'s' if attempt != 1 else ''}" if attempt else ""
         lines.append(f"    {entry.get('run_dir')}: {entry.get('ranks')} ranks, backend {entry.get('backend')}, "
                      f"supervisor pid {entry['pid']}, up {now - float(entry.get('started_at', now)):.0f} s{restarts}")
-        for rank, info in sorted(rank_runtime.read_rank_files(entry.get("state_dir")).items()):
-            waiting = info.get("waiting")
-            doing = f", waiting in the {waiting['what']}" if waiting else ""
-            lines.append(f"      rank {rank}: {info.get('status')}, {info.get('step', 0)} steps, pid {info.get('pid')} "
-                         f"on {info.get('host')}, heartbeat {now - float(info.get('heartbeat_at', now)):.1f} s ago{doing}")
-    from mlx_train.distributed.reset import find_leftovers
+        for rank, info in sorted(rundir.read_heartbeats(entry.get("run_dir")).items()):
+            doing = f", waiting in the {info.waiting['what']}" if info.waiting else ""
+            lines.append(f"      rank {rank}: {info.state}, {info.step} steps, pid {info.pid} "
+                         f"on {info.host}, heartbeat {now - info.time:.1f} s ago{doing}")
+    from mlx_train.launch.reset import find_leftovers
 
     leftovers = find_leftovers()
     if leftovers:

@@ -1,0 +1,73 @@
+"""The CLI starts without the training stack; the built-in catalog matches its registries."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+HEAVY = ("mlx_train.training", "mlx_train.data", "mlx_train.checkpointing", "mlx.core")
+
+
+def _loaded_after(code: str) -> list[str]:
+    """Run ``code`` in a fresh interpreter; the HEAVY modules it left in sys.modules."""
+    script = textwrap.dedent(code) + textwrap.dedent(f"""
+        import json, sys
+        print(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False,
+                          env={**os.environ, "COLUMNS": "100"})
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["train", "--help"], ["monitor", "--help"], ["status", "--help"],
+                                  ["evaluate", "--help"], ["optimize", "--help"], ["reset-distributed", "--help"]])
+def test_help_does_not_import_the_training_stack(argv):
+    loaded = _loaded_after(f"""
+        import contextlib, io
+        from mlx_train.cli.main import main
+        with contextlib.redirect_stdout(io.StringIO()) as out:
+            assert main({argv!r}) == 0
+        assert "usage: mlx-train" in out.getvalue()
+    """)
+    assert loaded == []
+
+
+def test_the_parser_of_one_command_imports_only_that_command():
+    loaded = _loaded_after("""
+        import sys
+        from mlx_train.cli.main import build_parser
+        args = build_parser("monitor").parse_args(["monitor", "runs/a", "--once"])
+        assert args.run_dir == "runs/a"
+        assert "mlx_train.cli.monitor" in sys.modules and "mlx_train.cli.train" not in sys.modules
+    """)
+    assert loaded == []
+
+
+def test_monitor_reads_a_run_without_the_training_stack(tmp_path):
+    run = tmp_path / "runs" / "a"
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text(json.dumps({"kind": "train", "step": 3, "epoch": 0, "loss": 1.25,
+                                                   "time": time.time()}) + "\n")
+    beat = {"rank": 0, "state": "running", "step": 3, "time": time.time(), "pid": os.getpid(), "host": "elsewhere"}
+    (run / "heartbeat-0.json").write_text(json.dumps(beat))
+    loaded = _loaded_after(f"""
+        import contextlib, io
+        from mlx_train.cli.main import main
+        with contextlib.redirect_stdout(io.StringIO()) as out:
+            assert main(["monitor", {str(run)!r}, "--once"]) == 0
+        assert "1.25" in out.getvalue(), out.getvalue()
+    """)
+    assert loaded == []
+
+
+def test_the_builtin_catalog_names_what_the_registries_hold():
+    from mlx_train import builtin
+    from mlx_train.builtin import datasets, models
+
+    assert list(builtin.MODELS) == models.available_models()
+    assert list(builtin.DATASETS) == datasets.available_datasets()

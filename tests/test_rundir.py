@@ -1,0 +1,137 @@
+"""The run directory protocol: heartbeat schema, the staleness rule, the atomic writer, logging."""
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from mlx_train import rundir
+from mlx_train.errors import ConfigError
+from mlx_train.rundir import HeartbeatRecord, HeartbeatWriter
+
+
+def test_heartbeat_record_round_trips_through_its_file(tmp_path):
+    record = HeartbeatRecord(rank=1, state="validating", step=40, time=1000.5, world_size=2, pid=4242, host="mac2",
+                             started=900.0, interval=0.5, steady=True, epoch=2, epochs=5, total_steps=200,
+                             run_id="20250101-120000-1", attempt=1, waiting={"what": "all-reduce", "since": 999.0},
+                             error=None, extra={"loss": 0.25, "timing": {"step_time": 0.01}})
+    path = rundir.heartbeat_path(tmp_path, 1)
+    rundir.atomic_write_json(path, record.to_json())
+    assert path == tmp_path / "heartbeat-1.json"
+    on_disk = json.loads(path.read_text())
+    assert on_disk["state"] == "validating" and on_disk["loss"] == 0.25  # flat: progress beside the schema
+    assert HeartbeatRecord.from_json(on_disk) == record
+    assert rundir.read_heartbeats(tmp_path) == {1: record}
+    assert record.get("loss") == 0.25 and record.get("step") == 40 and record.get("error", "none") == "none"
+
+
+def test_heartbeat_state_is_an_enum_and_bad_files_are_skipped(tmp_path):
+    with pytest.raises(ConfigError, match="heartbeat state must be one of starting, running, validating, "
+                                          "checkpointing, finished, failed, interrupted, got 'exited'"):
+        HeartbeatRecord(rank=0, state="exited")
+    with pytest.raises(ConfigError, match="not a heartbeat"):
+        HeartbeatRecord.from_json({"state": "running"})
+    (tmp_path / "heartbeat-0.json").write_text('{"rank": 0, "state": "runn')  # torn
+    (tmp_path / "heartbeat-1.json").write_text('{"rank": 1, "state": "running", "step": 3}')
+    assert list(rundir.read_heartbeats(tmp_path)) == [1]
+
+
+def test_one_staleness_rule_with_an_injected_clock():
+    beat = HeartbeatRecord(rank=0, state="running", time=1000.0, interval=2.0)
+    assert not rundir.is_stale(beat, now=1059.0, minimum=60)
+    assert rundir.is_stale(beat, now=1061.0, minimum=60)
+    assert rundir.stale_limit(beat, 1.0) == 6.0  # three write intervals at least
+    slow = HeartbeatRecord(rank=0, state="running", time=1000.0, interval=2.0, extra={"steps_per_second": 0.04})
+    assert rundir.stale_limit(slow, 60) == pytest.approx(125.0) and not rundir.is_stale(slow, 1100.0, 60)
+    validating = HeartbeatRecord(rank=0, state="running", time=1000.0, extra={"val_time": 80.0})
+    assert rundir.stale_limit(validating, 60) == 160.0
+    # A background thread writes steadily: slow steps do not excuse its silence.
+    steady = HeartbeatRecord(rank=0, state="running", time=1000.0, interval=0.5, steady=True,
+                             extra={"steps_per_second": 0.04, "val_time": 80.0})
+    assert rundir.stale_limit(steady, 3.0) == 3.0 and rundir.is_stale(steady, 1003.5, 3.0)
+    for state in ("finished", "failed", "interrupted"):
+        assert not rundir.is_stale(HeartbeatRecord(rank=0, state=state, time=0.0), now=1e9, minimum=1)
+
+
+def test_the_callback_and_the_rank_monitor_share_one_heartbeat_file(tmp_path):
+    progress = HeartbeatWriter.of(tmp_path, 0)
+    assert HeartbeatWriter.of(str(tmp_path), 0) is progress  # one writer per file in a process
+    progress.update(state="running", step=5, loss=1.5)
+    HeartbeatWriter.of(tmp_path, 0).update(waiting={"what": "gradient all-reduce", "since": 1.0}, steady=True)
+    (record,) = rundir.read_heartbeats(tmp_path).values()
+    assert (record.state, record.step, record.extra["loss"], record.waiting["what"], record.steady) == \
+        ("running", 5, 1.5, "gradient all-reduce", True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["heartbeat-0.json"]  # no temporary files left
+    with pytest.raises(ConfigError, match="got 'done'"):
+        progress.update(state="done")
+
+
+def test_atomic_write_replaces_the_whole_file(tmp_path):
+    path = tmp_path / "config.yaml"
+    rundir.atomic_write(path, "old: 1\n")
+    rundir.atomic_write(path, b"new: 2\n")
+    assert path.read_text() == "new: 2\n" and os.listdir(tmp_path) == ["config.yaml"]
+
+
+def test_a_failure_before_the_rename_leaves_the_old_file(tmp_path, monkeypatch):
+    path = tmp_path / "heartbeat-0.json"
+    rundir.atomic_write_json(path, {"rank": 0, "step": 1})
+
+    def refuse(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(rundir.os, "replace", refuse)
+    with pytest.raises(OSError, match="No space left"):
+        rundir.atomic_write_json(path, {"rank": 0, "step": 2})
+    assert json.loads(path.read_text()) == {"rank": 0, "step": 1}
+    assert os.listdir(tmp_path) == ["heartbeat-0.json"]  # the temporary file was removed
+
+
+def test_a_process_killed_mid_write_leaves_the_old_file(tmp_path):
+    path = tmp_path / "metrics.csv"
+    rundir.atomic_write(path, "old contents\n")
+    # The child dies (no cleanup, like SIGKILL) after writing half of the new data, before the rename.
+    script = textwrap.dedent(f"""
+        import os
+        from mlx_train import rundir
+        os.fsync = lambda fd: os._exit(9)
+        rundir.atomic_write({str(path)!r}, "new contents that never land\\n" * 1000)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 9, done.stderr
+    assert path.read_text() == "old contents\n"
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name != "metrics.csv"]
+    assert len(leftovers) == 1 and leftovers[0].startswith(".metrics.csv.") and leftovers[0].endswith(".tmp")
+
+
+def test_log_message_goes_through_logging_to_the_console_and_the_run_log(tmp_path, capsys):
+    records = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    collect = Collect()
+    logger = logging.getLogger("mlx_train")
+    logger.addHandler(collect)
+    try:
+        rundir.log_message(tmp_path / "a", "resumed from step 200")
+        rundir.log_message(tmp_path / "b", "a message of run b")
+        rundir.log_message(None, "no run directory")
+    finally:
+        logger.removeHandler(collect)
+    assert records == ["resumed from step 200", "a message of run b", "no run directory"]
+    assert capsys.readouterr().out.splitlines() == records
+    log_a, log_b = (tmp_path / "a" / "train.log").read_text(), (tmp_path / "b" / "train.log").read_text()
+    assert log_a.endswith(" resumed from step 200\n") and "run b" not in log_a
+    assert log_b.endswith(" a message of run b\n") and "no run directory" not in log_b
+
+
+def test_choose_run_dir_and_run_dir_of(tmp_path):
+    assert rundir.run_dir_of(tmp_path / "distributed") == tmp_path
+    assert rundir.run_dir_of(tmp_path) == tmp_path
+    assert rundir.rank_log_path(tmp_path, 3) == tmp_path / "logs" / "rank-3.log"
