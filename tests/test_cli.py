@@ -30,6 +30,7 @@ def default_run(tmp_path_factory):
     return run(TrainConfig(run_dir=str(run_dir)), log=lambda message: None)
 
 
+@pytest.mark.slow
 def test_defaults_reach_95_percent_on_digits(default_run):
     assert default_run["test"]["accuracy"] >= 0.95
     assert len(default_run["history"]["train_loss"]) == 10
@@ -38,6 +39,7 @@ def test_defaults_reach_95_percent_on_digits(default_run):
     assert saved.checkpoint_dir == str(default_run["run_dir"] / "checkpoints")
 
 
+@pytest.mark.slow
 def test_evaluate_reproduces_the_final_test_metrics(default_run, capsys):
     metrics = evaluate_checkpoint(str(default_run["run_dir"]))  # a run dir: its newest checkpoint
     assert metrics["accuracy"] == pytest.approx(default_run["test"]["accuracy"])
@@ -113,6 +115,7 @@ def test_evaluate_nonexistent_checkpoint(tmp_path, capsys):
     assert "is neither a checkpoint (no manifest.json) nor a directory of step-*" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_evaluate_torn_checkpoint(default_run, tmp_path, capsys):
     run_dir = tmp_path / "copy"
     shutil.copytree(default_run["run_dir"], run_dir)
@@ -126,6 +129,7 @@ def test_evaluate_torn_checkpoint(default_run, tmp_path, capsys):
     assert "test: loss " in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_train_resume_and_other_models(tmp_path, capsys):
     run_dir = tmp_path / "run"
     assert main(["train", "--epochs", "1", "--run-dir", str(run_dir)]) == 0
@@ -180,6 +184,7 @@ def test_errors_become_one_message_and_exit_code(raised, code, expected, monkeyp
     assert "Traceback" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_python_dash_m_smoke(tmp_path):
     env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
     done = subprocess.run(

@@ -61,6 +61,7 @@ def test_digits_as_images(digits):
     assert np.array_equal(images["train"][0].reshape(-1, 64), digits["train"][0])
 
 
+@pytest.mark.slow
 def test_text_corpus_is_deterministic_and_nontrivial():
     corpus = stdlib_corpus()
     rebuilt = stdlib_corpus.__wrapped__()  # bypass the cache: parse the sources again
@@ -70,6 +71,7 @@ def test_text_corpus_is_deterministic_and_nontrivial():
     assert "Return" in corpus and "argument" in corpus
 
 
+@pytest.mark.slow
 def test_text_tokens(text):
     info = text["info"]
     assert info["task"] == "language_modeling" and info["block_size"] == 64
@@ -85,6 +87,7 @@ def test_text_tokens(text):
     assert decoded == stdlib_corpus()[:65]
 
 
+@pytest.mark.slow
 def test_text_split_is_contiguous_90_5_5(text):
     counts = {s: text[s]["tokens"].shape[0] * 64 for s in ("train", "val", "test")}
     total = len(stdlib_corpus())

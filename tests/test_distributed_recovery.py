@@ -17,6 +17,9 @@ from mlx_train.distributed import registry
 from mlx_train.distributed.supervisor import RecoveryPolicy, supervise
 from mlx_train.errors import DistributedError
 
+# Every test here launches several ranks.
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
 SCRIPT = str(Path(__file__).parent / "scripts" / "ranked_run.py")
 
 

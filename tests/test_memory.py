@@ -115,6 +115,7 @@ def test_bad_inputs_are_config_errors():
         MemoryOptimizer.suggest_config(1e9, 1, device_memory="lots")
 
 
+@pytest.mark.slow
 def test_measured_mode_calibrates_on_the_real_model_and_leaves_it_alone():
     data = load_dataset("text", seed=0)
     mx.random.seed(0)
@@ -138,6 +139,7 @@ def test_measured_mode_calibrates_on_the_real_model_and_leaves_it_alone():
         MemoryOptimizer.suggest_config(profile, 1, precision="float16")
 
 
+@pytest.mark.slow
 def test_optimize_command_prints_a_plan(capsys, tmp_path):
     assert cli(["optimize", "--model-size", "1e9", "--devices", "2", "--device-memory", "80GB",
                 "--precision", "bfloat16"]) == 0
@@ -153,6 +155,7 @@ def test_optimize_command_prints_a_plan(capsys, tmp_path):
     assert "--sequence-length goes with --model-size" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_train_with_optimize_memory_applies_the_plan_and_batch_size_overrides_it(capsys, tmp_path):
     common = ["train", "--max-steps", "2", "--epochs", "1", "--set", "model_options.hidden_dims=[32]",
               "--set", "memory_limit=1GB", "--optimize-memory"]

@@ -283,6 +283,7 @@ def test_stale_limit_follows_slow_steps_and_validation():
 
 # -- a run in progress ------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_monitor_once_on_a_run_in_progress(live_run, capsys):
     process, run_dir = live_run["process"], live_run["run_dir"]
     process.send_signal(signal.SIGSTOP)  # hold the writer still while the snapshot is compared
@@ -304,6 +305,7 @@ def test_monitor_once_on_a_run_in_progress(live_run, capsys):
     assert re.search(rf"\b{process.pid}\s+running\b", out)
 
 
+@pytest.mark.slow
 def test_live_dashboard_in_a_pseudo_terminal(live_run):
     import pexpect  # pexpect and pyte (a terminal emulator) are in the dev extra
     import pyte
@@ -352,6 +354,7 @@ def test_live_dashboard_in_a_pseudo_terminal(live_run):
     assert child.exitstatus == 0
 
 
+@pytest.mark.slow
 def test_status_lists_the_run_in_progress(live_run, capsys):
     capsys.readouterr()
     assert main(["status", "--runs", str(live_run["root"])]) == 0
@@ -361,6 +364,7 @@ def test_status_lists_the_run_in_progress(live_run, capsys):
     assert "backends:" in out and "default device:" in out
 
 
+@pytest.mark.slow
 def test_a_killed_run_is_flagged(live_run, capsys):
     process = live_run["process"]
     process.kill()  # SIGKILL: no chance to say goodbye

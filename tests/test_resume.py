@@ -36,6 +36,7 @@ def uninterrupted(tmp_path_factory):
     return _run(d / "run", d / "final.safetensors")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kill_after_step", [30, 240])
 def test_sigkill_then_resume_is_bit_exact(tmp_path, uninterrupted, kill_after_step):
     full_params, full_info = uninterrupted
