@@ -14,10 +14,10 @@ import warnings
 import mlx.core as mx
 import numpy as np
 import pytest
+from helpers_checkpoint_kill import arrays_for
 
 import mlx_train.checkpointing.manager as manager_module
 import mlx_train.checkpointing.storage as storage_module
-from helpers_checkpoint_kill import arrays_for
 from mlx_train.checkpoint import CheckpointManager, CheckpointWarning, load_checkpoint
 from mlx_train.errors import CheckpointError, ConfigError
 

@@ -12,7 +12,7 @@ from mlx.utils import tree_flatten
 from mlx_train import ConfigError, MemoryOptimizer, TrainConfig
 from mlx_train.cli.main import main as cli
 from mlx_train.datasets import load_dataset
-from mlx_train.memory import HEADROOM, MemoryModel, MemoryPlan, optimizer_slots, plan_memory
+from mlx_train.memory import HEADROOM, MemoryModel, MemoryPlan, optimizer_slots
 from mlx_train.models import build_model
 from mlx_train.training.recompute import is_checkpointed
 from mlx_train.training.state import rng_key
@@ -109,7 +109,8 @@ def test_bad_inputs_are_config_errors():
         MemoryOptimizer.suggest_config(1e9, 0, device_memory="8GB")
     with pytest.raises(ConfigError, match=r"precision must be auto, float32, bfloat16 or float16, got 'fp8'"):
         MemoryOptimizer.suggest_config(1e9, 1, device_memory="8GB", precision="fp8")
-    with pytest.raises(ConfigError, match=r"unknown optimizer 'adamz' \(did you mean 'adam'\?\); known: sgd, adam, adamw"):
+    with pytest.raises(ConfigError,
+                       match=r"unknown optimizer 'adamz' \(did you mean 'adam'\?\); known: sgd, adam, adamw"):
         MemoryOptimizer.suggest_config(1e9, 1, device_memory="8GB", optimizer="adamz")
     with pytest.raises(ConfigError, match=r"device_memory must be a number of bytes or a size like '8GB'"):
         MemoryOptimizer.suggest_config(1e9, 1, device_memory="lots")

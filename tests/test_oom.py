@@ -59,7 +59,8 @@ def _train(digits, batch_size, accumulation, callbacks=(), steps=8, dropout=0.0,
     CPU_MESSAGE, METAL_MESSAGE, CUDA_MESSAGE,
     "[malloc_or_wait] Unable to allocate 4096 bytes.",
     "[metal::malloc] Resource limit (499000) exceeded.",
-    "[METAL] Command buffer execution failed: Insufficient Memory (00000008:kIOGPUCommandBufferCallbackErrorOutOfMemory)",
+    "[METAL] Command buffer execution failed: Insufficient Memory "
+    "(00000008:kIOGPUCommandBufferCallbackErrorOutOfMemory)",
     "cuMemAlloc(&ptr, size) failed: out of memory",
 ])
 def test_mlx_allocation_failures_are_recognised(message):

@@ -29,6 +29,8 @@ import os
 import signal
 
 import mlx_train  # noqa: F401  (before mlx.core: BLAS preload)
+
+# isort: split
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
