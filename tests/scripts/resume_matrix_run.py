@@ -20,7 +20,8 @@ The kill point comes from the environment (``MLX_TRAIN_TEST_KILL=KIND:STEP``):
 
 The process kills itself with SIGKILL: no handler, no flush, no cleanup runs. Without
 ``MLX_TRAIN_TEST_KILL`` the run goes to the end and writes the final parameters to OUT and
-``{"history", "step"}`` to OUT.json.
+``{"history", "step", "start_step"}`` to OUT.json (``start_step``: where training started, the
+checkpoint's step when resumed).
 """
 
 import argparse
@@ -177,6 +178,16 @@ class KillAtStep(Callback):
             die(wait_for_saves=True)
 
 
+class StartStep(Callback):
+    """Remembers the step training started from (0, or the step of the checkpoint resumed from)."""
+
+    def __init__(self) -> None:
+        self.step: int | None = None
+
+    def on_fit_start(self, trainer) -> None:
+        self.step = trainer.step
+
+
 class KillingValSet:
     """Map-style validation set that SIGKILLs the process when read after step ``at``.
 
@@ -252,12 +263,13 @@ def main() -> None:
     val_set = KillingValSet(val, trainer_box, at if kind == "val" else None)
     trainer = Trainer(model, build_optimizer(config), config=config)
     trainer_box.append(trainer)
+    start = StartStep()
     history = trainer.train(train, val_set, checkpoint_dir=f"{args.run_dir}/checkpoints",
-                            callbacks=[KillAtStep(at if kind == "step" else None)],
+                            callbacks=[KillAtStep(at if kind == "step" else None), start],
                             resume="auto" if args.resume else None)
     mx.save_safetensors(args.out, dict(tree_flatten(model.parameters())))
     with open(args.out + ".json", "w") as f:
-        json.dump({"history": history, "step": trainer.step}, f)
+        json.dump({"history": history, "step": trainer.step, "start_step": start.step}, f)
 
 
 if __name__ == "__main__":
