@@ -19,6 +19,7 @@ from functools import partial
 
 import mlx_train  # noqa: F401  (loads the optimized BLAS before mlx.core)
 
+# isort: split
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
@@ -93,7 +94,7 @@ def rate(fn, seconds: float) -> tuple[float, int]:
 def loader_rate(loader: DataLoader, seconds: float) -> float:
     def epoch() -> int:
         n = 0
-        for batch in loader:
+        for _batch in loader:
             n += 1
         return n
 

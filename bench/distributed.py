@@ -30,12 +30,12 @@ WORKLOADS = {  # name: (input features, hidden sizes, classes, global batch)
 
 
 def worker(args) -> None:
-    import mlx_train  # noqa: F401
     import mlx.core as mx
     import mlx.nn as nn
     import mlx.optimizers as optim
     import numpy as np
 
+    import mlx_train  # noqa: F401
     from mlx_train.training import Callback, DistributedTrainer
     from mlx_train.training.step import Reduction
 
@@ -58,7 +58,7 @@ def worker(args) -> None:
         dims = [features] + hidden + [classes]
         mx.random.seed(0)
         layers = []
-        for a, b in zip(dims[:-1], dims[1:]):
+        for a, b in zip(dims[:-1], dims[1:], strict=True):
             layers += [nn.Linear(a, b), nn.ReLU()]
         model = nn.Sequential(*layers[:-1])
         world = mx.distributed.init().size()

@@ -19,6 +19,8 @@ import gc
 import io
 
 import mlx_train  # noqa: F401  (loads the optimized BLAS before mlx.core)
+
+# isort: split
 import mlx.core as mx
 import mlx.optimizers as optim
 import numpy as np
@@ -86,7 +88,8 @@ def plans() -> None:
             plan = MemoryOptimizer.suggest_config(profile, 1, device_memory=int(budget / HEADROOM) + 1)
             measured = trainer_peak(data, data["info"], name, options, plan)
             predicted = plan.peak.total
-            setting = f"{plan.batch_size} x {plan.gradient_accumulation}{' ckpt' if plan.gradient_checkpointing else ''}"
+            ckpt = " ckpt" if plan.gradient_checkpointing else ""
+            setting = f"{plan.batch_size} x {plan.gradient_accumulation}{ckpt}"
             print(f"{label:<18} {format_bytes(plan.device_memory):>10} {setting:>16} {format_bytes(predicted):>11} "
                   f"{format_bytes(measured):>11} {100 * (predicted - measured) / measured:>+6.1f}%")
         # With a target the plan accumulates: the running gradient sum is part of the prediction.

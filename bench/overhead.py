@@ -19,6 +19,8 @@ import time
 from functools import partial
 
 import mlx_train  # noqa: F401  (loads the optimized BLAS before mlx.core)
+
+# isort: split
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim

@@ -9,6 +9,7 @@ import sys
 
 import mlx_train  # noqa: F401  (before mlx.core: loads the optimized BLAS)
 
+# isort: split
 import mlx.core as mx
 
 from mlx_train.checkpointing import CheckpointManager

@@ -14,6 +14,7 @@ import warnings
 import mlx.core as mx
 import numpy as np
 import pytest
+from helpers_checkpoint_kill import arrays_for
 
 import mlx_train.checkpointing.manager as manager_module
 import mlx_train.checkpointing.storage as storage_module

@@ -31,6 +31,7 @@ def default_run(tmp_path_factory):
     return run(TrainConfig(run_dir=str(run_dir)), log=lambda message: None)
 
 
+@pytest.mark.slow
 def test_defaults_reach_95_percent_on_digits(default_run):
     assert default_run["test"]["accuracy"] >= 0.95
     assert len(default_run["history"]["train_loss"]) == 10
@@ -39,6 +40,7 @@ def test_defaults_reach_95_percent_on_digits(default_run):
     assert saved.checkpoint_dir == str(default_run["run_dir"] / "checkpoints")
 
 
+@pytest.mark.slow
 def test_evaluate_reproduces_the_final_test_metrics(default_run, capsys):
     metrics = evaluate_checkpoint(str(default_run["run_dir"]))  # a run dir: its newest checkpoint
     assert metrics["accuracy"] == pytest.approx(default_run["test"]["accuracy"])
@@ -69,12 +71,14 @@ def test_help_explains_every_flag_with_the_config_help(capsys):
         (["train", "--epochs", "0"], "argument --epochs: epochs must be at least 1, got 0"),
         (["train", "--precision", "fp64"], "argument --precision: precision must be one of float32, bfloat16, float16"),
         (["train", "--epochz", "3"], "unrecognized arguments: --epochz 3 (did you mean '--epochs'?)"),
-        (["train", "--set", "lerning_rate=0.1"], "unknown TrainConfig field 'lerning_rate' (did you mean 'learning_rate'?)"),
+        (["train", "--set", "lerning_rate=0.1"],
+         "unknown TrainConfig field 'lerning_rate' (did you mean 'learning_rate'?)"),
         (["train", "--set", "batch_size=big"], "--set batch_size=big: batch_size must be an integer"),
         (["train", "--set", "epochs"], "--set epochs: expected KEY=VALUE"),
         (["train", "--model", "mpl"], "unknown model 'mpl' (did you mean 'mlp'?)"),
         (["train", "--dataset", "digit"], "unknown dataset 'digit' (did you mean 'digits'?)"),
-        (["train", "--set", "model_options.hiden_dims=[8]"], "unknown option 'hiden_dims' for model 'mlp' (did you mean 'hidden_dims'?)"),
+        (["train", "--set", "model_options.hiden_dims=[8]"],
+         "unknown option 'hiden_dims' for model 'mlp' (did you mean 'hidden_dims'?)"),
         (["evaluate"], "the following arguments are required: --checkpoint"),
         (["fly"], "invalid choice: 'fly'"),
     ],
@@ -114,6 +118,7 @@ def test_evaluate_nonexistent_checkpoint(tmp_path, capsys):
     assert "is neither a checkpoint (no manifest.json) nor a directory of step-*" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_evaluate_torn_checkpoint(default_run, tmp_path, capsys):
     run_dir = tmp_path / "copy"
     shutil.copytree(default_run["run_dir"], run_dir)
@@ -127,6 +132,7 @@ def test_evaluate_torn_checkpoint(default_run, tmp_path, capsys):
     assert "test: loss " in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_train_resume_and_other_models(tmp_path, capsys):
     run_dir = tmp_path / "run"
     assert main(["train", "--epochs", "1", "--run-dir", str(run_dir)]) == 0
@@ -165,7 +171,8 @@ def test_resolve_run_dir(tmp_path):
     "raised, code, expected",
     [
         (DataError("sample 3 has 5 features, expected 4"), 3, "mlx-train: error: sample 3 has 5 features"),
-        (RuntimeError("boom"), 1, "mlx-train: unexpected error: RuntimeError: boom\nrun with --debug for the traceback"),
+        (RuntimeError("boom"), 1,
+         "mlx-train: unexpected error: RuntimeError: boom\nrun with --debug for the traceback"),
         (KeyboardInterrupt(), 130, "mlx-train: interrupted"),
     ],
 )
@@ -181,6 +188,7 @@ def test_errors_become_one_message_and_exit_code(raised, code, expected, monkeyp
     assert "Traceback" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_python_dash_m_smoke(tmp_path):
     env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
     done = subprocess.run(

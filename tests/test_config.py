@@ -152,7 +152,8 @@ def test_numbers_and_bools(tmp_path):
     ("training:\n  epochs: 3\n  num_epochs: 4\n",
      r"custom.yaml:3: training.num_epochs sets epochs, which training.epochs \(line 2\) already sets"),
     ("training:\n  batch_size: 3\ndata:\n  batch_size: 4\n", r"custom.yaml:4: data.batch_size sets batch_size"),
-    ("optimizer:\n  lr_schedule_args: [10]\n", r"custom.yaml:2: optimizer.lr_schedule_args is set but lr_schedule is null"),
+    ("optimizer:\n  lr_schedule_args: [10]\n",
+     r"custom.yaml:2: optimizer.lr_schedule_args is set but lr_schedule is null"),
     ("training: 5\n", r"custom.yaml:1: section 'training' must be a mapping"),
     ("- a\n- b\n", r"custom.yaml: a config must be a mapping of sections"),
 ])
@@ -216,7 +217,8 @@ def test_parse_value_for_cli_strings():
     assert TrainConfig.parse_value("checkpoint_every", "3") == "3 steps"
     with pytest.raises(ConfigError, match=r"batch_size must be an integer, got 'x'"):
         TrainConfig.parse_value("batch_size", "x")
-    with pytest.raises(ConfigError, match=r"unknown TrainConfig option 'learning_rte' \(did you mean 'learning_rate'\?\)"):
+    with pytest.raises(ConfigError,
+                       match=r"unknown TrainConfig option 'learning_rte' \(did you mean 'learning_rate'\?\)"):
         TrainConfig.parse_value("learning_rte", "1")
 
 

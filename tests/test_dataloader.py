@@ -6,8 +6,6 @@ import json
 import threading
 import time
 
-import mlx_train  # noqa: F401  (before mlx.core: BLAS preload)
-
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -189,7 +187,7 @@ def test_big_array_batches_are_gathered_on_worker_threads_in_order():
     assert data_threads()  # big batches go through the prefetch threads
     batches += list(it)
     assert ids(batches) == ids(sync)
-    assert all(np.array_equal(np.array(a[0]), np.array(b[0])) for a, b in zip(batches, sync))
+    assert all(np.array_equal(np.array(a[0]), np.array(b[0])) for a, b in zip(batches, sync, strict=True))
 
 
 def test_abandoned_iteration_leaves_no_thread_alive():

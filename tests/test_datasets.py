@@ -61,6 +61,7 @@ def test_digits_as_images(digits):
     assert np.array_equal(images["train"][0].reshape(-1, 64), digits["train"][0])
 
 
+@pytest.mark.slow
 def test_text_corpus_is_deterministic_and_nontrivial():
     corpus = stdlib_corpus()
     rebuilt = stdlib_corpus.__wrapped__()  # bypass the cache: parse the sources again
@@ -70,6 +71,7 @@ def test_text_corpus_is_deterministic_and_nontrivial():
     assert "Return" in corpus and "argument" in corpus
 
 
+@pytest.mark.slow
 def test_text_tokens(text):
     info = text["info"]
     assert info["task"] == "language_modeling" and info["block_size"] == 64
@@ -85,6 +87,7 @@ def test_text_tokens(text):
     assert decoded == stdlib_corpus()[:65]
 
 
+@pytest.mark.slow
 def test_text_split_is_contiguous_90_5_5(text):
     counts = {s: text[s]["tokens"].shape[0] * 64 for s in ("train", "val", "test")}
     total = len(stdlib_corpus())
@@ -98,19 +101,22 @@ def test_text_from_a_file(tmp_path):
     data = load_dataset("text", block_size=8, path=str(path))
     assert data["info"]["vocab"] == " .abcdefghijklmnopqrstuvwxyz"
     assert data["train"]["tokens"].shape == ((int(4500 * 0.9) - 1) // 8, 9)
-    with pytest.raises(DataError, match=r"the val split of the 'text' dataset has 225 characters, fewer than block_size \+ 1 = 301"):
+    with pytest.raises(DataError, match=r"the val split of the 'text' dataset has 225 characters, "
+                                        r"fewer than block_size \+ 1 = 301"):
         load_dataset("text", block_size=300, path=str(path))
     with pytest.raises(DataError, match=r"cannot read the text file .*missing.txt"):
         load_dataset("text", path=str(tmp_path / "missing.txt"))
 
 
 def test_unknown_dataset_suggests_closest():
-    with pytest.raises(ConfigError, match=r"unknown dataset 'digit' \(did you mean 'digits'\?\); built-in datasets: digits, text"):
+    with pytest.raises(ConfigError,
+                       match=r"unknown dataset 'digit' \(did you mean 'digits'\?\); built-in datasets: digits, text"):
         load_dataset("digit")
 
 
 def test_unknown_or_mistyped_option():
-    with pytest.raises(ConfigError, match=r"unknown option 'as_image' for dataset 'digits' \(did you mean 'as_images'\?\); valid options: as_images"):
+    with pytest.raises(ConfigError, match=r"unknown option 'as_image' for dataset 'digits' "
+                                          r"\(did you mean 'as_images'\?\); valid options: as_images"):
         load_dataset("digits", as_image=True)
     with pytest.raises(ConfigError, match=r"option 'block_size' of dataset 'text' must be an integer, got '64'"):
         load_dataset("text", block_size="64")

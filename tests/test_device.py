@@ -39,7 +39,8 @@ def test_a_device_that_is_not_there_is_an_error_listing_what_is():
 
 
 def test_bad_names_and_limits_are_config_errors():
-    with pytest.raises(ConfigError, match=r"must be one of auto, gpu, cpu, metal, cuda, got 'gpus' \(did you mean 'gpu'\?\)"):
+    with pytest.raises(ConfigError,
+                       match=r"must be one of auto, gpu, cpu, metal, cuda, got 'gpus' \(did you mean 'gpu'\?\)"):
         DeviceConfig(device="gpus")
     with pytest.raises(ConfigError, match=r"cache_limit must be a number of bytes"):
         DeviceConfig(cache_limit="lots")

@@ -8,6 +8,9 @@ import sys
 
 import mlx.core as mx
 import numpy as np
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "dp_run.py")
 

@@ -18,6 +18,9 @@ from mlx_train.distributed import registry
 from mlx_train.launch.supervisor import RecoveryPolicy, supervise
 from mlx_train.errors import DistributedError
 
+# Every test here launches several ranks.
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
 SCRIPT = str(Path(__file__).parent / "scripts" / "ranked_run.py")
 
 
@@ -83,7 +86,8 @@ def test_a_checkpoint_written_by_two_ranks_resumes_on_one_and_on_two(tmp_path):
         shutil.copytree(tmp_path / "first" / "ckpt", run_dir / "ckpt")
         result = _run(run_dir, "--max-steps", "16", "--resume", "auto", ranks=ranks)
         assert result.restarts == []
-        assert f"resumed from {run_dir / 'ckpt' / 'step-00000008'} (step 8" in (run_dir / "logs" / "rank-0.log").read_text()
+        log = (run_dir / "logs" / "rank-0.log").read_text()
+        assert f"resumed from {run_dir / 'ckpt' / 'step-00000008'} (step 8" in log
         finals[ranks] = _load(run_dir / "params.safetensors")
     for name, one in finals[1].items():  # 1 x batch 32 vs 2 x batch 16: equal up to float rounding
         assert np.abs(one - finals[2][name]).max() / np.abs(one).max() < 1e-5, name
@@ -103,7 +107,7 @@ def test_parameter_checksums_find_the_rank_out_of_sync(tmp_path):
                   "--every-rank", "--max-steps", "12")
     (restart,) = raised.restarts
     assert "DistributedError: parameter checksums differ at step 8: rank 1 disagrees with rank 0" in restart.cause
-    a, b = _load(tmp_path / "raise" / "params-rank0.safetensors"), _load(tmp_path / "raise" / "params-rank1.safetensors")
+    a, b = (_load(tmp_path / "raise" / f"params-rank{rank}.safetensors") for rank in (0, 1))
     assert all(np.array_equal(a[k], b[k]) for k in a)
 
 
@@ -130,8 +134,8 @@ def test_train_distributed_on_local_ranks(tmp_path, capsys):
 def test_check_network_on_local_ranks_and_an_unreachable_host(tmp_path, capsys):
     assert main(["check-network", "-n", "2", "--size-mb", "1"]) == 0
     out = capsys.readouterr().out
-    assert re.search(r"rank 0 \(127\.0\.0\.1\) <-> rank 1 \(127\.0\.0\.1\) +ok +[0-9.]+ ms +[0-9.]+ [MG]B/s +(good|ok|slow)",
-                     out), out
+    link = r"rank 0 \(127\.0\.0\.1\) <-> rank 1 \(127\.0\.0\.1\)"
+    assert re.search(link + r" +ok +[0-9.]+ ms +[0-9.]+ [MG]B/s +(good|ok|slow)", out), out
     assert re.search(r"all-reduce over 2 ranks +ok +[0-9.]+ ms", out), out
     hosts = tmp_path / "hosts.json"
     hosts.write_text(json.dumps([{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]},

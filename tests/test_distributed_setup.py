@@ -61,7 +61,8 @@ def test_distributed_config_errors_say_what_to_change():
         DistributedConfig(collective_timeout=-1)
     with pytest.raises(ConfigError, match="distributed_backend must be one of .*got 'rng'.*did you mean 'ring'"):
         DistributedConfig(backend="rng")
-    with pytest.raises(DistributedError, match=r"num_devices is 4 but 2 processes were launched.*-n 4.*256 instead of 512"):
+    with pytest.raises(DistributedError,
+                       match=r"num_devices is 4 but 2 processes were launched.*-n 4.*256 instead of 512"):
         DistributedConfig(num_devices=4, batch_size_per_device=32, gradient_accumulation=4).check_world_size(2)
 
 
@@ -103,7 +104,8 @@ def test_fsdp_on_ring_is_refused_instead_of_hanging():
 
 
 def test_settings_are_passed_through_to_every_rank():
-    env = {"OMPI_MCA_btl_tcp_links": "4", "MLX_RANK": "1", "MLX_TRAIN_RUN_ID": "x", "HOME": "/root", "NCCL_DEBUG": "INFO"}
+    env = {"OMPI_MCA_btl_tcp_links": "4", "MLX_RANK": "1", "MLX_TRAIN_RUN_ID": "x", "HOME": "/root",
+           "NCCL_DEBUG": "INFO"}
     assert passthrough_env(env, extra=["OMPI_MCA_btl_tcp_if_include=en0"]) == [
         "OMPI_MCA_btl_tcp_if_include=en0", "OMPI_MCA_btl_tcp_links=4", "NCCL_DEBUG=INFO"]
     with pytest.raises(ConfigError, match="must be KEY=VALUE"):
@@ -122,10 +124,10 @@ def _params(model):
 
 def test_one_process_distributed_trainer_trains_like_trainer_with_both_strategies():
     results = []
+    kw = dict(batch_size=32, max_steps=6, num_workers=0, report_every="100 steps", seed=1)
     for make in (lambda m: Trainer(m, optim.Adam(1e-2), **kw),
                  lambda m: DistributedTrainer(m, optim.Adam(1e-2), strategy="data_parallel", **kw),
                  lambda m: DistributedTrainer(m, optim.Adam(1e-2), strategy="fsdp", **kw)):
-        kw = dict(batch_size=32, max_steps=6, num_workers=0, report_every="100 steps", seed=1)
         mx.random.seed(0)
         model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
         make(model).train(_digits_like(), epochs=1)
@@ -160,7 +162,8 @@ def test_host_file_round_trips_and_mlx_launch_reads_it(tmp_path):
     ('["mac1", "mac2"]', r"entry 0: got the string 'mac1'; each entry must be an object like \{\"ssh\": \"mac1\""),
     ('[{"ssh": "mac1"}]', r"entry 0 \(ssh 'mac1'\): the ring backend connects to IP addresses.*add \"ips\""),
     ('[]', r"the list of hosts is empty"),
-    ('{"backend": "rign", "hosts": [{"ssh": "a", "ips": ["10.0.0.1"]}]}', r"unknown backend 'rign' \(did you mean 'ring'\?\)"),
+    ('{"backend": "rign", "hosts": [{"ssh": "a", "ips": ["10.0.0.1"]}]}',
+     r"unknown backend 'rign' \(did you mean 'ring'\?\)"),
     ('{"envs": ["NOVALUE"], "hosts": [{"ssh": "a", "ips": ["10.0.0.1"]}]}', r"'NOVALUE' must be KEY=VALUE"),
     ('{"host": []}', r"unknown key 'host' \(did you mean 'hosts'\?\)"),
 ])
@@ -172,7 +175,8 @@ def test_malformed_host_files_name_file_entry_and_fix(tmp_path, content, message
 
 
 def test_missing_host_file_and_unresolvable_host():
-    with pytest.raises(ConfigError, match="host file /nonexistent.json does not exist; write one with 'mlx-train configure"):
+    with pytest.raises(ConfigError,
+                       match="host file /nonexistent.json does not exist; write one with 'mlx-train configure"):
         Hostfile.read("/nonexistent.json")
     with pytest.raises(ConfigError, match="cannot resolve host 'no-such-host.invalid' to an IP address"):
         Hostfile.from_hosts(["127.0.0.1", "no-such-host.invalid"])
@@ -290,7 +294,8 @@ def test_collective_timeout_names_the_missing_rank(tmp_path):
         monitor.close()
     assert len(caught) == 1 and isinstance(caught[0], DistributedError)
     text = str(caught[0])
-    assert text.startswith("rank 0 waited 0.") and "(collective_timeout 0.3 s) in the gradient all-reduce of step 7" in text
+    assert text.startswith("rank 0 waited 0.")
+    assert "(collective_timeout 0.3 s) in the gradient all-reduce of step 7" in text
     assert "rank 1 is not responding (no heartbeat for 1" in text and "pid 4243 on mac2" in text
     assert "rank 2 is alive but behind: 4 steps done against 6 here" in text
     assert "rank 3" not in text

@@ -108,12 +108,14 @@ def test_bad_inputs_are_config_errors():
         MemoryOptimizer.suggest_config(1e9, 0, device_memory="8GB")
     with pytest.raises(ConfigError, match=r"precision must be auto, float32, bfloat16 or float16, got 'fp8'"):
         MemoryOptimizer.suggest_config(1e9, 1, device_memory="8GB", precision="fp8")
-    with pytest.raises(ConfigError, match=r"unknown optimizer 'adamz' \(did you mean 'adam'\?\); known: sgd, adam, adamw"):
+    with pytest.raises(ConfigError,
+                       match=r"unknown optimizer 'adamz' \(did you mean 'adam'\?\); known: sgd, adam, adamw"):
         MemoryOptimizer.suggest_config(1e9, 1, device_memory="8GB", optimizer="adamz")
     with pytest.raises(ConfigError, match=r"device_memory must be a number of bytes or a size like '8GB'"):
         MemoryOptimizer.suggest_config(1e9, 1, device_memory="lots")
 
 
+@pytest.mark.slow
 def test_measured_mode_calibrates_on_the_real_model_and_leaves_it_alone():
     data = load_dataset("text", seed=0)
     mx.random.seed(0)
@@ -137,6 +139,7 @@ def test_measured_mode_calibrates_on_the_real_model_and_leaves_it_alone():
         MemoryOptimizer.suggest_config(profile, 1, precision="float16")
 
 
+@pytest.mark.slow
 def test_optimize_command_prints_a_plan(capsys, tmp_path):
     assert cli(["optimize", "--model-size", "1e9", "--devices", "2", "--device-memory", "80GB",
                 "--precision", "bfloat16"]) == 0
@@ -152,6 +155,7 @@ def test_optimize_command_prints_a_plan(capsys, tmp_path):
     assert "--sequence-length goes with --model-size" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_train_with_optimize_memory_applies_the_plan_and_batch_size_overrides_it(capsys, tmp_path):
     common = ["train", "--max-steps", "2", "--epochs", "1", "--set", "model_options.hidden_dims=[32]",
               "--set", "memory_limit=1GB", "--optimize-memory"]

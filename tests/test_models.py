@@ -126,12 +126,14 @@ def test_build_model_sizes_from_info():
 
 
 def test_unknown_model_suggests_closest():
-    with pytest.raises(ConfigError, match=r"unknown model 'mpl' \(did you mean 'mlp'\?\); built-in models: cnn, mlp, transformer"):
+    with pytest.raises(ConfigError,
+                       match=r"unknown model 'mpl' \(did you mean 'mlp'\?\); built-in models: cnn, mlp, transformer"):
         build_model("mpl", DIGITS_INFO)
 
 
 def test_unknown_option_suggests_closest():
-    with pytest.raises(ConfigError, match=r"unknown option 'hiden_dims' for model 'mlp' \(did you mean 'hidden_dims'\?\); valid options: dropout, hidden_dims"):
+    with pytest.raises(ConfigError, match=r"unknown option 'hiden_dims' for model 'mlp' "
+                                          r"\(did you mean 'hidden_dims'\?\); valid options: dropout, hidden_dims"):
         build_model("mlp", DIGITS_INFO, hiden_dims=[64])
 
 
@@ -147,12 +149,14 @@ def test_option_of_wrong_type():
 
 
 def test_options_that_come_from_the_dataset_are_refused():
-    with pytest.raises(ConfigError, match=r"option 'block_size' of model 'transformer' is set from the dataset \(16 here\).*dataset_options"):
+    with pytest.raises(ConfigError, match=r"option 'block_size' of model 'transformer' is set from the dataset "
+                                          r"\(16 here\).*dataset_options"):
         build_model("transformer", TEXT_INFO, block_size=32)
 
 
 def test_model_for_the_wrong_task():
-    with pytest.raises(ConfigError, match=r"model 'transformer' is for language_modeling and needs vocab_size, block_size.*'classification'.*models for this dataset: cnn, mlp"):
+    with pytest.raises(ConfigError, match=r"model 'transformer' is for language_modeling and needs vocab_size, "
+                                          r"block_size.*'classification'.*models for this dataset: cnn, mlp"):
         build_model("transformer", DIGITS_INFO)
     with pytest.raises(ConfigError, match=r"model 'mlp' is for classification.*models for this dataset: transformer"):
         build_model("mlp", TEXT_INFO)

@@ -183,7 +183,7 @@ def test_step_time_breakdown_adds_up_to_the_measured_step_time(tmp_path):
     watch = Stopwatch()
     trainer.train(SlowSource(delay=delay), epochs=3, checkpoint_dir=str(tmp_path / "ckpt"), callbacks=[watch])
     assert len(watch.logs) == 6
-    for (t0, s0), (t1, s1), logs in zip(watch.marks, watch.marks[1:], watch.logs[1:]):
+    for (t0, s0), (t1, s1), logs in zip(watch.marks, watch.marks[1:], watch.logs[1:], strict=False):
         parts = logs["time_data"] + logs["time_compute"] + logs["time_comm"] + logs["time_checkpoint"]
         assert parts == pytest.approx(logs["step_time"], rel=0.10)
         assert logs["step_time"] * (s1 - s0) == pytest.approx(t1 - t0, rel=0.10)  # measured from outside
@@ -215,7 +215,7 @@ def test_comm_seconds_hook_is_reported_and_taken_out_of_compute():
 def test_monitor_once_on_a_finished_run_prints_its_numbers(finished_run, capsys):
     code, out, _ = _once(capsys, finished_run, "--performance")
     assert code == 0
-    last, val, epoch = _rows(finished_run, "train")[-1], _rows(finished_run, "val")[-1], _rows(finished_run, "epoch")[-1]
+    last, val, epoch = (_rows(finished_run, kind)[-1] for kind in ("train", "val", "epoch"))
     assert "FINISHED" in out and f"step {last['step']}/{last['step']} (100%)" in out and "epoch 2/2" in out
     assert f"latest (step {last['step']})" in out
     assert re.search(rf"train loss\s+{last['loss']:.4f}", out)
@@ -283,6 +283,7 @@ def test_stale_limit_follows_slow_steps_and_validation():
 
 # -- a run in progress ------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_monitor_once_on_a_run_in_progress(live_run, capsys):
     process, run_dir = live_run["process"], live_run["run_dir"]
     process.send_signal(signal.SIGSTOP)  # hold the writer still while the snapshot is compared
@@ -304,6 +305,7 @@ def test_monitor_once_on_a_run_in_progress(live_run, capsys):
     assert re.search(rf"\b{process.pid}\s+running\b", out)
 
 
+@pytest.mark.slow
 def test_live_dashboard_in_a_pseudo_terminal(live_run):
     import pexpect  # pexpect and pyte (a terminal emulator) are in the dev extra
     import pyte
@@ -352,6 +354,7 @@ def test_live_dashboard_in_a_pseudo_terminal(live_run):
     assert child.exitstatus == 0
 
 
+@pytest.mark.slow
 def test_status_lists_the_run_in_progress(live_run, capsys):
     capsys.readouterr()
     assert main(["status", "--runs", str(live_run["root"])]) == 0
@@ -361,6 +364,7 @@ def test_status_lists_the_run_in_progress(live_run, capsys):
     assert "backends:" in out and "default device:" in out
 
 
+@pytest.mark.slow
 def test_a_killed_run_is_flagged(live_run, capsys):
     process = live_run["process"]
     process.kill()  # SIGKILL: no chance to say goodbye

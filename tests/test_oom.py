@@ -59,7 +59,8 @@ def _train(digits, batch_size, accumulation, callbacks=(), steps=8, dropout=0.0,
     CPU_MESSAGE, METAL_MESSAGE, CUDA_MESSAGE,
     "[malloc_or_wait] Unable to allocate 4096 bytes.",
     "[metal::malloc] Resource limit (499000) exceeded.",
-    "[METAL] Command buffer execution failed: Insufficient Memory (00000008:kIOGPUCommandBufferCallbackErrorOutOfMemory)",
+    "[METAL] Command buffer execution failed: Insufficient Memory "
+    "(00000008:kIOGPUCommandBufferCallbackErrorOutOfMemory)",
     "cuMemAlloc(&ptr, size) failed: out of memory",
 ])
 def test_mlx_allocation_failures_are_recognised(message):
@@ -142,6 +143,7 @@ def test_without_recovery_the_error_says_so_and_the_step_is_undone(digits):
     assert _max_rel_err(_flat(model), params) == 0.0
 
 
+@pytest.mark.slow
 def test_a_memory_limit_below_the_first_peak_settles_on_a_smaller_micro_batch(capsys):
     data = load_dataset("text", seed=0)
 
@@ -228,6 +230,8 @@ def _ranks(out):
     return events, params
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_all_ranks_take_the_same_decision(tmp_path):
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
     run = dict(check=True, env=env, timeout=300, stdout=subprocess.DEVNULL)

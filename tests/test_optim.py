@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import math
 
+import mlx.core as mx  # conftest imported mlx_train (the BLAS preload) first
+import mlx.optimizers as optim
 import pytest
 
 from mlx_train.config import TrainConfig
 from mlx_train.errors import ConfigError
 from mlx_train.optim import OPTIMIZERS, SCHEDULES, build_optimizer
-
-import mlx.core as mx  # noqa: E402  (after mlx_train, which preloads the BLAS)
-import mlx.optimizers as optim  # noqa: E402
 
 
 def rates(optimizer, steps: int) -> list[float]:

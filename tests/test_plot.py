@@ -33,6 +33,7 @@ def _rows(run_dir, kind):
     return [r for r in rows if r["kind"] == kind]
 
 
+@pytest.mark.slow
 def test_plot_has_one_line_per_series_with_the_logged_values(run_dir, tmp_path):
     figure = plot_run(run_dir, tmp_path / "curves.png")
     axes = {ax.get_title(): ax for ax in figure.axes}
@@ -58,6 +59,7 @@ def test_plot_has_one_line_per_series_with_the_logged_values(run_dir, tmp_path):
     assert [line.get_label() for line in axes["loss"].get_lines()] == ["train loss", "val loss"]
 
 
+@pytest.mark.slow
 def test_the_png_shows_the_figure(run_dir, tmp_path):
     out = tmp_path / "sub" / "curves.png"
     assert main(["plot", str(run_dir), "-o", str(out), "--dpi", "50"]) == 0
@@ -71,6 +73,7 @@ def test_the_png_shows_the_figure(run_dir, tmp_path):
         assert near.sum() > 50, color
 
 
+@pytest.mark.slow
 def test_plot_selected_metrics_and_errors(run_dir, tmp_path, capsys):
     assert main(["plot", str(run_dir), "-o", str(tmp_path / "loss.svg"), "--metrics", "loss,val_loss"]) == 0
     assert "wrote" in capsys.readouterr().out and (tmp_path / "loss.svg").read_text().startswith("<?xml")

@@ -64,6 +64,7 @@ def test_same_loss_and_gradients_as_without():
         assert np.allclose(np.array(grad), np.array(grads_b[name]), rtol=1e-5, atol=1e-7), name
 
 
+@pytest.mark.slow
 def test_trainer_with_checkpointing_trains_the_same_and_uses_less_memory():
     data = load_dataset("text", seed=0)
     runs = {}

@@ -36,6 +36,7 @@ def uninterrupted(tmp_path_factory):
     return _run(d / "run", d / "final.safetensors")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kill_after_step", [30, 240])
 def test_sigkill_then_resume_is_bit_exact(tmp_path, uninterrupted, kill_after_step):
     full_params, full_info = uninterrupted
@@ -66,6 +67,7 @@ def test_sigkill_then_resume_is_bit_exact(tmp_path, uninterrupted, kill_after_st
 def test_resume_without_checkpoint_dir_is_a_clear_error():
     import mlx.nn as nn
     import mlx.optimizers as optim
+
     from mlx_train import ConfigError
     from mlx_train.training import Trainer
 

@@ -137,6 +137,7 @@ def in_tmp(tmp_path, monkeypatch):
     return tmp_path
 
 
+@pytest.mark.slow
 def test_trainer_callbacks_and_errors_samples(in_tmp):
     ns = _run(PRELUDE, TRAINER_SAMPLE)
     assert set(ns["metrics"]) == {"loss", "accuracy"} and ns["metrics"]["accuracy"] > 0.9

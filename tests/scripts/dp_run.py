@@ -6,6 +6,8 @@
 import sys
 
 import mlx_train  # noqa: F401
+
+# isort: split
 import mlx.core as mx
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten

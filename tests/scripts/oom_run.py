@@ -15,6 +15,8 @@ import json
 import os
 
 import mlx_train  # noqa: F401  (before mlx.core: loads the optimized BLAS)
+
+# isort: split
 import mlx.core as mx
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten

@@ -13,6 +13,8 @@ import os
 import signal
 
 import mlx_train  # noqa: F401  (before mlx.core: loads the optimized BLAS)
+
+# isort: split
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
@@ -69,7 +71,8 @@ def main():
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     world = mx.distributed.init().size()
     trainer = DistributedTrainer(
-        model, optim.Adam(1e-2), strategy=args.strategy, batch_size=args.global_batch // world, max_steps=args.max_steps,
+        model, optim.Adam(1e-2), strategy=args.strategy, batch_size=args.global_batch // world,
+        max_steps=args.max_steps,
         checkpoint_every=args.checkpoint_every, report_every="4 steps", num_workers=0, seed=3,
         collective_timeout=args.timeout, checksum_every=args.checksum_every, checksum_action=args.checksum_action,
         keep_last=10, eval_every="100 epochs",

@@ -9,6 +9,8 @@ import json
 import time
 
 import mlx_train  # noqa: F401  (before mlx.core: BLAS preload)
+
+# isort: split
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
