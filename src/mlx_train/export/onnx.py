@@ -1,0 +1,493 @@
+"""Translate a traced MLX graph (see :mod:`mlx_train.export.graph`) into an ONNX model.
+
+Each MLX primitive has a handler in ``HANDLERS`` that emits the equivalent ONNX
+nodes. Shapes that a handler writes into the graph (reshape targets, broadcast
+shapes, slice ends) come from two traces at consecutive batch sizes, so a
+batch-dependent number becomes ``a * batch + c`` computed from the input's
+runtime shape: the exported model takes any batch size.
+
+Example::
+
+    from mlx_train.export.graph import trace_pair
+    from mlx_train.export.onnx import to_onnx
+
+    first, second, batch = trace_pair(model, [mx.zeros((2, 64))])
+    onnx_model = to_onnx(first, second, batch)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_train.export.graph import ExportError, Primitive, Trace
+
+OPSET = 18
+
+_NUMPY_TYPES = {
+    mx.float32: np.float32, mx.float16: np.float16, mx.float64: np.float64, mx.bool_: np.bool_,
+    mx.int8: np.int8, mx.int16: np.int16, mx.int32: np.int32, mx.int64: np.int64,
+    mx.uint8: np.uint8, mx.uint16: np.uint16, mx.uint32: np.uint32, mx.uint64: np.uint64,
+}
+
+
+def _onnx():
+    try:
+        import onnx
+    except ImportError:
+        raise ExportError("ONNX export needs the onnx package: pip install 'mlx-train[export]'") from None
+    return onnx
+
+
+def numpy_dtype(dtype: mx.Dtype) -> type:
+    """The numpy type of an MLX dtype, or ExportError (bfloat16 has none)."""
+    if dtype not in _NUMPY_TYPES:
+        raise ExportError(f"ONNX export does not handle {dtype} tensors: cast the model to float32 first "
+                          "(model.set_dtype(mx.float32))")
+    return _NUMPY_TYPES[dtype]
+
+
+def onnx_dtype(dtype: mx.Dtype) -> int:
+    return _onnx().helper.np_dtype_to_tensor_dtype(np.dtype(numpy_dtype(dtype)))
+
+
+class Builder:
+    """Collects ONNX nodes and initializers; maps MLX value names to ONNX names."""
+
+    def __init__(self, first: Trace, second: Trace | None, batch: int) -> None:
+        self.first, self.second, self.batch = first, second, batch
+        self.nodes: list = []
+        self.initializers: list = []
+        self.names: dict[str, str] = {}
+        self.producers: dict[str, str] = {}
+        self._count = 0
+        self._batch_tensor: str | None = None
+
+    def fresh(self, hint: str) -> str:
+        self._count += 1
+        return f"{hint}_{self._count}"
+
+    def const(self, value: np.ndarray | float | int | Sequence, dtype: Any = None, hint: str = "const") -> str:
+        """An initializer holding ``value``; returns its name."""
+        array = np.asarray(value, dtype=dtype)
+        name = self.fresh(hint)
+        self.initializers.append(_onnx().numpy_helper.from_array(array, name))
+        return name
+
+    def node(self, op: str, inputs: Sequence[str], outputs: Sequence[str] | int = 1, **attrs: Any) -> Any:
+        """Add an ONNX node; returns its output name (or the list when there are several)."""
+        names = [self.fresh(op.lower()) for _ in range(outputs)] if isinstance(outputs, int) else list(outputs)
+        self.nodes.append(_onnx().helper.make_node(op, list(inputs), names, **attrs))
+        return names[0] if len(names) == 1 else names
+
+    def name(self, value: tuple) -> str:
+        return self.names[value[0]]
+
+    def batch_size(self) -> str:
+        """A 1-element int64 tensor holding the batch size of the model's first input at run time."""
+        if self._batch_tensor is None:
+            shape = self.node("Shape", [self.names[self.first.inputs[0][0]]], start=0, end=1)
+            self._batch_tensor = shape
+        return self._batch_tensor
+
+    def ints(self, first: Sequence[int], second: Sequence[int] | None) -> str:
+        """An int64 vector of shape numbers; entries that differ between the traces follow the batch size."""
+        first = [int(v) for v in first]
+        if second is None or list(second) == first:
+            return self.const(first, np.int64, "shape")
+        slope = np.array([int(b) - int(a) for a, b in zip(first, second)], np.int64)  # batch sizes differ by 1
+        offset = np.array(first, np.int64) - slope * self.batch
+        scaled = self.node("Mul", [self.batch_size(), self.const(slope, hint="slope")])
+        return self.node("Add", [scaled, self.const(offset, hint="offset")])
+
+
+class Op:
+    """One primitive as seen by a handler: ONNX input names, shapes in both traces, arguments."""
+
+    def __init__(self, builder: Builder, first: Primitive, second: Primitive | None) -> None:
+        self.b = builder
+        self.prim = first
+        self.x = [builder.name(v) for v in first.inputs]
+        self.out = [f"v_{v[0]}" for v in first.outputs]
+        self.args = first.arguments
+        self.args2 = second.arguments if second else None
+        self.in_shapes = [tuple(v[1]) for v in first.inputs]
+        self.in_shapes2 = [tuple(v[1]) for v in second.inputs] if second else None
+        self.out_shapes = [tuple(v[1]) for v in first.outputs]
+        self.out_shapes2 = [tuple(v[1]) for v in second.outputs] if second else None
+
+    def out_shape(self, i: int = 0) -> str:
+        return self.b.ints(self.out_shapes[i], self.out_shapes2[i] if self.out_shapes2 else None)
+
+    def emit(self, op: str, inputs: Sequence[str], **attrs: Any) -> None:
+        self.b.node(op, inputs, [self.out[0]], **attrs)
+
+
+Handler = Callable[[Op], None]
+HANDLERS: dict[str, Handler] = {}
+
+_BINARY = {
+    "Add": "Add", "Subtract": "Sub", "Multiply": "Mul", "Divide": "Div", "Maximum": "Max",
+    "Minimum": "Min", "Power": "Pow", "Equal": "Equal", "Less": "Less", "LessEqual": "LessOrEqual",
+    "Greater": "Greater", "GreaterEqual": "GreaterOrEqual", "LogicalAnd": "And", "LogicalOr": "Or",
+}
+_UNARY = {
+    "Abs": "Abs", "Negative": "Neg", "Exp": "Exp", "Sin": "Sin", "Cos": "Cos", "Tan": "Tan",
+    "Tanh": "Tanh", "Sinh": "Sinh", "Cosh": "Cosh", "ArcTan": "Atan", "ArcSin": "Asin", "ArcCos": "Acos",
+    "Sigmoid": "Sigmoid", "Erf": "Erf", "Floor": "Floor", "Ceil": "Ceil", "Sign": "Sign",
+    "Round": "Round", "LogicalNot": "Not", "Copy": "Identity", "StopGradient": "Identity",
+}
+for _mlx, _onnx_op in _BINARY.items():
+    HANDLERS[_mlx] = lambda op, name=_onnx_op: op.emit(name, op.x[:2])
+for _mlx, _onnx_op in _UNARY.items():
+    HANDLERS[_mlx] = lambda op, name=_onnx_op: op.emit(name, op.x[:1])
+
+
+def handles(*names: str) -> Callable[[Handler], Handler]:
+    def register(handler: Handler) -> Handler:
+        for name in names:
+            HANDLERS[name] = handler
+        return handler
+    return register
+
+
+# ---------------------------------------------------------------- arithmetic
+@handles("NotEqual")
+def _not_equal(op: Op) -> None:
+    op.emit("Not", [op.b.node("Equal", op.x[:2])])
+
+
+@handles("Square")
+def _square(op: Op) -> None:
+    op.emit("Mul", [op.x[0], op.x[0]])
+
+
+@handles("Sqrt")
+def _sqrt(op: Op) -> None:
+    recip = bool(op.args and op.args[0])  # rsqrt is Sqrt with recip=True
+    op.emit("Reciprocal", [op.b.node("Sqrt", op.x)]) if recip else op.emit("Sqrt", op.x)
+
+
+@handles("Log")
+def _log(op: Op) -> None:
+    base = {1: 2.0, 2: 10.0}.get(int(op.args[0]) if op.args else 0)  # MLX's Log base: e, two, ten
+    if base is None:
+        return op.emit("Log", op.x)
+    dtype = numpy_dtype(op.prim.inputs[0][2])
+    op.emit("Div", [op.b.node("Log", op.x), op.b.const(np.log(base), dtype)])
+
+
+@handles("Log1p")
+def _log1p(op: Op) -> None:
+    one = op.b.const(1, numpy_dtype(op.prim.inputs[0][2]))
+    op.emit("Log", [op.b.node("Add", [op.x[0], one])])
+
+
+@handles("Expm1")
+def _expm1(op: Op) -> None:
+    one = op.b.const(1, numpy_dtype(op.prim.inputs[0][2]))
+    op.emit("Sub", [op.b.node("Exp", op.x), one])
+
+
+@handles("Select")
+def _select(op: Op) -> None:
+    op.emit("Where", op.x)
+
+
+@handles("AsType")
+def _astype(op: Op) -> None:
+    op.emit("Cast", op.x, to=onnx_dtype(op.args[0]))
+
+
+@handles("Softmax")
+def _softmax(op: Op) -> None:
+    op.emit("Softmax", op.x, axis=-1)
+
+
+@handles("LogSumExp")
+def _logsumexp(op: Op) -> None:
+    keep = int(len(op.out_shapes[0]) == len(op.in_shapes[0]))
+    op.emit("ReduceLogSumExp", [op.x[0], op.b.const([-1], np.int64)], keepdims=keep)
+
+
+_REDUCE = {2: "ReduceSum", 3: "ReduceProd", 4: "ReduceMin", 5: "ReduceMax"}  # MLX's Reduce::ReduceType
+
+
+@handles("Reduce")
+def _reduce(op: Op) -> None:
+    kind, axes = int(op.args[0]), [int(a) for a in op.args[1]]
+    keep = int(len(op.out_shapes[0]) == len(op.in_shapes[0]))
+    axes_name = op.b.const(axes, np.int64)
+    if kind in _REDUCE:
+        return op.emit(_REDUCE[kind], [op.x[0], axes_name], keepdims=keep)
+    # all / any: reduce the booleans as integers.
+    as_int = op.b.node("Cast", op.x, to=onnx_dtype(mx.int32))
+    reduced = op.b.node("ReduceMin" if kind == 0 else "ReduceMax", [as_int, axes_name], keepdims=keep)
+    op.emit("Cast", [reduced], to=onnx_dtype(mx.bool_))
+
+
+@handles("ArgReduce")
+def _argreduce(op: Op) -> None:
+    kind, axis = int(op.args[0]), int(op.args[1])
+    keep = int(len(op.out_shapes[0]) == len(op.in_shapes[0]))
+    index = op.b.node("ArgMin" if kind == 0 else "ArgMax", op.x, axis=axis, keepdims=keep)
+    op.emit("Cast", [index], to=onnx_dtype(op.prim.outputs[0][2]))
+
+
+@handles("Matmul")
+def _matmul(op: Op) -> None:
+    op.emit("MatMul", op.x[:2])
+
+
+@handles("AddMM")
+def _addmm(op: Op) -> None:
+    alpha, beta = (float(v) for v in op.args[:2])
+    dtype = numpy_dtype(op.prim.outputs[0][2])
+    product = op.b.node("MatMul", op.x[:2])
+    if alpha != 1.0:
+        product = op.b.node("Mul", [product, op.b.const(alpha, dtype)])
+    bias = op.x[2] if beta == 1.0 else op.b.node("Mul", [op.x[2], op.b.const(beta, dtype)])
+    op.emit("Add", [product, bias])
+
+
+# ---------------------------------------------------------------- shapes
+@handles("Reshape", "Flatten", "Unflatten")
+def _reshape(op: Op) -> None:
+    op.emit("Reshape", [op.x[0], op.out_shape()])
+
+
+@handles("Broadcast", "BroadcastAxes", "Full")
+def _broadcast(op: Op) -> None:
+    op.emit("Expand", [op.x[0], op.out_shape()])
+
+
+@handles("Transpose")
+def _transpose(op: Op) -> None:
+    op.emit("Transpose", op.x, perm=[int(a) for a in op.args[0]])
+
+
+@handles("Squeeze")
+def _squeeze(op: Op) -> None:
+    op.emit("Squeeze", [op.x[0], op.b.const(list(op.args[0]), np.int64)])
+
+
+@handles("ExpandDims")
+def _expand_dims(op: Op) -> None:
+    op.emit("Unsqueeze", [op.x[0], op.b.const(list(op.args[0]), np.int64)])
+
+
+@handles("Slice")
+def _slice(op: Op) -> None:
+    start, stop, strides = op.args[:3]
+    start2, stop2 = (op.args2[0], op.args2[1]) if op.args2 else (None, None)
+    axes = op.b.const(list(range(len(start))), np.int64)
+    op.emit("Slice", [op.x[0], op.b.ints(start, start2), op.b.ints(stop, stop2), axes,
+                      op.b.const(list(strides), np.int64)])
+
+
+@handles("Concatenate")
+def _concatenate(op: Op) -> None:
+    op.emit("Concat", op.x, axis=int(op.args[0]))
+
+
+@handles("Split")
+def _split(op: Op) -> None:
+    axis = int(op.args[1])
+    sizes = [s[axis] for s in op.out_shapes]
+    if op.out_shapes2 and [s[axis] for s in op.out_shapes2] != sizes:
+        raise ExportError("Split along the batch axis cannot have a dynamic batch; export with dynamic_batch=False")
+    op.b.node("Split", [op.x[0], op.b.const(sizes, np.int64)], op.out, axis=axis)
+
+
+@handles("Arange")
+def _arange(op: Op) -> None:
+    if op.args2 is not None and list(op.args2) != list(op.args):
+        raise ExportError("an arange whose length depends on the batch size cannot be exported with a dynamic "
+                          "batch; export with dynamic_batch=False")
+    start, stop, step = (float(v) for v in op.args[:3])
+    values = np.arange(start, stop, step).astype(numpy_dtype(op.prim.outputs[0][2]))
+    op.emit("Identity", [op.b.const(values, hint="arange")])
+
+
+@handles("Gather")
+def _gather(op: Op) -> None:
+    axes, slice_sizes = [int(a) for a in op.args[0]], list(op.args[1])
+    source = op.in_shapes[0]
+    full = [1 if i in axes else source[i] for i in range(len(source))]
+    if len(axes) != 1 or len(op.x) != 2 or list(slice_sizes) != full:
+        raise ExportError(f"Gather with axes {axes} and slice sizes {slice_sizes} (indexing several axes at "
+                          "once, or taking partial slices) has no ONNX translation here; index one axis at a "
+                          "time (x[idx] or mx.take)")
+    axis, k = axes[0], len(op.in_shapes[1])
+    index = op.b.node("Cast", [op.x[1]], to=onnx_dtype(mx.int64))
+    gathered = op.b.node("Gather", [op.x[0], index], axis=axis)
+    if axis:  # ONNX puts the index dims at `axis`, MLX first
+        perm = list(range(axis, axis + k)) + list(range(axis)) + list(range(axis + k, len(source) - 1 + k))
+        gathered = op.b.node("Transpose", [gathered], perm=perm)
+    op.emit("Unsqueeze", [gathered, op.b.const([k + axis], np.int64)])
+
+
+@handles("GatherAxis")
+def _gather_axis(op: Op) -> None:
+    index = op.b.node("Cast", [op.x[1]], to=onnx_dtype(mx.int64))
+    op.emit("GatherElements", [op.x[0], index], axis=int(op.args[0]))
+
+
+@handles("Convolution")
+def _convolution(op: Op) -> None:
+    stride, pad_low, pad_high, kernel_dilation, input_dilation, groups, flip = op.args[:7]
+    if any(int(d) != 1 for d in input_dilation) or flip:
+        raise ExportError("a transposed or flipped convolution (input_dilation != 1 or flip) has no ONNX "
+                          "translation here; export models with plain Conv1d/Conv2d/Conv3d")
+    rank = len(op.in_shapes[0])
+    to_first = [0, rank - 1, *range(1, rank - 1)]  # MLX is channels-last, ONNX channels-first
+    to_last = [0, *range(2, rank), 1]
+    x = op.b.node("Transpose", [op.x[0]], perm=to_first)
+    w = op.b.node("Transpose", [op.x[1]], perm=to_first)
+    y = op.b.node("Conv", [x, w], strides=list(stride), pads=[*pad_low, *pad_high],
+                  dilations=list(kernel_dilation), group=int(groups))
+    op.emit("Transpose", [y], perm=to_last)
+
+
+# ---------------------------------------------------------------- fused ops (GPU traces)
+def _rsqrt_mean_square(op: Op, x: str, eps: float, dtype: type) -> str:
+    mean = op.b.node("ReduceMean", [op.b.node("Mul", [x, x]), op.b.const([-1], np.int64)], keepdims=1)
+    return op.b.node("Reciprocal", [op.b.node("Sqrt", [op.b.node("Add", [mean, op.b.const(eps, dtype)])])])
+
+
+@handles("RMSNorm")
+def _rms_norm(op: Op) -> None:
+    dtype = numpy_dtype(op.prim.inputs[0][2])
+    scale = _rsqrt_mean_square(op, op.x[0], float(op.args[0]), dtype)
+    op.emit("Mul", [op.b.node("Mul", [op.x[0], scale]), op.x[1]])
+
+
+@handles("LayerNorm")
+def _layer_norm(op: Op) -> None:
+    dtype = numpy_dtype(op.prim.inputs[0][2])
+    mean = op.b.node("ReduceMean", [op.x[0], op.b.const([-1], np.int64)], keepdims=1)
+    centred = op.b.node("Sub", [op.x[0], mean])
+    scale = _rsqrt_mean_square(op, centred, float(op.args[0]), dtype)
+    op.emit("Add", [op.b.node("Mul", [op.b.node("Mul", [centred, scale]), op.x[1]]), op.x[2]])
+
+
+@handles("RoPE")
+def _rope(op: Op) -> None:
+    dims, traditional, base, scale, forward = op.args[:5]
+    dims, shape, b = int(dims), op.in_shapes[0], op.b
+    if len(op.in_shapes[1]) != 0:
+        raise ExportError("RoPE with one offset per batch row has no ONNX translation here; use a scalar offset")
+    half, length = dims // 2, shape[-2]
+    if len(op.x) > 2:  # custom frequencies
+        inv_freq = b.node("Reciprocal", [op.x[2]])
+    else:
+        inv_freq = b.const(base ** (-np.arange(0, dims, 2, dtype=np.float64) / dims), np.float32)
+    offset = b.node("Cast", [op.x[1]], to=onnx_dtype(mx.float32))
+    positions = b.node("Add", [b.const(np.arange(length), np.float32), offset])
+    positions = b.node("Mul", [b.node("Unsqueeze", [positions, b.const([1], np.int64)]), b.const(scale, np.float32)])
+    theta = b.node("Mul", [positions, inv_freq])  # [L, dims/2]
+    cast = {"to": onnx_dtype(op.prim.inputs[0][2])}
+    cos, sin = b.node("Cast", [b.node("Cos", [theta])], **cast), b.node("Cast", [b.node("Sin", [theta])], **cast)
+    if not forward:
+        sin = b.node("Neg", [sin])
+    axis = b.const([-1], np.int64)
+    take = (lambda s, e, step=1: b.node("Slice", [op.x[0], b.const([s], np.int64), b.const([e], np.int64), axis,
+                                                  b.const([step], np.int64)]))
+    x1, x2 = (take(0, dims, 2), take(1, dims, 2)) if traditional else (take(0, half), take(half, dims))
+    out1 = b.node("Sub", [b.node("Mul", [x1, cos]), b.node("Mul", [x2, sin])])
+    out2 = b.node("Add", [b.node("Mul", [x1, sin]), b.node("Mul", [x2, cos])])
+    if traditional:  # interleave the pairs back
+        pairs = b.node("Concat", [b.node("Unsqueeze", [o, b.const([-1], np.int64)]) for o in (out1, out2)], axis=-1)
+        shape2 = op.in_shapes2[0] if op.in_shapes2 else None
+        rotated = b.node("Reshape", [pairs, b.ints([*shape[:-1], dims], [*shape2[:-1], dims] if shape2 else None)])
+        parts = [rotated]
+    else:
+        parts = [out1, out2]
+    if dims < shape[-1]:
+        parts.append(take(dims, shape[-1]))
+    op.emit("Concat", parts, axis=-1) if len(parts) > 1 else op.emit("Identity", parts)
+
+
+@handles("ScaledDotProductAttention")
+def _attention(op: Op) -> None:
+    scale, causal, has_sinks, logsumexp = (op.args + [False] * 4)[:4]
+    if has_sinks or logsumexp:
+        raise ExportError("ScaledDotProductAttention with attention sinks or a logsumexp output has no ONNX "
+                          "translation here")
+    b, (q_shape, k_shape) = op.b, op.in_shapes[:2]
+    heads, kv_heads, length, keys = q_shape[1], k_shape[1], q_shape[2], k_shape[2]
+    if heads != kv_heads:
+        raise ExportError("ScaledDotProductAttention with grouped KV heads has no ONNX translation here; trace on "
+                          "the CPU stream to export its decomposed form")
+    dtype = numpy_dtype(op.prim.inputs[0][2])
+    k_t = b.node("Transpose", [op.x[1]], perm=[0, 1, 3, 2])
+    scores = b.node("Mul", [b.node("MatMul", [op.x[0], k_t]), b.const(scale, dtype)])
+    if causal:  # lower-right aligned, like MLX's mask="causal"
+        allowed = np.tril(np.ones((length, keys), bool), keys - length)
+        scores = b.node("Where", [b.const(allowed), scores, b.const(-np.inf, dtype)])
+    if len(op.x) > 3:
+        mask_is_bool = op.prim.inputs[3][2] == mx.bool_
+        scores = b.node("Where", [op.x[3], scores, b.const(-np.inf, dtype)]) if mask_is_bool \
+            else b.node("Add", [scores, op.x[3]])
+    op.emit("MatMul", [b.node("Softmax", [scores], axis=-1), op.x[2]])
+
+
+def _where_from(trace: Trace, index: int, producers: dict[str, str]) -> str:
+    op = trace.primitives[index]
+    sources = []
+    for value in op.inputs:
+        source = producers.get(value[0], "a constant")
+        sources.append(f"{source} {tuple(value[1])} {value[2]}")
+    return (f"operation {index + 1} of {len(trace.primitives)}, with inputs from: {'; '.join(sources) or 'none'}"
+            f" and output shape {tuple(op.outputs[0][1]) if op.outputs else '()'}")
+
+
+_HINTS = {
+    "RandomBits": " (random numbers: dropout or another random layer in training mode; export calls model.eval(), "
+                  "so a random op left means the function draws randomness itself)",
+}
+
+
+def to_onnx(first: Trace, second: Trace | None, batch: int, name: str = "mlx_model") -> Any:
+    """Translate a trace (and, for a dynamic batch, a second one at ``batch + 1``) into an ``onnx.ModelProto``.
+
+    Example::
+
+        model_proto = to_onnx(*trace_pair(model, [x]))
+        onnx.save(model_proto, "model.onnx")
+    """
+    onnx = _onnx()
+    helper = onnx.helper
+    b = Builder(first, second, batch)
+    graph_inputs, graph_outputs = [], []
+    for i, (mlx_name, shape, dtype) in enumerate(first.inputs):
+        b.names[mlx_name] = f"input_{i}"
+        b.producers[mlx_name] = f"model input {i}"
+        dims = ["batch", *shape[1:]] if second is not None and shape else list(shape)
+        graph_inputs.append(helper.make_tensor_value_info(f"input_{i}", onnx_dtype(dtype), dims))
+    for mlx_name, array in first.constants.items():
+        b.names[mlx_name] = f"w_{mlx_name}"
+        b.initializers.append(onnx.numpy_helper.from_array(np.array(array, numpy_dtype(array.dtype)),
+                                                            f"w_{mlx_name}"))
+    for index, prim in enumerate(first.primitives):
+        handler = HANDLERS.get(prim.name)
+        if handler is None:
+            raise ExportError(
+                f"cannot export the MLX primitive '{prim.name}'{_HINTS.get(prim.name, '')}: it is "
+                f"{_where_from(first, index, b.producers)}. Supported primitives: {', '.join(sorted(HANDLERS))}"
+            )
+        handler(Op(b, prim, second.primitives[index] if second else None))
+        for value in prim.outputs:
+            b.names[value[0]] = f"v_{value[0]}"
+            b.producers[value[0]] = f"{prim.name} (operation {index + 1})"
+    for i, (mlx_name, shape, dtype) in enumerate(first.outputs):
+        b.node("Identity", [b.names[mlx_name]], [f"output_{i}"])
+        batched = second is not None and shape and second.outputs[i][1][0] != shape[0]
+        dims = ["batch", *shape[1:]] if batched else list(shape)
+        graph_outputs.append(helper.make_tensor_value_info(f"output_{i}", onnx_dtype(dtype), dims))
+    graph = helper.make_graph(b.nodes, name, graph_inputs, graph_outputs, b.initializers)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="mlx-train")
+    model.ir_version = min(model.ir_version, 10)  # readable by onnxruntime releases of the last two years
+    return model
