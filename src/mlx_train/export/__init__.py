@@ -168,10 +168,10 @@ def export(model: nn.Module, example_inputs: Sequence[mx.array] | mx.array, path
         report: dict[str, Any] = {"format": format, "path": str(path)}
         batches = (2, 5) if dynamic_batch else (examples[0].shape[0] if examples[0].ndim else 1,)
         if format == "onnx":
-            from mlx_train.export.onnx import to_onnx
+            from mlx_train.export.onnx import check_supported, to_onnx
 
             if dynamic_batch:
-                first, second, batch = trace_pair(forward, examples)
+                first, second, batch = trace_pair(forward, examples, check=check_supported)
             else:
                 first, second, batch = trace(forward, *examples), None, 0
             proto = to_onnx(first, second, batch, name=type(model).__name__)

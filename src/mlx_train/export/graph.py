@@ -98,10 +98,12 @@ def with_batch(inputs: Sequence[mx.array], batch: int) -> list[mx.array]:
     return resized
 
 
-def trace_pair(fn: Callable[..., Any], inputs: Sequence[mx.array]) -> tuple[Trace, Trace, int]:
+def trace_pair(fn: Callable[..., Any], inputs: Sequence[mx.array],
+               check: Callable[[Trace], None] | None = None) -> tuple[Trace, Trace, int]:
     """Trace at batch sizes ``B`` and ``B + 1`` (``B >= 2``) and check both traces have the same ops.
 
     At batch 1 MLX may skip a broadcast it needs at larger batches, so ``B`` is at least 2.
+    ``check`` sees the first trace before the second is taken (its error is the more useful one).
     """
     for i, x in enumerate(inputs):
         if x.ndim == 0 or x.shape[0] == 0:
@@ -113,6 +115,8 @@ def trace_pair(fn: Callable[..., Any], inputs: Sequence[mx.array]) -> tuple[Trac
                           "dynamic_batch=True all inputs share axis 0 as the batch (or pass dynamic_batch=False)")
     batch = max(2, sizes.pop())
     first = trace(fn, *with_batch(inputs, batch))
+    if check is not None:
+        check(first)
     second = trace(fn, *with_batch(inputs, batch + 1))
     ops1 = [p.name for p in first.primitives]
     ops2 = [p.name for p in second.primitives]

@@ -61,7 +61,6 @@ class Builder:
         self.nodes: list = []
         self.initializers: list = []
         self.names: dict[str, str] = {}
-        self.producers: dict[str, str] = {}
         self._count = 0
         self._batch_tensor: str | None = None
 
@@ -450,6 +449,19 @@ _HINTS = {
 }
 
 
+def check_supported(trace: Trace) -> None:
+    """Raise ExportError naming the first primitive of ``trace`` that has no ONNX translation."""
+    producers = {value[0]: f"model input {i}" for i, value in enumerate(trace.inputs)}
+    for index, prim in enumerate(trace.primitives):
+        if prim.name not in HANDLERS:
+            raise ExportError(
+                f"cannot export the MLX primitive '{prim.name}'{_HINTS.get(prim.name, '')}: it is "
+                f"{_where_from(trace, index, producers)}. Supported primitives: {', '.join(sorted(HANDLERS))}"
+            )
+        for value in prim.outputs:
+            producers[value[0]] = f"{prim.name} (operation {index + 1})"
+
+
 def to_onnx(first: Trace, second: Trace | None, batch: int, name: str = "mlx_model") -> Any:
     """Translate a trace (and, for a dynamic batch, a second one at ``batch + 1``) into an ``onnx.ModelProto``.
 
@@ -460,11 +472,11 @@ def to_onnx(first: Trace, second: Trace | None, batch: int, name: str = "mlx_mod
     """
     onnx = _onnx()
     helper = onnx.helper
+    check_supported(first)
     b = Builder(first, second, batch)
     graph_inputs, graph_outputs = [], []
     for i, (mlx_name, shape, dtype) in enumerate(first.inputs):
         b.names[mlx_name] = f"input_{i}"
-        b.producers[mlx_name] = f"model input {i}"
         dims = ["batch", *shape[1:]] if second is not None and shape else list(shape)
         graph_inputs.append(helper.make_tensor_value_info(f"input_{i}", onnx_dtype(dtype), dims))
     for mlx_name, array in first.constants.items():
@@ -472,16 +484,9 @@ def to_onnx(first: Trace, second: Trace | None, batch: int, name: str = "mlx_mod
         b.initializers.append(onnx.numpy_helper.from_array(np.array(array, numpy_dtype(array.dtype)),
                                                             f"w_{mlx_name}"))
     for index, prim in enumerate(first.primitives):
-        handler = HANDLERS.get(prim.name)
-        if handler is None:
-            raise ExportError(
-                f"cannot export the MLX primitive '{prim.name}'{_HINTS.get(prim.name, '')}: it is "
-                f"{_where_from(first, index, b.producers)}. Supported primitives: {', '.join(sorted(HANDLERS))}"
-            )
-        handler(Op(b, prim, second.primitives[index] if second else None))
+        HANDLERS[prim.name](Op(b, prim, second.primitives[index] if second else None))
         for value in prim.outputs:
             b.names[value[0]] = f"v_{value[0]}"
-            b.producers[value[0]] = f"{prim.name} (operation {index + 1})"
     for i, (mlx_name, shape, dtype) in enumerate(first.outputs):
         b.node("Identity", [b.names[mlx_name]], [f"output_{i}"])
         batched = second is not None and shape and second.outputs[i][1][0] != shape[0]
