@@ -3,18 +3,18 @@
 import json
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 import pytest
+from mlx import nn
 
 pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 
-from mlx_train.cli.main import main  # noqa: E402
-from mlx_train.export import ExportError, export, random_inputs  # noqa: E402
-from mlx_train.export.graph import Primitive, Trace  # noqa: E402
-from mlx_train.export.onnx import to_onnx  # noqa: E402
-from mlx_train.models import MLP, CharTransformerLM, SmallCNN  # noqa: E402
+from mlx_train.cli.main import main
+from mlx_train.export import ExportError, export, random_inputs
+from mlx_train.export.graph import Primitive, Trace
+from mlx_train.export.onnx import to_onnx
+from mlx_train.models import MLP, CharTransformerLM, SmallCNN
 
 
 def llama():
@@ -185,7 +185,7 @@ def test_cli_exports_a_checkpoint_written_by_train(tmp_path, capsys):
     assert "step-00000039 to " in out and "verified against MLX: max |diff|" in out
     from mlx_train.cli.export import rebuild_model
 
-    model, example, _ = rebuild_model(str(sorted((run_dir / "checkpoints").glob("step-*"))[-1]))
+    model, example, _ = rebuild_model(str(max((run_dir / "checkpoints").glob("step-*"))))
     session = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
     x = random_inputs([example], 6)[0]
     assert np.abs(session.run(None, {"input_0": np.array(x)})[0] - np.array(model(x))).max() <= 1e-4

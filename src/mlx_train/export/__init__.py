@@ -17,16 +17,17 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
+from mlx import nn
 
 from mlx_train.export.graph import ExportError, trace, trace_pair, with_batch
 
-__all__ = ["ExportError", "FORMATS", "export", "verify_onnx", "random_inputs"]
+__all__ = ["FORMATS", "ExportError", "export", "random_inputs", "verify_onnx"]
 
 FORMATS = ("onnx", "mlxfn", "safetensors")
 TOLERANCE = 1e-4

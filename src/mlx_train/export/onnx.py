@@ -17,7 +17,8 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -68,7 +69,7 @@ class Builder:
         self._count += 1
         return f"{hint}_{self._count}"
 
-    def const(self, value: np.ndarray | float | int | Sequence, dtype: Any = None, hint: str = "const") -> str:
+    def const(self, value: np.ndarray | float | Sequence, dtype: Any = None, hint: str = "const") -> str:
         """An initializer holding ``value``; returns its name."""
         array = np.asarray(value, dtype=dtype)
         name = self.fresh(hint)
