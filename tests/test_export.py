@@ -4,11 +4,9 @@ import json
 
 import mlx.core as mx
 import numpy as np
+import onnxruntime as ort
 import pytest
 from mlx import nn
-
-pytest.importorskip("onnx")
-ort = pytest.importorskip("onnxruntime")
 
 from mlx_train.cli.main import main
 from mlx_train.export import ExportError, export, random_inputs

@@ -113,10 +113,17 @@ def verify_onnx(path: str, fn: Any, examples: Sequence[mx.array], batches: Seque
     return worst
 
 
-def _write_safetensors(model: nn.Module, path: Path, examples: Sequence[mx.array],
-                       description: Mapping[str, Any] | None) -> None:
+def write_safetensors(model: nn.Module, path: str | Path, examples: Sequence[mx.array] = (),
+                      description: Mapping[str, Any] | None = None) -> None:
+    """Write the weights to ``path`` and a JSON description (class, parameter shapes, inputs) beside it.
+
+    Example::
+
+        write_safetensors(model, "out/model.safetensors", description={"config": {...}})  # + out/model.json
+    """
     from mlx.utils import tree_flatten
 
+    path = Path(path)
     weights = dict(tree_flatten(model.parameters()))
     mx.save_safetensors(str(path), weights, metadata={"format": "mlx"})
     info = {
@@ -124,10 +131,11 @@ def _write_safetensors(model: nn.Module, path: Path, examples: Sequence[mx.array
         "class": f"{type(model).__module__}.{type(model).__qualname__}",
         "parameters": {name: {"shape": list(w.shape), "dtype": str(w.dtype).replace("mlx.core.", "")}
                        for name, w in weights.items()},
-        "inputs": [{"shape": ["batch", *x.shape[1:]], "dtype": str(x.dtype).replace("mlx.core.", "")}
-                   for x in examples],
         **dict(description or {}),
     }
+    if examples:
+        info["inputs"] = [{"shape": ["batch", *x.shape[1:]], "dtype": str(x.dtype).replace("mlx.core.", "")}
+                          for x in examples]
     path.with_suffix(".json").write_text(json.dumps(info, indent=2) + "\n")
 
 
@@ -186,7 +194,7 @@ def export(model: nn.Module, example_inputs: Sequence[mx.array] | mx.array, path
             if verify if verify is not None else True:
                 report["max_abs_diff"] = _verify_mlxfn(str(path), forward, examples, report["batch_sizes"])
         else:
-            _write_safetensors(model, path, examples, description)
+            write_safetensors(model, path, examples, description)
             report["seconds"] = time.perf_counter() - start
         report["bytes"] = path.stat().st_size
         return report
