@@ -102,6 +102,17 @@ def test_unsupported_primitive_names_it_where_and_what_is_supported(tmp_path):
         export(Noisy(), [mx.zeros((1, 4))], tmp_path / "noisy.onnx")
 
 
+def test_a_batch_size_baked_into_the_graph_is_refused_for_a_dynamic_batch(tmp_path):
+    class PerBatch(nn.Module):
+        def __call__(self, x):
+            return x.sum(axis=0) / x.shape[0]  # a Python number: a constant in the trace
+
+    with pytest.raises(ExportError, match=r"a constant of shape \(\) changes with the batch size"):
+        export(PerBatch(), [mx.ones((2, 3))], tmp_path / "p.onnx")
+    report = export(PerBatch(), [mx.ones((2, 3))], tmp_path / "p.onnx", dynamic_batch=False)
+    assert report["max_abs_diff"] <= 1e-6
+
+
 def test_bad_arguments_say_what_and_how_to_fix(tmp_path):
     model = MLP(8, (4,), 3)
     with pytest.raises(ExportError, match=r"cannot tell the export format from '.*m.bin'"):
@@ -148,6 +159,14 @@ def test_fused_gpu_primitives_match_mx_fast():
                       [0.35, False, False, False, False], q.shape)
     expected = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.35, mask=mask)
     assert np.abs(got - np.array(expected)).max() < 1e-4
+
+    k, v = k[:, :2], v[:, :2]  # grouped KV heads: 4 query heads share 2 key/value heads
+    for mask in ("causal", mx.random.normal((2, 4, 6, 9)), mx.random.normal((1, 1, 6, 9))):
+        extra = [] if isinstance(mask, str) else [("M", mask)]
+        got = _run_single("ScaledDotProductAttention", [("Q", q), ("K", k), ("V", v), *extra], [],
+                          [0.35, isinstance(mask, str), False, False, False], q.shape)
+        expected = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.35, mask=mask)
+        assert np.abs(got - np.array(expected)).max() < 1e-4, getattr(mask, "shape", mask)
 
 
 def test_mlxfn_reloads_with_import_function(tmp_path):

@@ -129,4 +129,12 @@ def trace_pair(fn: Callable[..., Any], inputs: Sequence[mx.array],
             f"{ops2[at] if at < len(ops2) else 'end'} at batch {batch + 1}), so it cannot have a dynamic "
             "batch axis; export with dynamic_batch=False"
         )
+    for name, value in first.constants.items():
+        other = second.constants[name]
+        if value.shape != other.shape or not mx.array_equal(value, other):
+            raise ExportError(
+                f"a constant of shape {tuple(value.shape)} changes with the batch size (a number computed from "
+                "x.shape[0], for example), so the model cannot have a dynamic batch axis; compute it with MLX "
+                "ops, or export with dynamic_batch=False"
+            )
     return first, second, batch

@@ -418,20 +418,32 @@ def _attention(op: Op) -> None:
                           "translation here")
     b, (q_shape, k_shape) = op.b, op.in_shapes[:2]
     heads, kv_heads, length, keys = q_shape[1], k_shape[1], q_shape[2], k_shape[2]
-    if heads != kv_heads:
-        raise ExportError("ScaledDotProductAttention with grouped KV heads has no ONNX translation here; trace on "
-                          "the CPU stream to export its decomposed form")
     dtype = numpy_dtype(op.prim.inputs[0][2])
-    k_t = b.node("Transpose", [op.x[1]], perm=[0, 1, 3, 2])
-    scores = b.node("Mul", [b.node("MatMul", [op.x[0], k_t]), b.const(scale, dtype)])
+    q, k, v, mask = op.x[0], op.x[1], op.x[2], (op.x[3] if len(op.x) > 3 else None)
+    grouped = heads != kv_heads
+    if grouped:  # grouped KV heads: [B, Hkv, repeats, L, D] queries against [B, Hkv, 1, S, D] keys
+        repeats, batch2 = heads // kv_heads, op.in_shapes2[0][0] if op.in_shapes2 else None
+        split = (lambda shape, n, last: b.ints([shape[0], kv_heads, repeats, n, last],
+                                              None if batch2 is None else [batch2, kv_heads, repeats, n, last]))
+        q = b.node("Reshape", [q, split(q_shape, length, q_shape[3])])
+        k, v = (b.node("Unsqueeze", [t, b.const([2], np.int64)]) for t in (k, v))
+        if mask is not None:
+            mask_shape = op.in_shapes[3]
+            if len(mask_shape) == 4 and mask_shape[1] == heads:
+                mask = b.node("Reshape", [mask, split(mask_shape, length, keys)])
+            elif len(mask_shape) == 4:
+                mask = b.node("Unsqueeze", [mask, b.const([2], np.int64)])
+    k_t = b.node("Transpose", [k], perm=[0, 1, 2, 4, 3] if grouped else [0, 1, 3, 2])
+    scores = b.node("Mul", [b.node("MatMul", [q, k_t]), b.const(scale, dtype)])
     if causal:  # lower-right aligned, like MLX's mask="causal"
         allowed = np.tril(np.ones((length, keys), bool), keys - length)
         scores = b.node("Where", [b.const(allowed), scores, b.const(-np.inf, dtype)])
-    if len(op.x) > 3:
+    if mask is not None:
         mask_is_bool = op.prim.inputs[3][2] == mx.bool_
-        scores = b.node("Where", [op.x[3], scores, b.const(-np.inf, dtype)]) if mask_is_bool \
-            else b.node("Add", [scores, op.x[3]])
-    op.emit("MatMul", [b.node("Softmax", [scores], axis=-1), op.x[2]])
+        scores = b.node("Where", [mask, scores, b.const(-np.inf, dtype)]) if mask_is_bool \
+            else b.node("Add", [scores, mask])
+    out = b.node("MatMul", [b.node("Softmax", [scores], axis=-1), v])
+    op.emit("Reshape", [out, op.out_shape()]) if grouped else op.emit("Identity", [out])
 
 
 def _where_from(trace: Trace, index: int, producers: dict[str, str]) -> str:
