@@ -139,10 +139,16 @@ _UNARY = {
     "Sigmoid": "Sigmoid", "Erf": "Erf", "Floor": "Floor", "Ceil": "Ceil", "Sign": "Sign",
     "Round": "Round", "LogicalNot": "Not", "Copy": "Identity", "StopGradient": "Identity",
 }
+def _elementwise(onnx_op: str, arity: int) -> Handler:
+    def handler(op: Op) -> None:
+        op.emit(onnx_op, op.x[:arity])
+    return handler
+
+
 for _mlx, _onnx_op in _BINARY.items():
-    HANDLERS[_mlx] = lambda op, name=_onnx_op: op.emit(name, op.x[:2])
+    HANDLERS[_mlx] = _elementwise(_onnx_op, 2)
 for _mlx, _onnx_op in _UNARY.items():
-    HANDLERS[_mlx] = lambda op, name=_onnx_op: op.emit(name, op.x[:1])
+    HANDLERS[_mlx] = _elementwise(_onnx_op, 1)
 
 
 def handles(*names: str) -> Callable[[Handler], Handler]:
@@ -307,7 +313,7 @@ def _arange(op: Op) -> None:
         raise ExportError("an arange whose length depends on the batch size cannot be exported with a dynamic "
                           "batch; export with dynamic_batch=False")
     start, stop, step = (float(v) for v in op.args[:3])
-    values = np.arange(start, stop, step).astype(numpy_dtype(op.prim.outputs[0][2]))
+    values: np.ndarray = np.arange(start, stop, step).astype(numpy_dtype(op.prim.outputs[0][2]))
     op.emit("Identity", [op.b.const(values, hint="arange")])
 
 
