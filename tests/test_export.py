@@ -208,6 +208,12 @@ def test_cli_exports_a_checkpoint_written_by_train(tmp_path, capsys):
     assert np.abs(session.run(None, {"input_0": np.array(x)})[0] - np.array(model(x))).max() <= 1e-4
 
     assert main(["export", "--checkpoint", str(run_dir), "-o", str(tmp_path / "m.mlxfn")]) == 0
+    for model, dataset in (("cnn", "digits"), ("transformer", "text")):
+        other = tmp_path / model
+        assert main(["train", "--model", model, "--dataset", dataset, "--max-steps", "2", "--run-dir", str(other),
+                     "--set", "model_options.num_layers=1" if model == "transformer" else "seed=0"]) == 0
+        assert main(["export", "--checkpoint", str(other), "-o", str(tmp_path / f"{model}.onnx")]) == 0
+        assert "verified against MLX" in capsys.readouterr().out
     assert main(["export", "--checkpoint", str(tmp_path / "nowhere"), "-o", str(tmp_path / "x.onnx")]) == 4
     assert "there is no checkpoint at" in capsys.readouterr().err
     assert main(["export", "--checkpoint", str(run_dir), "-o", str(tmp_path / "x.bin")]) == 8
