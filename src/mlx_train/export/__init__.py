@@ -144,19 +144,19 @@ def export(model: nn.Module, example_inputs: Sequence[mx.array] | mx.array, path
            description: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Export ``model`` (in eval mode) called on ``example_inputs`` to ``path``; return a small report.
 
-    ``format``: ``"onnx"``, ``"mlxfn"`` (reload with ``mx.import_function``) or
-    ``"safetensors"`` (weights, plus ``<path>.json`` describing the model; ``description``
-    adds keys to it). An ``.mlxfn`` takes any batch size when MLX can trace the model
-    shapelessly, else it holds one trace per batch size in ``MLXFN_BATCH_SIZES``
-    (the report's ``batch_sizes`` says which); by default taken from the suffix. ``dynamic_batch``: axis 0
-    of every input (and output) is the batch and may change. ``verify`` (default:
-    on when onnxruntime is installed) checks the ONNX or mlxfn file against MLX on
-    random inputs of two batch sizes and raises ExportError past 1e-4.
+    ``format`` (default: from the suffix): ``"onnx"``; ``"mlxfn"``, MLX's own
+    (``mx.import_function`` reloads it: any batch size when MLX can trace the model
+    shapelessly, else one trace per size in ``MLXFN_BATCH_SIZES``, listed in the
+    report's ``batch_sizes``); or ``"safetensors"``, the weights plus ``<path>.json``
+    describing the model (``description`` adds keys to it). ``dynamic_batch``: axis 0
+    of every input (and output) is the batch and may change. ``verify`` (default: on
+    when onnxruntime is installed; always for mlxfn) runs the file on random inputs
+    of two batch sizes and raises ExportError when it differs from MLX by more than 1e-4.
 
     Example::
 
         report = export(model, [mx.zeros((1, 64))], "mlp.onnx")
-        # {"format": "onnx", "path": "mlp.onnx", "bytes": 35210, "seconds": 0.05, "max_abs_diff": 2.4e-07}
+        # {"format": "onnx", "path": "mlp.onnx", "seconds": 0.05, "max_abs_diff": 2.4e-07, "bytes": 35210}
     """
     format = _format_of(str(path), format)
     examples = [example_inputs] if isinstance(example_inputs, mx.array) else list(example_inputs)
@@ -175,31 +175,32 @@ def export(model: nn.Module, example_inputs: Sequence[mx.array] | mx.array, path
 
         start = time.perf_counter()
         report: dict[str, Any] = {"format": format, "path": str(path)}
-        batches = (2, 5) if dynamic_batch else (examples[0].shape[0] if examples[0].ndim else 1,)
         if format == "onnx":
-            from mlx_train.export.onnx import check_supported, to_onnx
-
-            if dynamic_batch:
-                first, second, batch = trace_pair(forward, examples, check=check_supported)
-            else:
-                first, second, batch = trace(forward, *examples), None, 0
-            proto = to_onnx(first, second, batch, name=type(model).__name__)
-            path.write_bytes(proto.SerializeToString())
-            report["seconds"] = time.perf_counter() - start
-            if verify if verify is not None else _has_onnxruntime():
-                report["max_abs_diff"] = verify_onnx(str(path), forward, examples, batches)
+            _export_onnx(path, forward, examples, dynamic_batch, name=type(model).__name__)
         elif format == "mlxfn":
             report.update(_export_mlxfn(str(path), forward, examples, dynamic_batch))
-            report["seconds"] = time.perf_counter() - start
-            if verify if verify is not None else True:
-                report["max_abs_diff"] = _verify_mlxfn(str(path), forward, examples, report["batch_sizes"])
         else:
             write_safetensors(model, path, examples, description)
-            report["seconds"] = time.perf_counter() - start
+        report["seconds"] = time.perf_counter() - start
+        if format == "onnx" and (verify if verify is not None else _has_onnxruntime()):
+            batches = (2, 5) if dynamic_batch else (examples[0].shape[0] if examples[0].ndim else 1,)
+            report["max_abs_diff"] = verify_onnx(str(path), forward, examples, batches)
+        elif format == "mlxfn" and (verify if verify is not None else True):
+            report["max_abs_diff"] = _verify_mlxfn(str(path), forward, examples, report["batch_sizes"])
         report["bytes"] = path.stat().st_size
         return report
     finally:
         model.train(was_training)
+
+
+def _export_onnx(path: Path, fn: Any, examples: Sequence[mx.array], dynamic_batch: bool, name: str) -> None:
+    from mlx_train.export.onnx import check_supported, to_onnx
+
+    if dynamic_batch:
+        first, second, batch = trace_pair(fn, examples, check=check_supported)
+    else:
+        first, second, batch = trace(fn, *examples), None, 0
+    path.write_bytes(to_onnx(first, second, batch, name=name).SerializeToString())
 
 
 # Batch sizes traced into an .mlxfn when the model cannot be traced shapelessly.
