@@ -101,6 +101,8 @@ def verify_onnx(path: str, fn: Any, examples: Sequence[mx.array], batches: Seque
         expected = _as_tuple(fn(*inputs))
         feeds = {f"input_{i}": np.array(x) for i, x in enumerate(inputs)}
         got = session.run(None, feeds)
+        if len(got) != len(expected):
+            raise ExportError(f"{path} has {len(got)} outputs, the model {len(expected)}")
         for i, (mine, theirs) in enumerate(zip(expected, got)):
             if tuple(mine.shape) != tuple(theirs.shape):
                 raise ExportError(f"{path}: output {i} has shape {tuple(theirs.shape)} in onnxruntime but "
