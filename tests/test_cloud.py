@@ -19,18 +19,19 @@ import fsspec.config
 import gcp_storage_emulator.server as emulator
 import gcsfs.core as gcsfs_core
 import mlx.core as mx
+import mlx.optimizers as optim
 import moto.server as moto_server
 import numpy as np
 import pytest
 import s3fs
-from helpers_checkpoint_kill import arrays_for  # noqa: E402
+from helpers_checkpoint_kill import arrays_for
 from mlx.utils import tree_flatten
 
-from mlx_train.checkpoint import CheckpointManager, CheckpointWarning, load_checkpoint  # noqa: E402
-from mlx_train.errors import CheckpointError  # noqa: E402
-from mlx_train.models import MLP  # noqa: E402
-from mlx_train.publish import download, publish  # noqa: E402
-from mlx_train.training import Trainer  # noqa: E402
+from mlx_train.checkpoint import CheckpointManager, CheckpointWarning, load_checkpoint
+from mlx_train.errors import CheckpointError, ConfigError
+from mlx_train.models import MLP
+from mlx_train.publish import download, publish
+from mlx_train.training import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUCKET = "mlx-train-tests"
@@ -118,14 +119,7 @@ def _data():
 
 def _trainer():
     mx.random.seed(3)
-    model = MLP(8, (16,), 2)
-    return Trainer(model, nn_optimizer(), batch_size=16)
-
-
-def nn_optimizer():
-    import mlx.optimizers as optim
-
-    return optim.Adam(learning_rate=1e-2)
+    return Trainer(MLP(8, (16,), 2), optim.Adam(learning_rate=1e-2), batch_size=16)
 
 
 def test_resume_auto_from_the_url_continues_exactly(store, tmp_path):
@@ -245,3 +239,14 @@ def test_publish_then_download_the_final_model(store, tmp_path):
         download(f"{url}/model", tmp_path / "again")
     with pytest.raises(CheckpointError, match=r"holds no publish.json: nothing was published there"):
         download(f"{url}/elsewhere", tmp_path / "none")
+
+
+def test_publish_to_a_local_directory_and_bad_arguments(tmp_path):
+    model = MLP(4, (4,), 2)
+    manifest = publish(model, str(tmp_path / "out"), formats=("safetensors",))
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["model.json", "model.safetensors", "publish.json"]
+    assert json.loads((tmp_path / "out" / "publish.json").read_text()) == manifest
+    with pytest.raises(ConfigError, match=r"unknown publish format\(s\) \['tflite'\]; formats: safetensors, onnx"):
+        publish(model, str(tmp_path / "x"), formats=("tflite",))
+    with pytest.raises(ConfigError, match=r"publishing an onnx or mlxfn export needs example_inputs"):
+        publish(model, str(tmp_path / "x"), formats=("onnx",))
