@@ -60,6 +60,25 @@ def _pause_point(point: str, where: str) -> None:
     time.sleep(float(os.environ.get("MLX_TRAIN_SAVE_PAUSE_SECONDS", "3600")))
 
 
+def storage_error_hint(error: BaseException) -> str:
+    """How to fix a storage back-end's error (a missing bucket, refused credentials), or "" when unknown.
+
+    Example::
+
+        storage_error_hint(FileNotFoundError("The specified bucket does not exist"))
+        # "the bucket does not exist: create it first, or fix the bucket name in the URL"
+    """
+    text = f"{type(error).__name__}: {error}".lower()
+    refused = ("accessdenied", "access denied", "invalidaccesskeyid", "signaturedoesnotmatch", "forbidden",
+               "unauthorized", "credentials", "401", "403")
+    if isinstance(error, PermissionError) or any(word in text for word in refused):
+        return ("the storage service refused the credentials: check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY "
+                "(s3://) or GOOGLE_APPLICATION_CREDENTIALS (gs://) and that they may write to this bucket")
+    if "bucket" in text and any(word in text for word in ("not exist", "not found", "nosuchbucket")):
+        return "the bucket does not exist: create it first, or fix the bucket name in the URL"
+    return ""
+
+
 def _exists(path: str) -> bool:
     parent, name = split_location(path)
     store = open_store(parent)
@@ -234,10 +253,10 @@ class CheckpointManager:
                 self._inflight = None
         except Exception as error:
             self._discard(job.tmp)
+            hint = storage_error_hint(error) or "fix the cause (disk space, permissions, network)"
             raise CheckpointError(
                 f"saving checkpoint {store.url(final)} failed ({type(error).__name__}: {error}); earlier "
-                "checkpoints are untouched: fix the cause (disk space, permissions, network) and resume"
-                f"{_disk_full(self.directory, error)}"
+                f"checkpoints are untouched: {hint}, and resume{_disk_full(self.directory, error)}"
             ) from error
         except BaseException:
             self._discard(job.tmp)

@@ -187,6 +187,25 @@ class LocalStore:
         shutil.rmtree(self.local(doomed), ignore_errors=True)
 
 
+_OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"}
+
+
+def check_bucket(fs, root: str) -> None:
+    """Raise FileNotFoundError when ``root`` is on an object store whose bucket does not exist.
+
+    s3fs and gcsfs create a missing bucket on ``makedirs``: a misspelt bucket name would
+    silently become a new bucket instead of an error.
+    """
+    protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
+    bucket = root.strip("/").split("/", 1)[0]
+    if not (protocols & _OBJECT_STORES and bucket):
+        return
+    try:
+        fs.info(bucket)  # unlike fs.exists, lets a refusal (bad credentials) through as itself
+    except FileNotFoundError:
+        raise FileNotFoundError(f"the bucket '{bucket}' does not exist") from None
+
+
 class FsspecStore:
     """A directory behind an fsspec URL; the manifest, written last, marks a checkpoint complete."""
 
@@ -194,6 +213,7 @@ class FsspecStore:
         self.display = display
         self.fs = fs
         self.root = root.rstrip("/")
+        self._bucket_checked = False
 
     def url(self, rel: str) -> str:
         return _join(self.display, rel)
@@ -219,6 +239,9 @@ class FsspecStore:
             return None
 
     def makedirs(self, rel: str) -> None:
+        if not self._bucket_checked:
+            check_bucket(self.fs, self.root)
+            self._bucket_checked = True
         self.fs.makedirs(self._p(rel), exist_ok=True)
 
     def read_bytes(self, rel: str) -> bytes:
@@ -250,7 +273,10 @@ class FsspecStore:
         if self.fs.exists(self._p(f"{final}/{MANIFEST}")):
             self.fs.rm(self._p(f"{final}/{MANIFEST}"))  # un-commit the old one before overwriting it
         for name in sorted(files, key=lambda n: n == MANIFEST):
-            self.fs.mv(self._p(f"{tmp}/{name}"), self._p(f"{final}/{name}"))
+            # copy + delete, which is what a move is on an object store: gcsfs's mv first tries GCS's
+            # objects.moveTo call and, where that is refused, retries it for half a minute per file.
+            self.fs.copy(self._p(f"{tmp}/{name}"), self._p(f"{final}/{name}"))
+            self.fs.rm(self._p(f"{tmp}/{name}"))
         if self.fs.exists(self._p(tmp)):
             self.fs.rm(self._p(tmp), recursive=True)
 

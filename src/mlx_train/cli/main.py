@@ -39,6 +39,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
                           "stop leftover processes of mlx-train runs and clear stale distributed state"),
     "optimize": ("mlx_train.cli.optimize",
                  "print a memory plan (micro-batch, accumulation, checkpointing) that fits the device"),
+    "export": ("mlx_train.cli.export", "export a checkpoint's model to ONNX, an MLX function (.mlxfn) or safetensors"),
 }
 
 

@@ -1,0 +1,115 @@
+"""Export a checkpoint written by ``mlx-train train`` to ONNX, MLX's .mlxfn, or safetensors + JSON.
+
+The model is rebuilt from the checkpoint's training config (like ``evaluate``),
+its weights loaded, and it is exported with a dynamic batch axis. --verify (on
+by default when onnxruntime is installed) runs the export on fresh random inputs
+of two batch sizes and fails if it differs from MLX by more than 1e-4.
+
+Example::
+
+    from mlx_train.cli.export import export_checkpoint
+
+    report = export_checkpoint("runs/a", "model.onnx", format="onnx")
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from mlx_train.errors import CheckpointError
+
+HELP = "export a checkpoint's model to ONNX, .mlxfn or safetensors (+ JSON description)"
+FORMATS = ("onnx", "mlxfn", "safetensors")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``export`` flags."""
+    parser.add_argument(
+        "--checkpoint", required=True, metavar="PATH",
+        help="a checkpoint directory (step-NNNNNNNN), or a run / checkpoints directory "
+        "(its newest complete checkpoint is used)",
+    )
+    parser.add_argument("--format", choices=FORMATS, default=None,
+                        help="output format (default: from the -o suffix)")
+    parser.add_argument("-o", "--output", required=True, metavar="OUT", help="the file to write")
+    parser.add_argument(
+        "--verify", action=argparse.BooleanOptionalAction, default=None,
+        help="check the export against MLX on random inputs of two batch sizes (max |diff| <= 1e-4); "
+        "default: on when onnxruntime is installed (always on for mlxfn)",
+    )
+
+
+def rebuild_model(path: str) -> tuple[Any, Any, dict]:
+    """The model of checkpoint ``path`` with its weights, an example input batch, and its config.
+
+    Example::
+
+        model, example, config = rebuild_model("runs/a/checkpoints/step-00000390")
+    """
+    import mlx.core as mx
+
+    from mlx_train.checkpointing import load_checkpoint
+    from mlx_train.config import TrainConfig
+    from mlx_train.builtin.datasets import load_dataset
+    from mlx_train.builtin.models import build_model
+
+    arrays, state = load_checkpoint(path, groups=["model"])
+    if not isinstance(state.get("config"), dict):
+        raise CheckpointError(
+            f"checkpoint {path} holds no training config in its trainer_state.json, so its model cannot be "
+            "rebuilt; export it from Python with mlx_train.export.export(model, example_inputs, path)"
+        )
+    config = TrainConfig.from_dict(state["config"], source=f"{path}/trainer_state.json")
+    data = load_dataset(config.dataset, seed=config.seed, **config.dataset_options)
+    model = build_model(config.model, data["info"], **config.model_options)
+    try:
+        model.load_weights(list(arrays["model"].items()))
+    except ValueError as error:
+        raise CheckpointError(
+            f"the weights in {path} do not fit model '{config.model}' built from its config: {error}"
+        ) from error
+    test = data["test"]
+    inputs = test[0] if isinstance(test, tuple) else test.get("tokens") if isinstance(test, dict) else None
+    if inputs is None:
+        raise CheckpointError(f"dataset '{config.dataset}' gives no array inputs to trace the model with; "
+                              "export from Python with mlx_train.export.export(model, example_inputs, path)")
+    example = mx.array(inputs[:1])
+    if config.model == "transformer":
+        example = example[:, :-1]  # the dataset's chunks are block_size + 1 long (inputs and targets)
+    return model, example, {"model": config.model, "model_options": config.model_options,
+                            "dataset": config.dataset, "dataset_info": _plain_info(data["info"])}
+
+
+def _plain_info(info: dict) -> dict:
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in info.items()
+            if isinstance(v, (int, float, str, bool, list, tuple))}
+
+
+def export_checkpoint(checkpoint: str, output: str, format: str | None = None,
+                      verify: bool | None = None) -> dict[str, Any]:
+    """Export the model of a checkpoint (or the newest one of a run directory) to ``output``.
+
+    Example::
+
+        export_checkpoint("runs/a", "digits.onnx")     # {"format": "onnx", "max_abs_diff": 2e-07, ...}
+    """
+    from mlx_train.cli.evaluate import resolve_checkpoint
+    from mlx_train.export import export
+
+    path = resolve_checkpoint(checkpoint)
+    model, example, description = rebuild_model(path)
+    report = export(model, [example], output, format=format, verify=verify,
+                    description={"mlx_train": {**description, "checkpoint": path}})
+    return {**report, "checkpoint": path}
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run ``mlx-train export`` from parsed arguments."""
+    report = export_checkpoint(args.checkpoint, args.output, args.format, args.verify)
+    size = report["bytes"] / 1024
+    line = f"exported {report['checkpoint']} to {report['path']} ({report['format']}, {size:.1f} KiB)"
+    if "max_abs_diff" in report:
+        line += f"; verified against MLX: max |diff| {report['max_abs_diff']:.2g}"
+    print(line)
+    return 0
