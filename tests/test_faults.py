@@ -302,3 +302,71 @@ def test_resume_refuses_when_every_checkpoint_is_damaged(tmp_path):
             trainer.train((np.zeros((64, 4), np.float32), np.zeros(64, np.int32)), epochs=1,
                           checkpoint_dir=str(tmp_path), resume="auto")
     assert sorted(p for p in os.listdir(tmp_path) if p.startswith("step-")) == names
+
+
+# -- class labels ------------------------------------------------------------------------------
+
+class MapDataset:
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+_X = np.random.default_rng(0).standard_normal((64, 4)).astype(np.float32)
+_LABEL_CASES = [  # (id, labels, message for an array dataset, message for a map-style dataset)
+    ("one-based", np.arange(64) % 3 + 1,
+     r"class label 3 \(sample 2 of the dataset\) is outside \[0, 3\): the model has 3 outputs.*shift 1-based",
+     r"class label 3 \(row \d+ in this batch\) is outside \[0, 3\): the model has 3 outputs"),
+    ("negative", np.arange(64) % 3 - 1, r"class label -1 \(sample 0 of the dataset\) is outside \[0, 3\)",
+     r"class label -1 \(row \d+ in this batch\) is outside \[0, 3\)"),
+    ("strings", np.array(["cat", "dog"] * 32), r"the labels are strings \(e.g. np.str_\('cat'\)\).*np.unique",
+     r"field 1 of dataset sample \d+ holds str_ values, not numbers"),
+]
+
+
+@pytest.mark.parametrize("kind", ["arrays", "map"])
+@pytest.mark.parametrize("labels, array_message, map_message", [c[1:] for c in _LABEL_CASES],
+                         ids=[c[0] for c in _LABEL_CASES])
+def test_labels_outside_the_classes_are_a_data_error_before_any_step(labels, array_message, map_message, kind):
+    data, message = ((_X, labels), array_message) if kind == "arrays" else (MapDataset(_X, labels), map_message)
+    model = nn.Linear(4, 3)
+    before = np.array(model.weight)
+    trainer = Trainer(model, optim.SGD(0.1), batch_size=8, num_workers=0)
+    with pytest.raises(DataError, match=message):
+        trainer.train(data, epochs=1)
+    assert trainer.step == 0 and np.array_equal(np.array(model.weight), before)
+    with pytest.raises(DataError, match=message):
+        trainer.evaluate(data)
+
+
+def test_the_label_check_does_not_change_training():
+    x = np.random.default_rng(0).standard_normal((64, 4)).astype(np.float32)
+    y = np.arange(64) % 3
+
+    def run(loss_fn):
+        mx.random.seed(0)
+        model = nn.Sequential(nn.Dropout(0.5), nn.Linear(4, 3))
+        Trainer(model, optim.SGD(0.1), loss_fn=loss_fn, batch_size=8, num_workers=0).train((x, y), epochs=2)
+        return np.array(model.layers[1].weight)
+
+    # the explicit cross-entropy skips the check (a user loss); the default runs it: same weights, same dropout
+    assert np.array_equal(run(None), run(lambda p, t: nn.losses.cross_entropy(p, t)))
+
+
+def test_a_torn_last_metrics_line_does_not_stop_a_resume(tmp_path):
+    x, y = np.zeros((64, 4), np.float32), np.zeros(64, np.int32)
+    run_dir, ck = tmp_path / "run", tmp_path / "ck"
+    Trainer(_mlp(), optim.SGD(0.1), batch_size=8, num_workers=0, run_dir=str(run_dir), max_steps=4,
+            checkpoint_every="2 steps", report_every="1 steps").train((x, y), epochs=1, checkpoint_dir=str(ck))
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write('{"kind": "train", "step": 5, "lo')  # a kill in the middle of a write
+    trainer = Trainer(_mlp(), optim.SGD(0.1), batch_size=8, num_workers=0, run_dir=str(run_dir), max_steps=6,
+                      report_every="1 steps")
+    trainer.train((x, y), epochs=1, checkpoint_dir=str(ck), resume="auto")
+    rows = _rows(run_dir)
+    assert [r["step"] for r in rows if r["kind"] == "train"] == [1, 2, 3, 4, 5, 6]

@@ -204,6 +204,14 @@ class DataLoader:
             )
         return plan
 
+    def arrays(self) -> tuple | dict | None:
+        """The dataset's arrays (numpy, all samples) when it is array-backed, else None: lets a caller check
+        the whole dataset once instead of every batch."""
+        source = self._source
+        if not isinstance(source, ArraySource):
+            return None
+        return tuple(source.arrays) if source.keys is None else dict(zip(source.keys, source.arrays))
+
     def __len__(self) -> int:
         """Batches per epoch (global batches; each rank yields this many)."""
         if isinstance(self._source, IterableSource):

@@ -134,7 +134,7 @@ class MetricsLogger(Callback):
         elif os.path.exists(self.jsonl_path):
             # Resumed: keep the lines up to the checkpoint's step; later ones are re-done.
             with open(self.jsonl_path) as f:
-                rows = [json.loads(line) for line in f if line.strip()]
+                rows = [row for row in map(_parse_row, f) if row is not None]
             self._rows = [r for r in rows if r.get("step", 0) <= trainer.step]
             # Like the appended rows, not fsync'ed: a reader sees the old or the new file, never half.
             rundir.atomic_write(self.jsonl_path, "".join(json.dumps(r) + "\n" for r in self._rows), durable=False)
@@ -168,3 +168,12 @@ class MetricsLogger(Callback):
 
     def on_epoch_end(self, trainer, epoch: int, logs: dict) -> None:
         self._write("epoch", {"step": trainer.step, "epoch": epoch, **logs})
+
+
+def _parse_row(line: str) -> dict | None:
+    """One metrics.jsonl row; None for a blank line or one torn by a kill mid-write (it is re-done)."""
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    return row if isinstance(row, dict) else None

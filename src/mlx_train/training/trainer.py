@@ -26,6 +26,7 @@ from mlx_train.training.loggers import MetricsLogger, ProgressBar
 from mlx_train.training.losses import Loss, split_parts
 from mlx_train.training.meter import Meter
 from mlx_train.training.interrupt import StopSignals
+from mlx_train.training.labels import LabelCheck
 from mlx_train.training.oom import MemoryGuard, MemoryPolicy, any_rank, is_out_of_memory
 from mlx_train.training.state import RUNNING_KEYS, LoopState
 from mlx_train.training.step import (Reduction, StepOptions, TrainStep, build_eval_step, build_step,
@@ -211,11 +212,14 @@ class Trainer:
             meter = Meter(state, self.group.size() if self.group is not None else 1)
             meter.comm_seconds = self.comm_seconds
             per_batch = callbacks.has("on_batch_end")
+            labels = LabelCheck.for_run(self.loss, self.model, loader)
             callbacks.call("on_fit_start", self)
             try:
                 while _epoch_of(loader, state) < epochs and not self._done():
                     self._begin_epoch(loader, callbacks)
                     for batch in meter.timed(loader):
+                        if labels is not None:
+                            labels.batch(batch)  # a no-op when the whole dataset was checked at start
                         state.running = step(state, batch)
                         state.step += 1
                         self._vote_stop(signals)
@@ -486,9 +490,12 @@ class Trainer:
         if guard is not None and guard.events and guard.batch_size:  # training settled on a smaller micro-batch
             self._eval_parts = max(self._eval_parts, -(-(cfg.eval_batch_size or cfg.batch_size) // guard.batch_size))
         sums = {"loss_sum": mx.array(0.0), "items": mx.array(0.0)}
+        labels = LabelCheck.for_run(self.loss, self.model, loader)
         self.model.eval()
         try:
             for batch in loader:
+                if labels is not None:
+                    labels.batch(batch)
                 sums = self._recovering("evaluation", batch, lambda part, acc: self._eval_step(part, acc), sums)
         finally:
             self.model.train()
