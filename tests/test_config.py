@@ -55,7 +55,7 @@ SPEC_FIELDS = {
     "checkpoint_every": ("str", "1 epoch"), "keep_last": ("int", 3), "keep_best": ("int", 1),
     "monitor": ("str", "val_loss"), "monitor_mode": ("str", "auto"),
     "early_stopping_patience": ("int | None", None), "early_stopping_min_delta": ("float", 0.0),
-    "nonfinite": ("str", "raise"),
+    "nonfinite": ("str", "raise"), "val_batches": ("int | None", None),
     "num_workers": ("int", 2), "shuffle": ("bool", True), "drop_last": ("bool", True),
     "eval_batch_size": ("int | None", None),
     "distributed_backend": ("str", "auto"), "max_restarts": ("int", 3), "collective_timeout": ("float", 300.0),

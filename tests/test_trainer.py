@@ -268,3 +268,39 @@ def test_resume_auto_skips_a_corrupt_newest_checkpoint(digits, tmp_path, capsys)
     out = capsys.readouterr().out
     assert f"resumed from {tmp_path / 'step-00000005'} (step 5" in out
     assert resumed.step == 10
+
+
+def test_a_run_counted_in_steps_reports_its_open_epoch_and_step_validations(capsys):
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((256, 4)).astype(np.float32), rng.integers(0, 2, 256).astype(np.int32)
+    seen = []
+
+    class Count(Callback):
+        def on_validation_end(self, trainer, logs):
+            seen.append(logs)
+
+    trainer = Trainer(nn.Linear(4, 2), optim.SGD(0.1), batch_size=8, num_workers=0, max_steps=10,
+                      eval_every="4 steps", val_batches=2, report_every="5 steps")
+    history = trainer.train((x, y), (x[:64], y[:64]), epochs=1, callbacks=[Count()])
+    assert len(history["train_loss"]) == 1 and np.isfinite(history["train_loss"][0])  # stopped mid-epoch
+    assert history["val_loss"] == [seen[-1]["val_loss"]]
+    out = capsys.readouterr().out
+    assert "step 4 | validation: val_loss" in out and "step 8 | validation: val_loss" in out
+
+
+def test_val_batches_validates_on_the_first_batches_each_time():
+    rng = np.random.default_rng(1)
+    x, y = rng.standard_normal((64, 4)).astype(np.float32), rng.integers(0, 2, 64).astype(np.int32)
+    seen = []
+
+    class Count(Callback):
+        def on_validation_end(self, trainer, logs):
+            seen.append(logs["val_loss"])
+
+    model = nn.Linear(4, 2)
+    trainer = Trainer(model, optim.SGD(0.0), batch_size=8, num_workers=0, max_steps=3, eval_every="1 steps",
+                      val_batches=2)  # learning rate 0: every validation sees the same weights
+    trainer.train((x, y), (x, y), epochs=1, callbacks=[Count()])
+    first_two_batches = trainer.evaluate((x[:16], y[:16]))["loss"]
+    assert len(seen) == 3 and all(v == pytest.approx(first_two_batches, rel=1e-6) for v in seen)
+    assert trainer.evaluate((x, y))["loss"] != pytest.approx(first_two_batches, rel=1e-6)

@@ -176,6 +176,8 @@ class TrainConfig:
     early_stopping_patience: int | None = in_training(None, "Stop after this many evaluations without "
                                                          "improvement of monitor (null: never stop early).",
                                                    minimum=0)
+    val_batches: int | None = in_training(None, "Validate on the first N batches of the validation set only "
+                                                "(null: all of it); evaluate() always uses all.", minimum=1)
     nonfinite: str = in_training("raise", "What a NaN/Inf loss or gradient does: 'raise' (stop with an error naming "
                                          "the step and batch), 'skip' (the update is undone and training goes on) "
                                          "or 'stop' (stop, keeping the last finite checkpoint).",

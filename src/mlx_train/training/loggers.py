@@ -27,12 +27,23 @@ def format_report(logs: dict) -> str:
     parts = [f"step {logs['step']}", f"epoch {logs['epoch'] + 1}", f"loss {logs['loss']:.4f}",
              f"lr {logs['learning_rate']:.3e}"]
     if "tokens_per_second" in logs:
-        parts.append(f"{logs['tokens_per_second']:.0f} tok/s")
-    parts.append(f"{logs['samples_per_second']:.0f} samples/s")
+        parts.append(f"{_rate(logs['tokens_per_second'])} tok/s")
+    parts.append(f"{_rate(logs['samples_per_second'])} samples/s")
     if logs.get("grad_norm"):
         parts.append(f"grad_norm {logs['grad_norm']:.3f}")
     parts.append(f"peak mem {logs['peak_memory_gb']:.3f} GB")
     return " | ".join(parts)
+
+
+def _rate(value: float) -> str:
+    """A speed with the digits that matter: 2791, 12.4, 0.52 (a slow LLM step is not "0 samples/s")."""
+    return f"{value:.0f}" if value >= 100 else f"{value:.3g}"
+
+
+def format_validation(logs: dict) -> str:
+    """One line for a validation run between epochs (``eval_every="N steps"``)."""
+    shown = [f"{k} {_fmt(v)}" for k, v in logs.items() if k not in ("step", "epoch", "val_time")]
+    return f"step {logs['step']} | validation: {'  '.join(shown)}  ({logs.get('val_time', 0.0):.1f}s)"
 
 
 def format_epoch(epoch: int, epochs: int | None, logs: dict, seconds: float) -> str:
@@ -81,6 +92,19 @@ class ProgressBar(Callback):
             self._progress.update(self._task, completed=logs["step"], epoch=logs["epoch"] + 1, info=info)
         else:
             print(format_report(logs), file=self.stream, flush=True)
+
+    def on_validation_end(self, trainer, logs: dict) -> None:
+        from mlx_train.config import parse_every
+
+        if parse_every(trainer.config.eval_every).unit != "step":
+            return  # validation at an epoch's end shows in the epoch line
+        self._print(format_validation(logs))
+
+    def _print(self, line: str) -> None:
+        if self._progress is not None:
+            self._progress.console.print(line)
+        else:
+            print(line, file=self.stream, flush=True)
 
     def on_epoch_end(self, trainer, epoch: int, logs: dict) -> None:
         line = format_epoch(epoch, trainer.epochs, logs, time.perf_counter() - self._epoch_start)

@@ -259,8 +259,24 @@ class Trainer:
             finally:
                 if checkpoints:
                     checkpoints.wait(raise_error=False)
-        callbacks.call("on_fit_end", self, state.history)
-        return state.history
+        history = self._history_with_open_epoch()
+        callbacks.call("on_fit_end", self, history)
+        return history
+
+    def _history_with_open_epoch(self) -> dict:
+        """The history, plus the epoch the run stopped in when it stopped before that epoch's end (a run
+        counted in steps): its train_loss so far and the last validation. Checkpoints keep only whole epochs."""
+        state = self.state
+        if state.epoch_done or not state.running or not float(state.running["items"].item()):
+            return state.history
+        totals = self._totals()
+        logs = {"epoch": state.epoch, "train_loss": totals["loss_sum"] / max(totals["items"], 1.0)}
+        logs.update({k: v for k, v in state.last_val.items() if k not in ("step", "epoch", "val_time")})
+        logs["learning_rate"] = float(self.optimizer.learning_rate.item())
+        history = {k: list(v) for k, v in state.history.items()}
+        for key, value in logs.items():
+            history.setdefault(key, []).append(value)
+        return history
 
     def _begin_epoch(self, loader, callbacks) -> None:
         state = self.state
@@ -295,7 +311,8 @@ class Trainer:
     def _validate(self, val_loader, callbacks, meter) -> None:
         meter.pause()
         with callbacks.validation_weights(self.model):
-            logs = {"step": self.state.step, "epoch": self.state.epoch, **self._evaluate_loader(val_loader)}
+            logs = {"step": self.state.step, "epoch": self.state.epoch,
+                    **self._evaluate_loader(val_loader, self.config.val_batches)}
         self.state.last_val = logs
         callbacks.call("on_validation_end", self, logs)
         meter.resume()
@@ -482,7 +499,7 @@ class Trainer:
         return DataLoader(dataset, batch_size=cfg.eval_batch_size or cfg.batch_size, shuffle=False,
                           num_workers=cfg.num_workers, drop_last=False, seed=cfg.seed)
 
-    def _evaluate_loader(self, loader) -> dict[str, float]:
+    def _evaluate_loader(self, loader, max_batches: int | None = None) -> dict[str, float]:
         start = time.perf_counter()
         if self._eval_step is None:
             self._eval_step = build_eval_step(self.model, self.loss, self.config.precision, self.config.compile)
@@ -493,7 +510,11 @@ class Trainer:
         labels = LabelCheck.for_run(self.loss, self.model, loader)
         self.model.eval()
         try:
-            for batch in loader:
+            for index, batch in enumerate(loader):
+                if max_batches is not None and index >= max_batches:
+                    if isinstance(loader, DataLoader):
+                        loader.set_epoch(loader.epoch + 1)  # the next validation starts from its first batch
+                    break
                 if labels is not None:
                     labels.batch(batch)
                 sums = self._recovering("evaluation", batch, lambda part, acc: self._eval_step(part, acc), sums)
