@@ -3,7 +3,6 @@ process on one run, failed and damaged checkpoints. Each test fails without the 
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import warnings

@@ -36,7 +36,7 @@ REFERENCE = "MLX's bundled reference BLAS"
 
 # What preload() did: the library it loaded (or None) and, when it loaded none, why. Only the
 # first call acts, so the "imported too late" warning is given once.
-_state: dict = {"attempted": False, "loaded": None, "handle": None, "reason": None}
+_state: dict[str, Any] = {"attempted": False, "loaded": None, "handle": None, "reason": None}
 
 
 class _DlInfo(ctypes.Structure):
@@ -172,7 +172,7 @@ def _openblas_details(path: str) -> tuple[str | None, str | None, int | None]:
         return None, None, None
 
 
-def blas_info() -> dict:
+def blas_info() -> dict[str, Any]:
     """Which BLAS MLX's float32 matmuls use in this process, as a JSON-able dict.
 
     Keys: ``optimized`` (bool), ``library`` (path or None), ``name`` (e.g. "OpenBLAS 0.3.21"),
@@ -181,7 +181,7 @@ def blas_info() -> dict:
     ``mapped`` (BLAS files in ``/proc/self/maps``).
     """
     mapped = mapped_blas_libraries()
-    info: dict = {"optimized": False, "library": None, "name": REFERENCE, "config": None, "core": None,
+    info: dict[str, Any] = {"optimized": False, "library": None, "name": REFERENCE, "config": None, "core": None,
                   "threads": None, "loaded_by": None, "reason": _state["reason"], "mapped": mapped}
     if sys.platform == "darwin":
         info.update(optimized=True, name="Apple Accelerate", reason=None)

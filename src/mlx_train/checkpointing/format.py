@@ -17,8 +17,9 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Any
 
 import mlx.core as mx
 
@@ -43,7 +44,7 @@ class CheckpointInfo:
 
     step: int
     path: str
-    metrics: dict = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)
     saved_at: float = 0.0
 
     def metric(self, name: str) -> float | None:
@@ -78,7 +79,7 @@ def _manifest_problem(manifest: object) -> str | None:
     return None
 
 
-def read_manifest(store, name: str) -> dict:
+def read_manifest(store, name: str) -> dict[str, Any]:
     """Read and check ``name/manifest.json``; raise Torn saying what is wrong."""
     if TMP_DIR.match(name):
         raise Torn("is a temporary directory left by an interrupted save, not a checkpoint (safe to delete)")
@@ -102,7 +103,7 @@ def read_manifest(store, name: str) -> dict:
     return manifest
 
 
-def check_files(store, name: str, manifest: dict, files: Iterable[str] | None = None,
+def check_files(store, name: str, manifest: dict[str, Any], files: Iterable[str] | None = None,
                 verify_hashes: bool = True) -> None:
     """Check that the files listed in the manifest exist with their recorded size (and sha256)."""
     records = manifest["files"]
@@ -126,7 +127,7 @@ def _corrupt(fname: str) -> str:
     return f"has a corrupt {fname} (its sha256 does not match {MANIFEST}: damaged on disk or in a copy?)"
 
 
-def info_from(store, name: str, manifest: dict) -> CheckpointInfo:
+def info_from(store, name: str, manifest: dict[str, Any]) -> CheckpointInfo:
     match = STEP_DIR.match(name)
     return CheckpointInfo(int(match.group(1)) if match else int(manifest["step"]), store.url(name),
                           dict(manifest.get("metrics") or {}), float(manifest.get("saved_at", 0.0)))
@@ -141,7 +142,7 @@ def scan(store) -> tuple[list[str], list[str]]:
 OnTorn = Callable[[str, Torn], None]
 
 
-def survey(store, on_torn: OnTorn | None = None, exclude: Iterable[str] = ()) -> list[tuple[str, dict]]:
+def survey(store, on_torn: OnTorn | None = None, exclude: Iterable[str] = ()) -> list[tuple[str, dict[str, Any]]]:
     """(name, manifest) of checkpoints whose manifest reads and whose files have the right sizes.
 
     Ordered by save time, then step: after resuming from an older checkpoint, the new run's
@@ -202,7 +203,7 @@ def validate_checkpoint(path: str, fallback_store=None) -> CheckpointInfo:
     return info_from(store, name, manifest)
 
 
-def load_checkpoint(path: str, groups: Iterable[str] | None = None) -> tuple[dict[str, dict[str, mx.array]], dict]:
+def load_checkpoint(path: str, groups: Iterable[str] | None = None) -> tuple[dict[str, dict[str, mx.array]], dict[str, Any]]:
     """Load ``(arrays by group, state)`` from a checkpoint directory or URL, checking every checksum.
 
     ``groups`` limits which array groups are read (e.g. ``["model"]`` for evaluation).
@@ -226,7 +227,7 @@ def load_checkpoint(path: str, groups: Iterable[str] | None = None) -> tuple[dic
         files = [f"{g}.safetensors" for g in wanted] + [STATE_FILE]
         check_files(store, name, manifest, files, verify_hashes=False)  # sizes now, hashes while reading
         arrays = {}
-        for group, fname in zip(wanted, files):
+        for group, fname in zip(wanted, files, strict=False):
             try:
                 arrays[group] = store.read_safetensors(f"{name}/{fname}", manifest["files"][fname]["sha256"])
             except ValueError:

@@ -11,24 +11,36 @@ Example::
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
-import sys
-import math
 import shutil
+import sys
 import threading
 import time
 import uuid
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
 from mlx_train.checkpointing.format import (
-    FORMAT, FORMAT_VERSION, STATE_FILE, STEP_DIR, TMP_DIR, CheckpointInfo, Torn, info_from,
-    newest_complete, scan, step_name, survey, validate_checkpoint,
+    FORMAT,
+    FORMAT_VERSION,
+    STATE_FILE,
+    STEP_DIR,
+    TMP_DIR,
+    CheckpointInfo,
+    Torn,
+    info_from,
+    newest_complete,
+    scan,
+    step_name,
+    survey,
+    validate_checkpoint,
 )
 from mlx_train.checkpointing.storage import MANIFEST, open_store, split_location
 from mlx_train.config import metric_direction
@@ -47,7 +59,7 @@ class _Job:
     tmp: str
     arrays: dict[str, dict[str, mx.array]]
     state_json: bytes
-    metrics: dict
+    metrics: dict[str, Any]
 
 
 def _pause_point(point: str, where: str) -> None:
@@ -175,14 +187,14 @@ class CheckpointManager:
         self.async_save = async_save
         self._store = open_store(directory)
         self._executor: ThreadPoolExecutor | None = None
-        self._pending: Future | None = None
+        self._pending: Future[Any] | None = None
         self._inflight: str | None = None  # temporary directory of the save in flight: not a leftover
         self._lock = threading.Lock()  # directory scans never interleave with a commit or a deletion
         self._reported: set[str] = set()
 
     # ------------------------------------------------------------------ saving
-    def save(self, step: int, arrays: dict[str, dict[str, mx.array]], state: dict,
-             metrics: dict | None = None) -> str:
+    def save(self, step: int, arrays: dict[str, dict[str, mx.array]], state: dict[str, Any],
+             metrics: dict[str, Any] | None = None) -> str:
         """Save a checkpoint of ``step`` and return its path; returns before writing when async.
 
         Validation and the JSON encoding of ``state`` happen now, so later changes to the
@@ -227,7 +239,7 @@ class CheckpointManager:
                 self._executor.shutdown(wait=True)
                 self._executor = None
 
-    def __enter__(self) -> "CheckpointManager":
+    def __enter__(self) -> CheckpointManager:
         return self
 
     def __exit__(self, *exc_info) -> None:

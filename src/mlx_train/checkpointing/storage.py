@@ -39,7 +39,7 @@ class FileRecord:
     sha256: str
 
 
-def open_store(location: str) -> "LocalStore | FsspecStore":
+def open_store(location: str) -> LocalStore | FsspecStore:
     """Return the store for a local path or an fsspec URL (fsspec is imported only for URLs)."""
     if not location.endswith("://"):
         location = location.rstrip("/") or "/"

@@ -9,7 +9,8 @@ arithmetic on index lists, never by reading and discarding samples.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -66,7 +67,7 @@ class DataLoader:
         num_workers: int = 4,
         drop_last: bool = False,
         seed: int = 0,
-        collate_fn: Callable[[list], Batch] | None = None,
+        collate_fn: Callable[[list[Any]], Batch] | None = None,
         batching: Any = None,
     ) -> None:
         if isinstance(dataset, DataLoader):
@@ -75,7 +76,7 @@ class DataLoader:
                        drop_last=drop_last, seed=seed, collate_fn=collate_fn, batching=batching)
         self._setup(make_source(dataset), options)
 
-    def _setup(self, source: Any, options: dict) -> None:
+    def _setup(self, source: Any, options: dict[str, Any]) -> None:
         self._source = source
         self._dataset = options["dataset"]
         self._batch_size = _check_int(options["batch_size"], "batch_size", 1, "32")
@@ -106,7 +107,7 @@ class DataLoader:
         self._rank, self._world_size = 0, 1
         self._epoch, self._position = 0, 0
         self._cursor = StreamCursor(source) if isinstance(source, IterableSource) else None
-        self._plan_cache: tuple[tuple, EpochPlan] | None = None
+        self._plan_cache: tuple[tuple[Any, ...], EpochPlan] | None = None
 
     # ---------------------------------------------------------------- properties
     @property
@@ -165,7 +166,7 @@ class DataLoader:
         return self._batching
 
     @property
-    def collate_fn(self) -> Callable[[list], Batch] | None:
+    def collate_fn(self) -> Callable[[list[Any]], Batch] | None:
         """The collate function, or None for the default."""
         return self._collate_fn
 
@@ -204,13 +205,13 @@ class DataLoader:
             )
         return plan
 
-    def arrays(self) -> tuple | dict | None:
+    def arrays(self) -> tuple[Any, ...] | dict[str, Any] | None:
         """The dataset's arrays (numpy, all samples) when it is array-backed, else None: lets a caller check
         the whole dataset once instead of every batch."""
         source = self._source
         if not isinstance(source, ArraySource):
             return None
-        return tuple(source.arrays) if source.keys is None else dict(zip(source.keys, source.arrays))
+        return tuple(source.arrays) if source.keys is None else dict(zip(source.keys, source.arrays, strict=False))
 
     def __len__(self) -> int:
         """Batches per epoch (global batches; each rank yields this many)."""
@@ -260,7 +261,7 @@ class DataLoader:
                 if keys is None:
                     batch = tuple([mx.array(a[index]) for a in arrays])
                 else:
-                    batch = {key: mx.array(a[index]) for key, a in zip(keys, arrays)}
+                    batch = {key: mx.array(a[index]) for key, a in zip(keys, arrays, strict=False)}
                 self._position = k + 1  # advances when a batch is yielded, not when it is prefetched
                 yield batch
         else:
@@ -343,7 +344,7 @@ class DataLoader:
         if not isinstance(self._source, IterableSource):
             self._position = self._locate(offset, "change the number of ranks here")
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         """The loader's position and the options that define its order (JSON-able)."""
         state = {
             "format": STATE_FORMAT, "kind": self._source.kind, "epoch": self._epoch,
@@ -356,7 +357,7 @@ class DataLoader:
             state["iterable_state"] = self._cursor.state
         return state
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state`` (from :meth:`state_dict`) by arithmetic; nothing is read.
 
         The batch size and number of ranks may differ from the saved ones as long
@@ -398,7 +399,7 @@ class DataLoader:
         self._cursor.reset()
         self._cursor.offset, self._cursor.state = offset, state.get("iterable_state")  # used by the next iter
 
-    def replace(self, **changes: Any) -> "DataLoader":
+    def replace(self, **changes: Any) -> DataLoader:
         """A new loader with the same dataset and options except ``changes``, at the same place.
 
         Epoch, shard and position carry over; the position is kept in samples, so

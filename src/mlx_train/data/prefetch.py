@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 __all__ = ["prefetch", "THREAD_PREFIX"]
 
@@ -32,7 +33,7 @@ class _Failure:
 def _work(
     produce: Callable[[int], Any],
     tasks: range | Iterator[int],
-    out: queue.Queue,
+    out: queue.Queue[Any],
     stop: threading.Event,
 ) -> None:
     for task in tasks:

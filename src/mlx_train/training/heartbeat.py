@@ -65,7 +65,7 @@ class Heartbeat(Callback):
         if time.perf_counter() >= self._next:
             self.beat(trainer)
 
-    def on_report(self, trainer, logs: dict) -> None:
+    def on_report(self, trainer, logs: dict[str, Any]) -> None:
         world = self.world_size
         info = self._info
         info["samples_per_second"] = logs["samples_per_second"] / world
@@ -75,7 +75,7 @@ class Heartbeat(Callback):
         info["peak_memory_gb"] = max(info["peak_memory_gb"], logs["peak_memory_gb"])
         info["timing"] = {k: logs[k] for k in TIMING_KEYS if k in logs}
 
-    def on_validation_end(self, trainer, logs: dict) -> None:
+    def on_validation_end(self, trainer, logs: dict[str, Any]) -> None:
         self._info["val_time"] = logs.get("val_time")
         self.beat(trainer)
 
@@ -83,7 +83,7 @@ class Heartbeat(Callback):
         self._info["last_checkpoint"] = str(path)
         self.beat(trainer)
 
-    def on_fit_end(self, trainer, history: dict) -> None:
+    def on_fit_end(self, trainer, history: dict[str, Any]) -> None:
         self.beat(trainer, "finished")
 
     def on_exception(self, trainer, error: BaseException) -> None:

@@ -22,7 +22,7 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
-def format_report(logs: dict) -> str:
+def format_report(logs: dict[str, Any]) -> str:
     """One line for a training report, as mlx-lm users expect to read it."""
     parts = [f"step {logs['step']}", f"epoch {logs['epoch'] + 1}", f"loss {logs['loss']:.4f}",
              f"lr {logs['learning_rate']:.3e}"]
@@ -35,7 +35,7 @@ def format_report(logs: dict) -> str:
     return " | ".join(parts)
 
 
-def format_epoch(epoch: int, epochs: int | None, logs: dict, seconds: float) -> str:
+def format_epoch(epoch: int, epochs: int | None, logs: dict[str, Any], seconds: float) -> str:
     shown = {k: v for k, v in logs.items() if k not in ("epoch", "step")}
     body = "  ".join(f"{k} {_fmt(v)}" for k, v in shown.items())
     total = f"/{epochs}" if epochs else ""
@@ -75,14 +75,14 @@ class ProgressBar(Callback):
     def on_epoch_start(self, trainer, epoch: int) -> None:
         self._epoch_start = time.perf_counter()
 
-    def on_report(self, trainer, logs: dict) -> None:
+    def on_report(self, trainer, logs: dict[str, Any]) -> None:
         if self._progress is not None:
             info = f"loss {logs['loss']:.4f}  lr {logs['learning_rate']:.2e}  {logs['samples_per_second']:.0f} samples/s"
             self._progress.update(self._task, completed=logs["step"], epoch=logs["epoch"] + 1, info=info)
         else:
             print(format_report(logs), file=self.stream, flush=True)
 
-    def on_epoch_end(self, trainer, epoch: int, logs: dict) -> None:
+    def on_epoch_end(self, trainer, epoch: int, logs: dict[str, Any]) -> None:
         line = format_epoch(epoch, trainer.epochs, logs, time.perf_counter() - self._epoch_start)
         if self._progress is not None:
             self._progress.update(self._task, completed=trainer.step)
@@ -90,7 +90,7 @@ class ProgressBar(Callback):
         else:
             print(line, file=self.stream, flush=True)
 
-    def on_fit_end(self, trainer, history: dict) -> None:
+    def on_fit_end(self, trainer, history: dict[str, Any]) -> None:
         self._stop()
 
     def on_exception(self, trainer, error: BaseException) -> None:
@@ -119,7 +119,7 @@ class MetricsLogger(Callback):
         self.run_dir = run_dir
         self.jsonl_path = os.path.join(run_dir, rundir.METRICS_FILE)
         self.csv_path = os.path.join(run_dir, rundir.METRICS_CSV)
-        self._rows: list[dict] = []
+        self._rows: list[dict[str, Any]] = []
         self._columns: list[str] = []
 
     def on_fit_start(self, trainer) -> None:
@@ -140,7 +140,7 @@ class MetricsLogger(Callback):
             rundir.atomic_write(self.jsonl_path, "".join(json.dumps(r) + "\n" for r in self._rows), durable=False)
             self._rewrite_csv()
 
-    def _write(self, kind: str, logs: dict) -> None:
+    def _write(self, kind: str, logs: dict[str, Any]) -> None:
         row = {"kind": kind, "time": time.time(), **logs}
         with open(self.jsonl_path, "a") as f:
             f.write(json.dumps(row) + "\n")
@@ -160,17 +160,17 @@ class MetricsLogger(Callback):
         writer.writerows(self._rows)
         rundir.atomic_write(self.csv_path, text.getvalue(), durable=False)
 
-    def on_report(self, trainer, logs: dict) -> None:
+    def on_report(self, trainer, logs: dict[str, Any]) -> None:
         self._write("train", logs)
 
-    def on_validation_end(self, trainer, logs: dict) -> None:
+    def on_validation_end(self, trainer, logs: dict[str, Any]) -> None:
         self._write("val", logs)
 
-    def on_epoch_end(self, trainer, epoch: int, logs: dict) -> None:
+    def on_epoch_end(self, trainer, epoch: int, logs: dict[str, Any]) -> None:
         self._write("epoch", {"step": trainer.step, "epoch": epoch, **logs})
 
 
-def _parse_row(line: str) -> dict | None:
+def _parse_row(line: str) -> dict[str, Any] | None:
     """One metrics.jsonl row; None for a blank line or one torn by a kill mid-write (it is re-done)."""
     try:
         row = json.loads(line)

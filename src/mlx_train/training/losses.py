@@ -19,8 +19,9 @@ next-token prediction (inputs ``tokens[:, :-1]``, targets ``tokens[:, 1:]``).
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -108,7 +109,7 @@ def _check_classification(predictions: mx.array, targets: mx.array | None) -> No
         )
 
 
-def takes_model_first(loss_fn: Callable) -> bool:
+def takes_model_first(loss_fn: Callable[..., Any]) -> bool:
     """True when ``loss_fn``'s first parameter is named ``model`` (the mlx-lm convention)."""
     try:
         params = list(inspect.signature(loss_fn).parameters.values())
@@ -117,7 +118,7 @@ def takes_model_first(loss_fn: Callable) -> bool:
     return bool(params) and params[0].name == "model"
 
 
-def _positional_count(fn: Callable) -> int:
+def _positional_count(fn: Callable[..., Any]) -> int:
     try:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
@@ -135,7 +136,7 @@ class Loss:
     accuracy), else None.
     """
 
-    def __init__(self, loss_fn: Callable | None = None) -> None:
+    def __init__(self, loss_fn: Callable[..., Any] | None = None) -> None:
         self.loss_fn = loss_fn
         self.model_style = loss_fn is not None and takes_model_first(loss_fn)
         self.unpack = self.model_style and _positional_count(loss_fn) > 2

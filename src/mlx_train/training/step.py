@@ -18,9 +18,10 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -95,7 +96,7 @@ class TrainStep:
         self.compute_dtype = DTYPES[options.precision]
         self.dynamic_scaling = options.precision == "float16"
         self.loss_scale, self.reduction, self.extensions = loss_scale, reduction, list(extensions)
-        self.state: list = [model.state, optimizer.state, mx.random.state]
+        self.state: list[Any] = [model.state, optimizer.state, mx.random.state]
         if self.dynamic_scaling:  # only when used: fewer inputs per call
             self.state.append(loss_scale)
         self.state += [ext.step_state for ext in self.extensions]
@@ -124,7 +125,7 @@ class TrainStep:
             mx.eval(self.state, grads, running)
         return running
 
-    def micro(self, batch: Any, grads: Any, running: dict, update: bool, weighted: bool) -> tuple[Any, dict]:
+    def micro(self, batch: Any, grads: Any, running: dict[str, Any], update: bool, weighted: bool) -> tuple[Any, dict]:
         """Run one micro-batch; apply the update when ``update``. Returns (gradient sum, running sums)."""
         try:
             return self._compiled[update, weighted](batch, grads, running)
@@ -148,7 +149,7 @@ class TrainStep:
             objective = objective * self.loss_scale["scale"]
         return objective, (value, n)
 
-    def _micro(self, batch: Any, grad_sum: Any, running: dict, update: bool, weighted: bool):
+    def _micro(self, batch: Any, grad_sum: Any, running: dict[str, Any], update: bool, weighted: bool):
         params = self.model.trainable_parameters()
         (_, (value, n)), grads = mx.value_and_grad(self._objective)(params, batch, weighted)
         self.model.update(params)  # back to the float32 master weights
@@ -231,11 +232,11 @@ def build_step(model: nn.Module, optimizer: optim.Optimizer, loss: Loss, options
 
 
 def build_eval_step(model: nn.Module, loss: Loss, precision: str = "float32",
-                    compile: bool = True) -> Callable[[Any, dict], dict]:
+                    compile: bool = True) -> Callable[[Any, dict[str, Any]], dict]:
     """``sums = evaluate(batch, sums)``: adds one batch's loss (and accuracy counts when they apply)."""
     dtype = DTYPES[precision]
 
-    def evaluate(batch: Any, sums: dict) -> dict:
+    def evaluate(batch: Any, sums: dict[str, Any]) -> dict:
         params = model.parameters()
         if dtype != mx.float32:
             model.update(_cast(params, dtype))
@@ -260,7 +261,7 @@ def split_batch(batch: Any, parts: int) -> list[Any]:
     first = next(iter(batch.values())) if isinstance(batch, dict) else batch[0]
     size = first.shape[0]
     bounds = [(size * i) // parts for i in range(parts + 1)]
-    slices = [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+    slices = [(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=False) if b > a]
     if isinstance(batch, dict):
         return [{k: v[a:b] for k, v in batch.items()} for a, b in slices]
     return [type(batch)(v[a:b] for v in batch) if isinstance(batch, tuple) else [v[a:b] for v in batch] for a, b in slices]

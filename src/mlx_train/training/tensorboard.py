@@ -68,24 +68,24 @@ class TensorBoardLogger(Callback):
             self._writer.add_event(self._event_pb2.Event(wall_time=time.time(), step=trainer.step + 1,
                                                          session_log=log))
 
-    def on_report(self, trainer, logs: dict) -> None:
+    def on_report(self, trainer, logs: dict[str, Any]) -> None:
         self.write_scalars("train", logs, trainer.step)
 
-    def on_validation_end(self, trainer, logs: dict) -> None:
+    def on_validation_end(self, trainer, logs: dict[str, Any]) -> None:
         self.write_scalars("val", {k.removeprefix("val_"): v for k, v in logs.items()}, trainer.step)
         if self._writer is not None:
             self._writer.flush()
 
-    def on_epoch_end(self, trainer, epoch: int, logs: dict) -> None:
+    def on_epoch_end(self, trainer, epoch: int, logs: dict[str, Any]) -> None:
         self.write_scalars("epoch", logs, trainer.step)
 
-    def on_fit_end(self, trainer, history: dict) -> None:
+    def on_fit_end(self, trainer, history: dict[str, Any]) -> None:
         self.close()
 
     def on_exception(self, trainer, error: BaseException) -> None:
         self.close()
 
-    def write_scalars(self, prefix: str, values: dict, step: int) -> None:
+    def write_scalars(self, prefix: str, values: dict[str, Any], step: int) -> None:
         """Add ``prefix/name`` scalars for the numeric entries of ``values`` at ``step``."""
         if self._writer is None:
             return

@@ -7,8 +7,9 @@ import os
 import signal
 import time
 import warnings
-from contextlib import nullcontext
-from typing import Any, Callable, ContextManager, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -18,19 +19,33 @@ from mlx_train import rundir
 from mlx_train.checkpointing.manager import CheckpointWarning
 from mlx_train.config import TrainConfig, parse_every
 from mlx_train.data import DataLoader
-from mlx_train.errors import (CheckpointError, ConfigError, DataError, MLXTrainError, NonFiniteError, OutOfMemoryError,
-                              TrainingInterrupted)
+from mlx_train.errors import (
+    CheckpointError,
+    ConfigError,
+    DataError,
+    MLXTrainError,
+    NonFiniteError,
+    OutOfMemoryError,
+    TrainingInterrupted,
+)
 from mlx_train.training.callbacks import CallbackList, EarlyStopping, ModelCheckpoint
 from mlx_train.training.heartbeat import Heartbeat
+from mlx_train.training.interrupt import StopSignals
+from mlx_train.training.labels import LabelCheck
 from mlx_train.training.loggers import MetricsLogger, ProgressBar
 from mlx_train.training.losses import Loss, split_parts
 from mlx_train.training.meter import Meter
-from mlx_train.training.interrupt import StopSignals
-from mlx_train.training.labels import LabelCheck
 from mlx_train.training.oom import MemoryGuard, MemoryPolicy, any_rank, is_out_of_memory
 from mlx_train.training.state import RUNNING_KEYS, LoopState
-from mlx_train.training.step import (Reduction, StepOptions, TrainStep, build_eval_step, build_step,
-                                     describe_shapes, split_batch)
+from mlx_train.training.step import (
+    Reduction,
+    StepOptions,
+    TrainStep,
+    build_eval_step,
+    build_step,
+    describe_shapes,
+    split_batch,
+)
 
 
 class Trainer:
@@ -53,7 +68,7 @@ class Trainer:
         self,
         model: nn.Module,
         optimizer: optim.Optimizer | None = None,
-        loss_fn: Callable | None = None,
+        loss_fn: Callable[..., Any] | None = None,
         device_config: Any = None,
         batch_size: int | None = None,
         gradient_accumulation: int | None = None,
@@ -85,14 +100,14 @@ class Trainer:
         #: as time_comm, taken out of time_compute).
         self.comm_seconds: float = 0.0
         #: ``with trainer.collective("what"):`` guards a blocking collective (a watchdog when distributed).
-        self.collective: Callable[[str], ContextManager] = lambda what: nullcontext()
+        self.collective: Callable[[str], AbstractContextManager[Any]] = lambda what: nullcontext()
         #: Runs the steps and recovers from out-of-memory; keeps the micro-batch it settled on.
         self.memory_guard: MemoryGuard | None = None
-        self._loaders: tuple | None = None
+        self._loaders: tuple[Any, ...] | None = None
         self._optimizer_ready = False
         self._seeded = False
         self._checkpointed_blocks = False
-        self._eval_step: Callable | None = None
+        self._eval_step: Callable[..., Any] | None = None
         self._saved_step: int | None = None
         self._poisoned = False
         self._signals: StopSignals | None = None
@@ -115,12 +130,12 @@ class Trainer:
         self.state.stop_training = bool(value)
 
     @property
-    def base_model(self) -> dict | None:
+    def base_model(self) -> dict[str, Any] | None:
         """The frozen base a checkpoint of trainable parameters needs ({"path", "sha256"}), checked on resume."""
         return self.state.base_model
 
     @base_model.setter
-    def base_model(self, value: dict | None) -> None:
+    def base_model(self, value: dict[str, Any] | None) -> None:
         self.state.base_model = value
 
     @property
@@ -131,7 +146,7 @@ class Trainer:
     # -- public API ---------------------------------------------------------------------
 
     def train(self, train_dataset: Any = None, val_dataset: Any = None, epochs: int | None = None,
-              checkpoint_dir: str | None = None, callbacks: list | None = None, resume: str | None = None) -> dict:
+              checkpoint_dir: str | None = None, callbacks: list[Any] | None = None, resume: str | None = None) -> dict[str, Any]:
         """Train on a dataset (arrays, map-style, iterable or a DataLoader); returns the per-epoch history.
 
         Called again without datasets, it continues on the datasets of the previous call
@@ -153,8 +168,8 @@ class Trainer:
         self._loaders = (loader, val_loader)
         return self._run(loader, val_loader, epochs, checkpoint_dir, callbacks or [], resume)
 
-    def fit(self, train_loader: Iterable, val_loader: Iterable | None = None, epochs: int | None = None,
-            save_best: bool = True, callbacks: list | None = None) -> dict:
+    def fit(self, train_loader: Iterable[Any], val_loader: Iterable | None = None, epochs: int | None = None,
+            save_best: bool = True, callbacks: list[Any] | None = None) -> dict[str, Any]:
         """Train from DataLoaders (or any iterable of batches); returns the per-epoch history.
 
         With ``save_best`` the best weights by ``val_loss`` go to ``best_model.safetensors`` (in
@@ -196,7 +211,7 @@ class Trainer:
 
     # -- the loop -----------------------------------------------------------------------
 
-    def _run(self, loader, val_loader, epochs, checkpoint_dir, callbacks, resume) -> dict:
+    def _run(self, loader, val_loader, epochs, checkpoint_dir, callbacks, resume) -> dict[str, Any]:
         cfg, state = self.config, self.state
         self.epochs = epochs = epochs or cfg.epochs
         state.stop_training = False
@@ -524,7 +539,7 @@ class Trainer:
                     mx.eval(result)
                 return result
             except BaseException as error:
-                for (container, name), value in zip(slots, saved):
+                for (container, name), value in zip(slots, saved, strict=False):
                     container[name] = value
                 set_rng_key(key.tolist())
                 if isinstance(error, ValueError) and not isinstance(error, MLXTrainError):
@@ -561,9 +576,9 @@ class Trainer:
             if isinstance(loader, DataLoader) and loader.world_size != self.group.size():
                 loader.set_shard(self.group.rank(), self.group.size())
 
-    def _default_callbacks(self) -> list:
+    def _default_callbacks(self) -> list[Any]:
         cfg = self.config
-        callbacks: list = [ProgressBar()] if self.is_main else []
+        callbacks: list[Any] = [ProgressBar()] if self.is_main else []
         if cfg.run_dir and self.is_main:
             callbacks.append(MetricsLogger(cfg.run_dir))
         if cfg.run_dir:  # every rank: the monitor shows each one's progress and memory
