@@ -131,7 +131,8 @@ def test_resume_auto_from_the_url_continues_exactly(store, tmp_path):
     resumed = _trainer()
     history = resumed.train(_data(), epochs=3, checkpoint_dir=url, resume="auto")
     assert len(history["train_loss"]) == 3  # the two restored epochs plus the new one
-    for (name, a), (_, b) in zip(tree_flatten(straight.model.parameters()), tree_flatten(resumed.model.parameters()), strict=False):
+    for (name, a), (_, b) in zip(tree_flatten(straight.model.parameters()), tree_flatten(resumed.model.parameters()),
+                                 strict=False):
         assert mx.array_equal(a, b), name
 
 

@@ -28,6 +28,7 @@ import platform
 import sys
 import sysconfig
 import warnings
+from typing import Any, cast
 
 ENV_VAR = "MLX_TRAIN_BLAS"
 _DISABLED = {"0", "off", "false", "no", "none"}
@@ -117,7 +118,7 @@ def _global_provider() -> str | None:
     return _library_path(None, function) or "unknown library"
 
 
-def _library_path(name: str | None, function=None) -> str | None:
+def _library_path(name: str | None, function: Any = None) -> str | None:
     """File that defines ``function`` (or ``cblas_sgemm`` of library ``name``), via dladdr."""
     try:
         if function is None:
@@ -126,7 +127,7 @@ def _library_path(name: str | None, function=None) -> str | None:
         libc.dladdr.argtypes = [ctypes.c_void_p, ctypes.POINTER(_DlInfo)]
         info = _DlInfo()
         if libc.dladdr(ctypes.cast(function, ctypes.c_void_p), ctypes.byref(info)) and info.dli_fname:
-            return os.path.realpath(info.dli_fname.decode())
+            return cast(str, os.path.realpath(info.dli_fname.decode()))
     except (OSError, AttributeError):
         pass
     return None
@@ -211,5 +212,5 @@ def describe() -> str:
         threads = f"{info['threads']} threads" if info["threads"] else "threads unknown"
         return f"{info['name']} ({arch}{threads}): {info['library']}"
     if info["optimized"]:
-        return info["name"]
+        return cast(str, info["name"])
     return f"{REFERENCE} (slow float32 matmuls: {info['reason']})"

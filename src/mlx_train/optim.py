@@ -100,4 +100,5 @@ def build_optimizer(config: TrainConfig) -> mlx.optimizers.Optimizer:
     kwargs = {keywords[key]: values[keywords[key]] for key in uses}
     if name == "adafactor":
         kwargs["relative_step"] = False
-    return getattr(optim, class_name)(learning_rate=build_schedule(config), **kwargs)
+    optimizer: optim.Optimizer = getattr(optim, class_name)(learning_rate=build_schedule(config), **kwargs)
+    return optimizer

@@ -38,7 +38,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeGuard
 
 from mlx_train.errors import ConfigError
 
@@ -217,7 +217,7 @@ class HeartbeatRecord:
         return {**self.extra, **data}
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> HeartbeatRecord:
+    def from_json(cls, data: Any) -> HeartbeatRecord:
         """Parse a heartbeat file's object; ConfigError when it is not one."""
         if not isinstance(data, dict) or not isinstance(data.get("rank"), int):
             raise ConfigError(f"not a heartbeat (an object with an integer 'rank'): {str(data)[:100]}")
@@ -267,7 +267,7 @@ def is_stale(beat: HeartbeatRecord, now: float, minimum: float) -> bool:
     return beat.live and now - float(beat.time) > stale_limit(beat, minimum)
 
 
-def _is_number(value: Any) -> bool:
+def _is_number(value: Any) -> TypeGuard[float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 

@@ -97,7 +97,7 @@ def _exists(path: str) -> bool:
     return store.isdir(name) or store.size(name) is not None
 
 
-def _plain(value, where: str):
+def _plain(value: Any, where: str) -> Any:
     """``value`` as JSON-able Python (tuples -> lists, scalar arrays -> numbers), or CheckpointError."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
@@ -115,12 +115,12 @@ def _plain(value, where: str):
                           "strings, lists and dicts in state and pass arrays in the arrays argument")
 
 
-def _snapshot(arrays) -> dict[str, dict[str, mx.array]]:
+def _snapshot(arrays: Any) -> dict[str, dict[str, mx.array]]:
     """Check the groups and copy the dicts (not the arrays: mx arrays are immutable)."""
     if not isinstance(arrays, dict):
         raise CheckpointError(f"arrays must be a dict of group name -> {{name: mx.array}}, got "
                               f"{type(arrays).__name__}: e.g. {{'model': dict(tree_flatten(model.parameters()))}}")
-    snapshot = {}
+    snapshot: dict[str, dict[str, mx.array]] = {}
     for group, flat in arrays.items():
         if not isinstance(group, str) or not GROUP_NAME.match(group):
             raise CheckpointError(f"array group name {group!r} cannot be a file name: use letters, digits, _ . -")
@@ -130,7 +130,7 @@ def _snapshot(arrays) -> dict[str, dict[str, mx.array]]:
         snapshot[group] = {}
         for key, value in flat.items():
             if isinstance(value, (np.ndarray, np.generic)):
-                value = mx.array(value)
+                value = mx.array(value)  # type: ignore[arg-type]  # mlx accepts numpy arrays and scalars
             if not isinstance(key, str) or not isinstance(value, mx.array):
                 raise CheckpointError(f"arrays[{group!r}][{key!r}] is a {type(value).__name__}; each group must map "
                                       "str names to mx.array (plain numbers belong in state)")
@@ -242,7 +242,7 @@ class CheckpointManager:
     def __enter__(self) -> CheckpointManager:
         return self
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
     def _write(self, job: _Job) -> None:
@@ -256,7 +256,8 @@ class CheckpointManager:
             records[STATE_FILE] = store.write_bytes(f"{job.tmp}/{STATE_FILE}", job.state_json)
             _pause_point(STATE_FILE, store.url(job.tmp))
             manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "step": job.step,
-                        "saved_at": time.time(), "metrics": job.metrics, "mlx_version": mx.__version__,
+                        "saved_at": time.time(), "metrics": job.metrics,
+                        "mlx_version": mx.__version__,  # type: ignore[attr-defined]  # not in the stubs
                         "files": {name: {"size": r.size, "sha256": r.sha256} for name, r in records.items()}}
             store.write_bytes(f"{job.tmp}/{MANIFEST}", json.dumps(manifest, indent=1).encode())
             _pause_point(MANIFEST, store.url(job.tmp))
@@ -297,9 +298,11 @@ class CheckpointManager:
             return
         complete = [info_from(store, name, manifest) for name, manifest in survey(store)]
         scored = [info for info in complete if info.metric(self.monitor) is not None
-                  and math.isfinite(info.metric(self.monitor))]  # a NaN is never "best"
+                  # metric() was checked for None just before; a NaN is never "best"
+                  and math.isfinite(info.metric(self.monitor))]  # type: ignore[arg-type]
         sign = 1.0 if self.mode == "min" else -1.0
-        scored.sort(key=lambda info: (sign * info.metric(self.monitor), info.step))  # ties: the older one
+        # ties: the older one (every metric in scored is a number)
+        scored.sort(key=lambda info: (sign * info.metric(self.monitor), info.step))  # type: ignore[operator]
         last = complete[-self.keep_last:] if self.keep_last else []
         keep = {info.path for info in complete[-1:] + last + scored[: self.keep_best]}
         for info in complete:

@@ -15,7 +15,7 @@ import dataclasses
 import difflib
 import os
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import yaml
 
@@ -28,7 +28,7 @@ Routes = dict[str, dict[str, tuple[str, Callable[[Any], Any] | None]]]
 
 
 def _spec(f: dataclasses.Field[Any]) -> Option:
-    return f.metadata["option"]
+    return cast(Option, f.metadata["option"])
 
 
 def routes(fields: Fields, sections: tuple[str, ...]) -> Routes:

@@ -25,7 +25,7 @@ import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from mlx_train.errors import ConfigError, did_you_mean
 
@@ -182,7 +182,7 @@ def _of_kind(kind: str, optional: bool, value: Any) -> Any:
 
 def is_set(f: dataclasses.Field[Any], value: Any) -> bool:
     """Whether ``value`` differs from the default of ``f`` (set on purpose, as far as a dataclass knows)."""
-    return value != default_of(f)
+    return cast(bool, value != default_of(f))
 
 
 def first_problem(fields: Mapping[str, dataclasses.Field[Any]], values: Mapping[str, Any],
@@ -271,7 +271,7 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
-def byte_count(value: Any) -> Any:
+def byte_count(value: Any) -> int | None:
     """``parse`` of a byte-count field: ``"8GB" -> 8_000_000_000``; None and numbers pass; raises ``Invalid``."""
     if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)):
         return None if value is None else int(value)

@@ -292,8 +292,8 @@ class TrainConfig:
 
     # ----- model: the built-in model -----
     model: str = in_model("mlp", "Built-in model the CLI trains (YAML: model.name).", key="name")
-    model_options: dict[str, Any] = in_model({}, "Keyword arguments of the built-in model (YAML: the other keys of model:).",
-                                other_keys=True)
+    model_options: dict[str, Any] = in_model({}, "Keyword arguments of the built-in model (YAML: the other keys of "
+                                             "model:).", other_keys=True)
 
     def __post_init__(self) -> None:
         check_fields(self)

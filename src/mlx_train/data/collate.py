@@ -23,7 +23,7 @@ Rules of :func:`pad_collate` (and so of :func:`default_collate`):
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import numpy as np
@@ -147,7 +147,7 @@ def _is_sequence(value: Any) -> bool:
 
 def _np_dtype(value: Any) -> np.dtype:
     if isinstance(value, np.ndarray):
-        return value.dtype
+        return cast("np.dtype[Any]", value.dtype)
     name = str(value.dtype).rsplit(".", 1)[-1]
     return np.dtype(name) if name not in ("bfloat16",) else np.dtype(np.float32)
 
@@ -236,5 +236,5 @@ def to_mx(batch: Batch) -> Batch:
     if isinstance(batch, dict):
         return {k: to_mx(v) for k, v in batch.items()}
     if isinstance(batch, (np.ndarray, *_SCALARS)):
-        return mx.array(batch)
+        return mx.array(batch)  # type: ignore[arg-type]  # mlx accepts numpy arrays and scalars
     return batch

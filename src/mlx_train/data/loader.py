@@ -9,8 +9,8 @@ arithmetic on index lists, never by reading and discarding samples.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Generator, Iterator
+from typing import Any, cast
 
 import mlx.core as mx
 import numpy as np
@@ -84,7 +84,7 @@ class DataLoader:
         self._seed = _check_int(options["seed"], "seed", 0, "0")
         self._shuffle = bool(options["shuffle"])
         self._drop_last = bool(options["drop_last"])
-        self._collate_fn = options["collate_fn"]
+        self._collate_fn: Callable[[list[Any]], Batch] | None = options["collate_fn"]
         self._batching = options["batching"]
         if self._collate_fn is not None and not callable(self._collate_fn):
             raise DataError(f"collate_fn must be a function of a list of samples, got {self._collate_fn!r}")
@@ -173,7 +173,7 @@ class DataLoader:
     @property
     def num_samples(self) -> int | None:
         """The number of samples in the dataset (None for an iterable)."""
-        return self._source.num_samples
+        return cast("int | None", self._source.num_samples)
 
     def __repr__(self) -> str:
         return (f"DataLoader({self._source.kind}, num_samples={self.num_samples}, "
@@ -256,6 +256,7 @@ class DataLoader:
             # The hot path (digits-sized arrays): one fancy-index + one conversion per array.
             arrays, keys, order = source.arrays, source.keys, plan.order
             starts, stops = plan.starts, plan.stops
+            batch: Batch
             for k in range(start, stop):
                 index = order[starts[k]:stops[k]] if order is not None else slice(starts[k], stops[k])
                 if keys is None:
@@ -265,6 +266,7 @@ class DataLoader:
                 self._position = k + 1  # advances when a batch is yielded, not when it is prefetched
                 yield batch
         else:
+            batches: Generator[Batch, None, None]
             if self._num_workers == 0:
                 batches = (to_mx(self._collate(plan, k)) for k in range(start, stop))
             else:
@@ -286,7 +288,7 @@ class DataLoader:
         if self._num_workers == 0:
             return False
         row_bytes = sum(a[:1].nbytes for a in self._source.arrays)
-        return row_bytes * self._batch_size >= _THREAD_MIN_BATCH_BYTES
+        return cast(bool, row_bytes * self._batch_size >= _THREAD_MIN_BATCH_BYTES)
 
     def _collate(self, plan: EpochPlan, k: int) -> Batch:
         """Batch k as numpy arrays (runs on a worker thread when num_workers > 0)."""
@@ -297,10 +299,10 @@ class DataLoader:
         samples = self._source.samples(index)
         if self._collate_fn is not None:
             return self._collate_fn(samples)
-        where = range(s, e) if plan.order is None else index.tolist()
+        where = range(s, e) if plan.order is None else index.tolist()  # type: ignore[union-attr]  # an array here
         return pad_collate(samples, indices=where)
 
-    def _prefetched(self, plan: EpochPlan, start: int, stop: int) -> Iterator[Batch]:
+    def _prefetched(self, plan: EpochPlan, start: int, stop: int) -> Generator[Batch, None, None]:
         results = prefetch(lambda task: self._collate(plan, start + task), stop - start, self._num_workers)
         try:
             for batch in results:
@@ -310,7 +312,7 @@ class DataLoader:
 
     def _iter_stream(self) -> Iterator[Batch]:
         """Consecutive items of an iterable, ``batch_size * world_size`` per global batch."""
-        cursor = self._cursor
+        cursor: StreamCursor = self._cursor  # type: ignore[assignment]  # set for every iterable source
         geometry = (self._batch_size, self._rank, self._world_size, self._drop_last)
         for batch, count, state in cursor.batches(self._epoch, self._position, geometry, self._collate_fn,
                                                   self._num_workers):
@@ -396,8 +398,8 @@ class DataLoader:
                 "only at epoch ends"
             )
         self._position = position
-        self._cursor.reset()
-        self._cursor.offset, self._cursor.state = offset, state.get("iterable_state")  # used by the next iter
+        self._cursor.reset()  # type: ignore[union-attr]  # an iterable source: the cursor is set
+        self._cursor.offset, self._cursor.state = offset, state.get("iterable_state")  # type: ignore[union-attr]
 
     def replace(self, **changes: Any) -> DataLoader:
         """A new loader with the same dataset and options except ``changes``, at the same place.
@@ -421,7 +423,7 @@ class DataLoader:
         if new_data:
             return new
         if isinstance(self._source, IterableSource):
-            new._position, new._cursor = self._position, self._cursor.copy()
+            new._position, new._cursor = self._position, self._cursor.copy()  # type: ignore[union-attr]  # iterable
         else:
             new._position = new._locate(self._offset_now(), "keep the position in replace()")
         return new

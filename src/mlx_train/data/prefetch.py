@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 __all__ = ["prefetch", "THREAD_PREFIX"]
@@ -57,7 +57,7 @@ def _work(
 
 def prefetch(
     produce: Callable[[int], Any], num_tasks: int | None, num_workers: int, depth: int = 2
-) -> Iterator[Any]:
+) -> Generator[Any, None, None]:
     """Yield ``produce(0), produce(1), ...`` computed ahead on ``num_workers`` threads.
 
     ``num_tasks=None`` means "until ``produce`` raises StopIteration" and needs a
@@ -71,7 +71,7 @@ def prefetch(
     if num_tasks is None and num_workers != 1:
         raise ValueError("an unbounded task stream needs exactly one worker")
     stop = threading.Event()
-    queues = [queue.Queue(maxsize=depth) for _ in range(num_workers)]
+    queues: list[queue.Queue[Any]] = [queue.Queue(maxsize=depth) for _ in range(num_workers)]
     threads = []
     for w in range(num_workers):
         tasks: Any = range(w, num_tasks, num_workers) if num_tasks is not None else _count()

@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -225,7 +225,7 @@ def lengths_of(source: Any, spec: Sequence[int] | np.ndarray | str | int | None)
             )
         return lengths
     if spec in source.lengths_cache:
-        return source.lengths_cache[spec]
+        return cast(np.ndarray, source.lengths_cache[spec])
     if isinstance(source, ArraySource):
         raise DataError(
             "length bucketing needs per-sample lengths, and arrays datasets are rectangular; "

@@ -10,7 +10,7 @@ were read ahead; never by reading and discarding items.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 from mlx_train.errors import DataError
@@ -109,7 +109,7 @@ class StreamCursor:
             )
 
 
-def _until_stop(produce: Callable[[int], Any]) -> Iterator[Any]:
+def _until_stop(produce: Callable[[int], Any]) -> Generator[Any, None, None]:
     """``produce(0), produce(1), ...`` until it raises StopIteration (synchronous streams)."""
     for task in itertools.count():
         try:

@@ -8,10 +8,13 @@ import json
 import os
 import sys
 import time
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from mlx_train import rundir
 from mlx_train.training.callbacks import Callback
+
+if TYPE_CHECKING:
+    from mlx_train.training.trainer import Trainer
 
 
 def _fmt(value: Any) -> str:
@@ -53,11 +56,11 @@ class ProgressBar(Callback):
     def __init__(self, stream: TextIO | None = None, live: bool | None = None) -> None:
         self.stream = stream or sys.stdout
         self.live = self.stream.isatty() if live is None else live
-        self._progress = None
-        self._task = None
+        self._progress: Any = None  # a rich Progress while live
+        self._task: Any = None
         self._epoch_start = time.perf_counter()
 
-    def on_fit_start(self, trainer) -> None:
+    def on_fit_start(self, trainer: Trainer) -> None:
         if not self.live:
             return
         from rich.console import Console
@@ -72,17 +75,18 @@ class ProgressBar(Callback):
         self._task = self._progress.add_task("train", total=trainer.total_steps, epoch=1, info="",
                                              completed=trainer.step)
 
-    def on_epoch_start(self, trainer, epoch: int) -> None:
+    def on_epoch_start(self, trainer: Trainer, epoch: int) -> None:
         self._epoch_start = time.perf_counter()
 
-    def on_report(self, trainer, logs: dict[str, Any]) -> None:
+    def on_report(self, trainer: Trainer, logs: dict[str, Any]) -> None:
         if self._progress is not None:
-            info = f"loss {logs['loss']:.4f}  lr {logs['learning_rate']:.2e}  {logs['samples_per_second']:.0f} samples/s"
+            info = (f"loss {logs['loss']:.4f}  lr {logs['learning_rate']:.2e}  "
+                    f"{logs['samples_per_second']:.0f} samples/s")
             self._progress.update(self._task, completed=logs["step"], epoch=logs["epoch"] + 1, info=info)
         else:
             print(format_report(logs), file=self.stream, flush=True)
 
-    def on_epoch_end(self, trainer, epoch: int, logs: dict[str, Any]) -> None:
+    def on_epoch_end(self, trainer: Trainer, epoch: int, logs: dict[str, Any]) -> None:
         line = format_epoch(epoch, trainer.epochs, logs, time.perf_counter() - self._epoch_start)
         if self._progress is not None:
             self._progress.update(self._task, completed=trainer.step)
@@ -90,10 +94,10 @@ class ProgressBar(Callback):
         else:
             print(line, file=self.stream, flush=True)
 
-    def on_fit_end(self, trainer, history: dict[str, Any]) -> None:
+    def on_fit_end(self, trainer: Trainer, history: dict[str, Any]) -> None:
         self._stop()
 
-    def on_exception(self, trainer, error: BaseException) -> None:
+    def on_exception(self, trainer: Trainer, error: BaseException) -> None:
         self._stop()
 
     def _stop(self) -> None:
@@ -122,7 +126,7 @@ class MetricsLogger(Callback):
         self._rows: list[dict[str, Any]] = []
         self._columns: list[str] = []
 
-    def on_fit_start(self, trainer) -> None:
+    def on_fit_start(self, trainer: Trainer) -> None:
         os.makedirs(self.run_dir, exist_ok=True)
         config = getattr(trainer, "config", None)
         if config is not None:  # the config this run actually uses, for the monitor and for people
@@ -160,13 +164,13 @@ class MetricsLogger(Callback):
         writer.writerows(self._rows)
         rundir.atomic_write(self.csv_path, text.getvalue(), durable=False)
 
-    def on_report(self, trainer, logs: dict[str, Any]) -> None:
+    def on_report(self, trainer: Trainer, logs: dict[str, Any]) -> None:
         self._write("train", logs)
 
-    def on_validation_end(self, trainer, logs: dict[str, Any]) -> None:
+    def on_validation_end(self, trainer: Trainer, logs: dict[str, Any]) -> None:
         self._write("val", logs)
 
-    def on_epoch_end(self, trainer, epoch: int, logs: dict[str, Any]) -> None:
+    def on_epoch_end(self, trainer: Trainer, epoch: int, logs: dict[str, Any]) -> None:
         self._write("epoch", {"step": trainer.step, "epoch": epoch, **logs})
 
 

@@ -139,7 +139,7 @@ class Loss:
     def __init__(self, loss_fn: Callable[..., Any] | None = None) -> None:
         self.loss_fn = loss_fn
         self.model_style = loss_fn is not None and takes_model_first(loss_fn)
-        self.unpack = self.model_style and _positional_count(loss_fn) > 2
+        self.unpack = self.model_style and _positional_count(loss_fn) > 2  # type: ignore[arg-type]  # model_style: set
         self.name = getattr(loss_fn, "__name__", type(loss_fn).__name__) if loss_fn else "cross_entropy"
 
     def __call__(self, model: nn.Module, batch: Any) -> tuple[mx.array, mx.array, mx.array | None]:
@@ -149,7 +149,7 @@ class Loss:
         outputs = model(parts.inputs)
         fn = self.loss_fn or cross_entropy_loss
         try:
-            value = fn(outputs, parts.targets)
+            value = fn(outputs, parts.targets)  # type: ignore[arg-type]  # no targets: fails here, a DataError
         except (TypeError, ValueError) as e:
             raise DataError(
                 f"loss '{self.name}' was called as loss_fn(predictions, targets) and failed: {e}. "
@@ -167,9 +167,12 @@ class Loss:
         mean, n = _masked_mean(value.astype(mx.float32), parts.mask)
         return mean, n, outputs
 
-    def _call_model_style(self, model: nn.Module, batch: Any):
+    def _call_model_style(self, model: nn.Module, batch: Any) -> tuple[mx.array, mx.array, mx.array | None]:
         try:
-            out = self.loss_fn(model, *batch) if self.unpack and isinstance(batch, (tuple, list)) else self.loss_fn(model, batch)
+            # model_style implies a loss_fn: it is never None here.
+            out = (self.loss_fn(model, *batch)  # type: ignore[misc]
+                   if self.unpack and isinstance(batch, (tuple, list))
+                   else self.loss_fn(model, batch))  # type: ignore[misc]
         except (TypeError, ValueError) as e:
             raise DataError(
                 f"loss '{self.name}' was called as loss_fn(model, batch) (its first parameter is named "

@@ -34,7 +34,7 @@ import contextlib
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 
@@ -103,7 +103,7 @@ def any_rank(flag: bool, group: Any = None) -> bool:
     if group is None or group.size() == 1:
         return bool(flag)
     votes = mx.distributed.all_sum(mx.array(1 if flag else 0, dtype=mx.int32), group=group, stream=mx.cpu)
-    return bool(votes.item() > 0)
+    return bool(votes.item() > 0)  # type: ignore[operator]  # an int32 scalar
 
 
 #: Steps of each batch shape (and settings) that keep the state to undo them: the first run
@@ -113,10 +113,10 @@ WARMUP = 2
 
 def _shape(batch: Any) -> tuple[Any, ...]:
     """The shape of a batch's first array: steps of the same shape need the same memory."""
-    return (next(iter(batch.values())) if isinstance(batch, dict) else batch[0]).shape
+    return cast("tuple[Any, ...]", (next(iter(batch.values())) if isinstance(batch, dict) else batch[0]).shape)
 
 
-def _slots(tree: Any, out: list[Any]) -> list:
+def _slots(tree: Any, out: list[Any]) -> list[Any]:
     """``(container, key)`` of every array in the step state, in a fixed order (``mx.random.state`` is
     not a list: its key is saved apart)."""
     items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, list) else ()
@@ -158,6 +158,9 @@ class MemoryGuard:
         state.running = guard(state, batch)
     """
 
+    #: The in-step callbacks its steps were built with (set by the Trainer that builds it).
+    extensions: tuple[Any, ...]
+
     def __init__(self, build: Callable[[int, bool], Any], accumulation: int, policy: MemoryPolicy,
                  group: Any = None, log: Callable[[str], None] = print, settings: dict[str, Any] | None = None) -> None:
         settings = settings or {}
@@ -197,8 +200,8 @@ class MemoryGuard:
                     raise
                 raise self._not_undoable(state, str(error)) from error
             self._tight = mx.get_peak_memory() > self._tight_above
-            return result
-        saved, key = [container[name] for container, name in self._slots], mx.random.state[0]
+            return cast("dict[str, Any]", result)
+        saved, key = [container[name] for container, name in self._slots], mx.random.state[0]  # type: ignore[index]
         try:
             result, failure = self._attempt(state, batch)
             while failure is not None:
@@ -213,7 +216,7 @@ class MemoryGuard:
             raise
         self._runs[shape] = self._runs.get(shape, 0) + 1
         self._tight = mx.get_peak_memory() > self._tight_above
-        return result
+        return result  # type: ignore[return-value]  # not None: the loop ends on a step that ran
 
     def _attempt(self, state: Any, batch: Any) -> tuple[dict[str, Any] | None, str | None]:
         """Run the step once: ``(running, None)``, or ``(None, why)`` when it ran out of memory here or,
@@ -245,7 +248,7 @@ class MemoryGuard:
         """(any rank over its budget, any rank out of memory): one small all_sum across the group."""
         votes = mx.distributed.all_sum(mx.array([int(over), int(failed)], dtype=mx.int32),
                                        group=self.group, stream=mx.cpu).tolist()
-        return votes[0] > 0, votes[1] > 0
+        return votes[0] > 0, votes[1] > 0  # type: ignore[index,operator]  # a list of two ints
 
     # -- settings -----------------------------------------------------------------------
 
@@ -296,7 +299,7 @@ class MemoryGuard:
         same = len(current) == len(self._slots) and all(
             a[0] is b[0] and a[1] == b[1] for a, b in zip(current, self._slots, strict=False))
         if not same and not strict:
-            set_rng_key(key.tolist())
+            set_rng_key(key.tolist())  # type: ignore[arg-type]  # a uint32 key: a list of ints
             return
         if not same:
             raise OutOfMemoryError(
@@ -305,7 +308,7 @@ class MemoryGuard:
                 "smaller batch_size (or set memory_limit so the Trainer adapts before running out)")
         for (container, name), value in zip(self._slots, saved, strict=False):
             container[name] = value
-        set_rng_key(key.tolist())  # mx.random.state is not a list: reseed to the same key
+        set_rng_key(key.tolist())  # type: ignore[arg-type]  # mx.random.state is not a list: reseed to the same key
 
     def _shrink(self, state: Any, batch: Any, reason: str, kept: bool = False) -> None:
         """Take the next step down: half the micro-batch, else checkpointing, else fail."""

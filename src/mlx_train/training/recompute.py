@@ -40,7 +40,7 @@ def _checkpointed_class(cls: type) -> type:
     if cls not in _SUBCLASSES:
         original = cls.__call__
 
-        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
             def forward(params: Any, *inner_args: Any, **inner_kwargs: Any) -> Any:
                 self.update(params)
                 return original(self, *inner_args, **inner_kwargs)

@@ -34,7 +34,7 @@ RUNNING_KEYS = ("loss_sum", "items")
 
 def rng_key() -> list[int]:
     """The global MLX PRNG key as two Python ints."""
-    return [int(v) for v in mx.random.state[0].tolist()]
+    return [int(v) for v in mx.random.state[0].tolist()]  # type: ignore[index]  # a list; stubs say object
 
 
 def set_rng_key(key: list[int]) -> None:
@@ -70,7 +70,7 @@ def assign_leaves(tree: Any, flat: dict[str, mx.array]) -> None:
             node[last] = value
 
 
-def check_keys(path: str, group: str, saved: dict[str, Any], expected: dict) -> None:
+def check_keys(path: str, group: str, saved: dict[str, Any], expected: dict[str, Any]) -> None:
     """Raise a CheckpointError when names or shapes of ``saved`` differ from ``expected``."""
     missing = sorted(set(expected) - set(saved))
     unknown = sorted(set(saved) - set(expected))
@@ -140,7 +140,8 @@ class LoopState:
     # -- checkpoints ----------------------------------------------------------------------
 
     def capture(self, model: Any, optimizer: Any, loader: Any, callbacks: Any, config: Any,
-                running: dict[str, float], world_size: int = 1) -> tuple[dict[str, dict[str, mx.array]], dict[str, Any]]:
+                running: dict[str, float],
+                world_size: int = 1) -> tuple[dict[str, dict[str, mx.array]], dict[str, Any]]:
         """Return (arrays by group, JSON state). ``running`` holds the epoch's sums over every rank."""
         from mlx_train import __version__
 
@@ -172,11 +173,13 @@ class LoopState:
             "callbacks": cb_json,
             "config": config.to_dict(),
             "world_size": world_size,
-            "versions": {"mlx_train": __version__, "mlx": mx.__version__, "python": platform.python_version()},
+            "versions": {"mlx_train": __version__,
+                         "mlx": mx.__version__,  # type: ignore[attr-defined]  # not in the stubs
+                         "python": platform.python_version()},
         }
         return arrays, state
 
-    def restore(self, path: str, arrays: dict[str, Any], state: dict, model: Any, optimizer: Any, loader: Any,
+    def restore(self, path: str, arrays: dict[str, Any], state: dict[str, Any], model: Any, optimizer: Any, loader: Any,
                 callbacks: Any, rank: int = 0) -> None:
         """Put a captured state back, in place. Off rank 0 the running sums start at zero (rank 0's
         hold the sums over every rank)."""
