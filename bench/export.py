@@ -19,11 +19,14 @@ import time
 from pathlib import Path
 
 import mlx_train  # noqa: F401  (loads the optimized BLAS before mlx.core)
+
+# isort: split
+
 import mlx.core as mx
 import numpy as np
 
-from mlx_train.export import export, random_inputs
 from mlx_train.builtin.models import build_model
+from mlx_train.export import export, random_inputs
 
 
 def _llama():

@@ -26,10 +26,10 @@ import mlx.optimizers as optim
 import numpy as np
 
 from mlx_train.builtin.datasets import load_dataset
+from mlx_train.builtin.models import build_model
 from mlx_train.device import format_bytes
 from mlx_train.memory import HEADROOM, MemoryOptimizer
 from mlx_train.memory.calibrate import measure_step, take_samples
-from mlx_train.builtin.models import build_model
 from mlx_train.training import Trainer
 
 # name: (dataset, model, model options, micro-batches to plan for)

@@ -18,7 +18,6 @@ from helpers_checkpoint_kill import arrays_for
 
 import mlx_train.checkpointing.manager as manager_module
 import mlx_train.checkpointing.storage as storage_module
-from helpers_checkpoint_kill import arrays_for
 from mlx_train.checkpointing import CheckpointManager, CheckpointWarning, load_checkpoint
 from mlx_train.errors import CheckpointError, ConfigError
 

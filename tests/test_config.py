@@ -326,8 +326,8 @@ def test_hyper_parameters_the_optimizer_does_not_use_are_errors(tmp_path):
 
 @pytest.mark.parametrize("value", ["0", "-1e-3"])
 def test_learning_rate_must_be_positive(tmp_path, value):
-    with pytest.raises(ConfigError, match=r"custom.yaml:2: optimizer.learning_rate must be above 0, got -?0.0*1?: a rate "
-                                          r"of 0 never changes the weights"):
+    with pytest.raises(ConfigError, match=r"custom.yaml:2: optimizer.learning_rate must be above 0, got -?0.0*1?: "
+                                          r"a rate of 0 never changes the weights"):
         load(tmp_path, f"optimizer:\n  learning_rate: {value}\n")
     with pytest.raises(ConfigError, match=r"TrainConfig.learning_rate must be above 0"):
         TrainConfig(learning_rate=float(value))

@@ -12,11 +12,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_train.cli.main import main
 from mlx_train import processes
+from mlx_train.cli.main import main
 from mlx_train.distributed import registry
-from mlx_train.launch.supervisor import RecoveryPolicy, supervise
 from mlx_train.errors import DistributedError
+from mlx_train.launch.supervisor import RecoveryPolicy, supervise
 
 # Every test here launches several ranks.
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]

@@ -16,20 +16,19 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from mlx_train import DistributedConfig, TrainConfig
+from mlx_train import DistributedConfig, TrainConfig, processes
 from mlx_train.cli.main import main
-from mlx_train import processes
 from mlx_train.distributed import registry
 from mlx_train.distributed.backends import check_strategy, choose_backend, passthrough_env
 from mlx_train.distributed.checksum import mismatching_ranks
 from mlx_train.distributed.hostfile import Host, Hostfile
 from mlx_train.distributed.rank import RankMonitor
+from mlx_train.errors import ConfigError, DistributedError
 from mlx_train.launch import describe_cluster, reset_distributed
 from mlx_train.launch.network import check_host, verdict
 from mlx_train.launch.supervisor import Cause, _best, _exit_cause
 from mlx_train.rundir import atomic_write_json as write_json_atomic
 from mlx_train.rundir import heartbeat_path as rank_file
-from mlx_train.errors import ConfigError, DistributedError
 from mlx_train.training import DistributedTrainer, Trainer
 
 

@@ -8,11 +8,11 @@ import onnxruntime as ort
 import pytest
 from mlx import nn
 
+from mlx_train.builtin.models import MLP, CharTransformerLM, SmallCNN
 from mlx_train.cli.main import main
 from mlx_train.export import ExportError, export, random_inputs
 from mlx_train.export.graph import Primitive, Trace
 from mlx_train.export.onnx import to_onnx
-from mlx_train.builtin.models import MLP, CharTransformerLM, SmallCNN
 
 
 def llama():

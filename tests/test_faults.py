@@ -3,7 +3,6 @@ process on one run, failed and damaged checkpoints. Each test fails without the 
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import warnings
@@ -298,7 +297,8 @@ def test_resume_refuses_when_every_checkpoint_is_damaged(tmp_path):
     trainer = Trainer(_mlp(), optim.SGD(0.1), batch_size=8, num_workers=0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with pytest.raises(CheckpointError, match="every checkpoint in .* is incomplete or damaged.*nothing was deleted"):
+        with pytest.raises(CheckpointError,
+                           match="every checkpoint in .* is incomplete or damaged.*nothing was deleted"):
             trainer.train((np.zeros((64, 4), np.float32), np.zeros(64, np.int32)), epochs=1,
                           checkpoint_dir=str(tmp_path), resume="auto")
     assert sorted(p for p in os.listdir(tmp_path) if p.startswith("step-")) == names

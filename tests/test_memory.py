@@ -9,10 +9,10 @@ import pytest
 from mlx.utils import tree_flatten
 
 from mlx_train import ConfigError, MemoryOptimizer, TrainConfig
-from mlx_train.cli.main import main as cli
 from mlx_train.builtin.datasets import load_dataset
-from mlx_train.memory import HEADROOM, MemoryModel, MemoryPlan, optimizer_slots, plan_memory
 from mlx_train.builtin.models import build_model
+from mlx_train.cli.main import main as cli
+from mlx_train.memory import HEADROOM, MemoryModel, MemoryPlan, optimizer_slots
 from mlx_train.training.recompute import is_checkpointed
 from mlx_train.training.state import rng_key
 

@@ -8,8 +8,8 @@ import pytest
 from mlx.utils import tree_flatten
 
 from mlx_train.builtin.datasets import load_dataset
-from mlx_train.errors import ConfigError, DataError
 from mlx_train.builtin.models import MLP, CharTransformerLM, SmallCNN, available_models, build_model
+from mlx_train.errors import ConfigError, DataError
 
 DIGITS_INFO = {"task": "classification", "in_dims": 64, "num_classes": 10, "image_shape": (8, 8, 1)}
 TEXT_INFO = {"task": "language_modeling", "vocab_size": 50, "block_size": 16}

@@ -9,8 +9,8 @@ from mlx.utils import tree_flatten
 
 from mlx_train import ConfigError
 from mlx_train.builtin.datasets import load_dataset
-from mlx_train.memory.calibrate import measure_step
 from mlx_train.builtin.models import TransformerBlock, build_model
+from mlx_train.memory.calibrate import measure_step
 from mlx_train.training import Trainer
 from mlx_train.training.recompute import (
     disable_gradient_checkpointing,

@@ -51,7 +51,7 @@ def test_accumulation_weights_micro_batches_by_their_items(compile):
     batch = _batch()
     whole, state_whole = _run(1, batch, compile)
     parts, state_parts = _run(2, batch, compile)
-    for (_, a), (_, b) in zip(tree_flatten(whole.parameters()), tree_flatten(parts.parameters())):
+    for (_, a), (_, b) in zip(tree_flatten(whole.parameters()), tree_flatten(parts.parameters()), strict=False):
         np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-6, atol=1e-7)
     # A plain mean of the two micro-batch gradients would weight the 1-item half like the 4-item half.
     naive = _model()

@@ -9,6 +9,8 @@ Example::
 
 from __future__ import annotations
 
+from typing import Any
+
 # The optimized BLAS must be loaded before anything imports mlx.core (Linux CPU; see _blas.py).
 from mlx_train import _blas
 
@@ -37,7 +39,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     if name in _LAZY:
         import importlib
 

@@ -28,6 +28,7 @@ import platform
 import sys
 import sysconfig
 import warnings
+from typing import Any, cast
 
 ENV_VAR = "MLX_TRAIN_BLAS"
 _DISABLED = {"0", "off", "false", "no", "none"}
@@ -36,7 +37,7 @@ REFERENCE = "MLX's bundled reference BLAS"
 
 # What preload() did: the library it loaded (or None) and, when it loaded none, why. Only the
 # first call acts, so the "imported too late" warning is given once.
-_state: dict = {"attempted": False, "loaded": None, "handle": None, "reason": None}
+_state: dict[str, Any] = {"attempted": False, "loaded": None, "handle": None, "reason": None}
 
 
 class _DlInfo(ctypes.Structure):
@@ -117,7 +118,7 @@ def _global_provider() -> str | None:
     return _library_path(None, function) or "unknown library"
 
 
-def _library_path(name: str | None, function=None) -> str | None:
+def _library_path(name: str | None, function: Any = None) -> str | None:
     """File that defines ``function`` (or ``cblas_sgemm`` of library ``name``), via dladdr."""
     try:
         if function is None:
@@ -126,7 +127,7 @@ def _library_path(name: str | None, function=None) -> str | None:
         libc.dladdr.argtypes = [ctypes.c_void_p, ctypes.POINTER(_DlInfo)]
         info = _DlInfo()
         if libc.dladdr(ctypes.cast(function, ctypes.c_void_p), ctypes.byref(info)) and info.dli_fname:
-            return os.path.realpath(info.dli_fname.decode())
+            return cast(str, os.path.realpath(info.dli_fname.decode()))
     except (OSError, AttributeError):
         pass
     return None
@@ -172,7 +173,7 @@ def _openblas_details(path: str) -> tuple[str | None, str | None, int | None]:
         return None, None, None
 
 
-def blas_info() -> dict:
+def blas_info() -> dict[str, Any]:
     """Which BLAS MLX's float32 matmuls use in this process, as a JSON-able dict.
 
     Keys: ``optimized`` (bool), ``library`` (path or None), ``name`` (e.g. "OpenBLAS 0.3.21"),
@@ -181,7 +182,7 @@ def blas_info() -> dict:
     ``mapped`` (BLAS files in ``/proc/self/maps``).
     """
     mapped = mapped_blas_libraries()
-    info: dict = {"optimized": False, "library": None, "name": REFERENCE, "config": None, "core": None,
+    info: dict[str, Any] = {"optimized": False, "library": None, "name": REFERENCE, "config": None, "core": None,
                   "threads": None, "loaded_by": None, "reason": _state["reason"], "mapped": mapped}
     if sys.platform == "darwin":
         info.update(optimized=True, name="Apple Accelerate", reason=None)
@@ -211,5 +212,5 @@ def describe() -> str:
         threads = f"{info['threads']} threads" if info["threads"] else "threads unknown"
         return f"{info['name']} ({arch}{threads}): {info['library']}"
     if info["optimized"]:
-        return info["name"]
+        return cast(str, info["name"])
     return f"{REFERENCE} (slow float32 matmuls: {info['reason']})"

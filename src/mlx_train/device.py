@@ -184,7 +184,7 @@ class DeviceConfig:
         if self.device == "cpu" or (self.device == "auto" and gpu is None):
             return "cpu"
         if self.device == "auto":
-            return gpu
+            return gpu  # type: ignore[return-value]  # not None: the branch above returned
         wanted = gpu if self.device == "gpu" else self.device
         if wanted is None or not backends.get(wanted):
             raise DeviceError(
@@ -207,7 +207,8 @@ class DeviceConfig:
 
     def device_memory(self) -> int | None:
         """Bytes to plan a run with: ``memory_limit`` when set, else what the device has available."""
-        return self.memory_limit or device_info(self.backend, blas=False).memory
+        # memory_limit is a byte count once check_fields has converted it.
+        return self.memory_limit or device_info(self.backend, blas=False).memory  # type: ignore[return-value]
 
     def apply(self) -> None:
         """Make the device the default and set the memory, cache and wired limits."""
@@ -215,11 +216,11 @@ class DeviceConfig:
 
         mx.set_default_device(self.resolve())
         if self.memory_limit is not None:
-            mx.set_memory_limit(self.memory_limit)
+            mx.set_memory_limit(self.memory_limit)  # type: ignore[arg-type]  # bytes after check_fields
         if self.cache_limit is not None:
-            mx.set_cache_limit(self.cache_limit)
+            mx.set_cache_limit(self.cache_limit)  # type: ignore[arg-type]  # bytes after check_fields
         if self.wired_limit is not None and self.backend == "metal":
-            mx.set_wired_limit(self.wired_limit)
+            mx.set_wired_limit(self.wired_limit)  # type: ignore[arg-type]  # bytes after check_fields
 
     def describe(self) -> str:
         """One line: the device, its name and memory, and the limit in force."""
@@ -228,5 +229,5 @@ class DeviceConfig:
         info = self.info()
         limit = self.memory_limit or mx.get_memory_limit()
         parts = [info.name, format_bytes(info.memory_total) if info.memory_total else "",
-                 f"memory limit {format_bytes(limit)}"]
+                 f"memory limit {format_bytes(limit)}"]  # type: ignore[arg-type]  # bytes after check_fields
         return f"{info.backend} ({', '.join(p for p in parts if p)})"

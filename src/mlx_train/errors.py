@@ -19,7 +19,7 @@ Example::
 from __future__ import annotations
 
 import difflib
-from typing import Iterable
+from collections.abc import Iterable
 
 
 class MLXTrainError(Exception):

@@ -16,7 +16,8 @@ config is loaded; this module only imports them (``mlx_train.config`` never impo
 from __future__ import annotations
 
 import inspect
-from typing import TYPE_CHECKING, Callable, Union
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from mlx_train.config import OPTIMIZERS, SCHEDULES, TrainConfig
 from mlx_train.errors import ConfigError, did_you_mean
@@ -29,7 +30,7 @@ __all__ = ["OPTIMIZERS", "SCHEDULES", "build_optimizer", "build_schedule"]
 Schedule = Callable[["mlx.core.array"], "mlx.core.array"]
 
 
-def build_schedule(config: TrainConfig) -> Union[float, Schedule]:
+def build_schedule(config: TrainConfig) -> float | Schedule:
     """The learning rate for ``config``: a float, or a schedule of the optimizer step.
 
     ``lr_schedule`` (if set) is ``mlx.optimizers.<lr_schedule>(learning_rate, *lr_schedule_args)``;
@@ -46,7 +47,7 @@ def build_schedule(config: TrainConfig) -> Union[float, Schedule]:
     import mlx.optimizers as optim
 
     rate = float(config.learning_rate)
-    schedule: Union[float, Schedule] = rate
+    schedule: float | Schedule = rate
     if config.lr_schedule is not None:
         name = config.lr_schedule
         if name not in SCHEDULES:
@@ -72,7 +73,7 @@ def build_schedule(config: TrainConfig) -> Union[float, Schedule]:
     return schedule
 
 
-def build_optimizer(config: TrainConfig) -> "mlx.optimizers.Optimizer":
+def build_optimizer(config: TrainConfig) -> mlx.optimizers.Optimizer:
     """The ``mlx.optimizers`` optimizer named by ``config.optimizer``, with its learning rate.
 
     Passes each class only the hyper-parameters it uses (see ``OPTIMIZERS``): ``betas=[beta1,
@@ -99,4 +100,5 @@ def build_optimizer(config: TrainConfig) -> "mlx.optimizers.Optimizer":
     kwargs = {keywords[key]: values[keywords[key]] for key in uses}
     if name == "adafactor":
         kwargs["relative_step"] = False
-    return getattr(optim, class_name)(learning_rate=build_schedule(config), **kwargs)
+    optimizer: optim.Optimizer = getattr(optim, class_name)(learning_rate=build_schedule(config), **kwargs)
+    return optimizer

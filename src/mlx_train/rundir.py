@@ -38,7 +38,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeGuard
 
 from mlx_train.errors import ConfigError
 
@@ -60,28 +60,28 @@ SUPERVISOR_LOG = "supervisor.log"
 RUN_MARKERS = (METRICS_FILE, CONFIG_FILE)
 
 
-def heartbeat_path(run_dir: str | os.PathLike, rank: int) -> Path:
+def heartbeat_path(run_dir: str | os.PathLike[str], rank: int) -> Path:
     """``heartbeat_path("runs/a", 1) == Path("runs/a/heartbeat-1.json")``"""
     return Path(run_dir) / f"{HEARTBEAT_PREFIX}{rank}.json"
 
 
-def rank_log_path(run_dir: str | os.PathLike, rank: int) -> Path:
+def rank_log_path(run_dir: str | os.PathLike[str], rank: int) -> Path:
     """``runs/a/logs/rank-<rank>.log``: a rank's stdout and stderr."""
     return Path(run_dir) / LOGS_DIR / f"rank-{rank}.log"
 
 
-def distributed_dir(run_dir: str | os.PathLike) -> Path:
+def distributed_dir(run_dir: str | os.PathLike[str]) -> Path:
     """``runs/a/distributed``: the supervisor's files."""
     return Path(run_dir) / DISTRIBUTED_DIR
 
 
-def run_dir_of(directory: str | os.PathLike) -> Path:
+def run_dir_of(directory: str | os.PathLike[str]) -> Path:
     """The run directory of ``directory``, which is the run directory or its ``distributed/`` folder."""
     path = Path(directory)
     return path.parent if path.name == DISTRIBUTED_DIR else path
 
 
-def looks_like_run(path: str | os.PathLike) -> bool:
+def looks_like_run(path: str | os.PathLike[str]) -> bool:
     """True when ``path`` is a directory with a metrics file, a config or a heartbeat."""
     p = Path(path)
     return p.is_dir() and (any((p / m).exists() for m in RUN_MARKERS) or any(p.glob(HEARTBEAT_GLOB)))
@@ -111,7 +111,7 @@ def choose_run_dir(config: Any, resume: str | None, runs_root: str = "runs") -> 
 
 
 # ---------------------------------------------------------------------------------- atomic writes
-def atomic_write(path: str | os.PathLike, data: bytes | str, durable: bool = True) -> None:
+def atomic_write(path: str | os.PathLike[str], data: bytes | str, durable: bool = True) -> None:
     """Replace the local file ``path`` with ``data`` so that a reader sees the old or the new file, never half.
 
     Written to a temporary file in the same directory, flushed to disk (``fsync``), then renamed
@@ -139,12 +139,12 @@ def atomic_write(path: str | os.PathLike, data: bytes | str, durable: bool = Tru
         raise
 
 
-def atomic_write_json(path: str | os.PathLike, data: Any, durable: bool = True) -> None:
+def atomic_write_json(path: str | os.PathLike[str], data: Any, durable: bool = True) -> None:
     """``atomic_write`` of ``data`` as JSON."""
     atomic_write(path, json.dumps(data), durable)
 
 
-def read_json(path: str | os.PathLike) -> Any | None:
+def read_json(path: str | os.PathLike[str]) -> Any | None:
     """The JSON in ``path``, or None when it is missing or unreadable (a reader never fails on it)."""
     try:
         return json.loads(Path(path).read_text(encoding="utf-8"))
@@ -190,10 +190,10 @@ class HeartbeatRecord:
     total_steps: int | None = None
     run_id: str | None = None
     attempt: int = 0
-    waiting: dict | None = None
+    waiting: dict[str, Any] | None = None
     error: str | None = None
     error_type: str | None = None
-    extra: dict = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.state not in STATES:
@@ -217,7 +217,7 @@ class HeartbeatRecord:
         return {**self.extra, **data}
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> HeartbeatRecord:
+    def from_json(cls, data: Any) -> HeartbeatRecord:
         """Parse a heartbeat file's object; ConfigError when it is not one."""
         if not isinstance(data, dict) or not isinstance(data.get("rank"), int):
             raise ConfigError(f"not a heartbeat (an object with an integer 'rank'): {str(data)[:100]}")
@@ -228,7 +228,7 @@ class HeartbeatRecord:
 _FIELDS = tuple(f.name for f in dataclasses.fields(HeartbeatRecord) if f.name != "extra")
 
 
-def read_heartbeats(run_dir: str | os.PathLike | None) -> dict[int, HeartbeatRecord]:
+def read_heartbeats(run_dir: str | os.PathLike[str] | None) -> dict[int, HeartbeatRecord]:
     """Every readable heartbeat of ``run_dir`` by rank (a file being replaced or foreign is skipped)."""
     found: dict[int, HeartbeatRecord] = {}
     if run_dir is None or not Path(run_dir).is_dir():
@@ -267,7 +267,7 @@ def is_stale(beat: HeartbeatRecord, now: float, minimum: float) -> bool:
     return beat.live and now - float(beat.time) > stale_limit(beat, minimum)
 
 
-def _is_number(value: Any) -> bool:
+def _is_number(value: Any) -> TypeGuard[float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
@@ -287,7 +287,7 @@ class HeartbeatWriter:
     _writers: ClassVar[dict[Path, HeartbeatWriter]] = {}
     _registry_lock: ClassVar[threading.Lock] = threading.Lock()
 
-    def __init__(self, run_dir: str | os.PathLike, rank: int) -> None:
+    def __init__(self, run_dir: str | os.PathLike[str], rank: int) -> None:
         import socket
 
         self.path = heartbeat_path(run_dir, rank)
@@ -296,7 +296,7 @@ class HeartbeatWriter:
         self._lock = threading.Lock()
 
     @classmethod
-    def of(cls, run_dir: str | os.PathLike, rank: int) -> HeartbeatWriter:
+    def of(cls, run_dir: str | os.PathLike[str], rank: int) -> HeartbeatWriter:
         """The writer of ``heartbeat-<rank>.json`` in ``run_dir`` for this process (one per file)."""
         path = heartbeat_path(run_dir, rank).resolve()
         with cls._registry_lock:
@@ -337,7 +337,7 @@ _log_state: dict[str, Any] = {"file": None, "path": None}
 _log_lock = threading.Lock()
 
 
-class _ConsoleHandler(logging.StreamHandler):
+class _ConsoleHandler(logging.StreamHandler[Any]):
     """Writes to whatever ``sys.stdout`` is at the time (so redirections made later are honoured)."""
 
     def __init__(self) -> None:
@@ -365,7 +365,7 @@ def get_logger() -> logging.Logger:
     return logger
 
 
-def attach_run_log(run_dir: str | os.PathLike) -> Path:
+def attach_run_log(run_dir: str | os.PathLike[str]) -> Path:
     """Send the ``mlx_train`` logger's messages to ``<run_dir>/train.log`` too (replacing an earlier run's file)."""
     path = (Path(run_dir) / LOG_FILE).resolve()
     logger = get_logger()
@@ -396,7 +396,7 @@ class _SameRun(logging.Filter):
         return owner == self.run_dir
 
 
-def log_message(run_dir: str | os.PathLike | None, message: str) -> None:
+def log_message(run_dir: str | os.PathLike[str] | None, message: str) -> None:
     """Print a run's message and, with a ``run_dir``, append it to ``<run_dir>/train.log`` (via ``logging``).
 
     Example: ``log_message("runs/a", "resumed from runs/a/checkpoints/step-00000200")``

@@ -39,8 +39,8 @@ from mlx.utils import tree_flatten
 
 import mlx_train.checkpointing.manager as manager_module
 from mlx_train import TrainConfig
-from mlx_train.checkpointing import CheckpointManager
 from mlx_train.builtin.models import MLP, CharTransformerLM, SmallCNN
+from mlx_train.checkpointing import CheckpointManager
 from mlx_train.optim import build_optimizer
 from mlx_train.training import Callback, Trainer
 

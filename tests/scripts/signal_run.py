@@ -10,6 +10,9 @@ import os
 import signal
 
 import mlx_train  # noqa: F401  (before mlx.core: BLAS preload)
+
+# isort: split
+
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten

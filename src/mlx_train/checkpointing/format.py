@@ -17,13 +17,16 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Any
 
 import mlx.core as mx
 
-from mlx_train.checkpointing.storage import MANIFEST, open_store, split_location
+from mlx_train.checkpointing.storage import MANIFEST, FsspecStore, LocalStore, open_store, split_location
 from mlx_train.errors import CheckpointError
+
+_Store = LocalStore | FsspecStore  # what open_store returns
 
 FORMAT = "mlx-train-checkpoint"
 FORMAT_VERSION = 1
@@ -43,7 +46,7 @@ class CheckpointInfo:
 
     step: int
     path: str
-    metrics: dict = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)
     saved_at: float = 0.0
 
     def metric(self, name: str) -> float | None:
@@ -78,7 +81,7 @@ def _manifest_problem(manifest: object) -> str | None:
     return None
 
 
-def read_manifest(store, name: str) -> dict:
+def read_manifest(store: _Store, name: str) -> dict[str, Any]:
     """Read and check ``name/manifest.json``; raise Torn saying what is wrong."""
     if TMP_DIR.match(name):
         raise Torn("is a temporary directory left by an interrupted save, not a checkpoint (safe to delete)")
@@ -90,7 +93,7 @@ def read_manifest(store, name: str) -> dict:
             raise Torn("is a file, not a checkpoint directory")
         raise Torn("does not exist")
     try:
-        manifest = json.loads(store.read_bytes(rel))
+        manifest: dict[str, Any] = json.loads(store.read_bytes(rel))
     except ValueError as error:
         raise Torn(f"has an unreadable {MANIFEST} ({error}; damaged file?)", MANIFEST) from None
     problem = _manifest_problem(manifest)
@@ -102,7 +105,7 @@ def read_manifest(store, name: str) -> dict:
     return manifest
 
 
-def check_files(store, name: str, manifest: dict, files: Iterable[str] | None = None,
+def check_files(store: _Store, name: str, manifest: dict[str, Any], files: Iterable[str] | None = None,
                 verify_hashes: bool = True) -> None:
     """Check that the files listed in the manifest exist with their recorded size (and sha256)."""
     records = manifest["files"]
@@ -126,13 +129,13 @@ def _corrupt(fname: str) -> str:
     return f"has a corrupt {fname} (its sha256 does not match {MANIFEST}: damaged on disk or in a copy?)"
 
 
-def info_from(store, name: str, manifest: dict) -> CheckpointInfo:
+def info_from(store: _Store, name: str, manifest: dict[str, Any]) -> CheckpointInfo:
     match = STEP_DIR.match(name)
     return CheckpointInfo(int(match.group(1)) if match else int(manifest["step"]), store.url(name),
                           dict(manifest.get("metrics") or {}), float(manifest.get("saved_at", 0.0)))
 
 
-def scan(store) -> tuple[list[str], list[str]]:
+def scan(store: _Store) -> tuple[list[str], list[str]]:
     """Return (checkpoint directory names, leftover temporary directory names)."""
     entries = store.listdir()
     return [n for n in entries if STEP_DIR.match(n)], [n for n in entries if TMP_DIR.match(n)]
@@ -141,7 +144,8 @@ def scan(store) -> tuple[list[str], list[str]]:
 OnTorn = Callable[[str, Torn], None]
 
 
-def survey(store, on_torn: OnTorn | None = None, exclude: Iterable[str] = ()) -> list[tuple[str, dict]]:
+def survey(store: _Store, on_torn: OnTorn | None = None,
+           exclude: Iterable[str] = ()) -> list[tuple[str, dict[str, Any]]]:
     """(name, manifest) of checkpoints whose manifest reads and whose files have the right sizes.
 
     Ordered by save time, then step: after resuming from an older checkpoint, the new run's
@@ -161,7 +165,7 @@ def survey(store, on_torn: OnTorn | None = None, exclude: Iterable[str] = ()) ->
     return sorted(found, key=lambda item: (float(item[1].get("saved_at", 0.0)), item[1]["step"]))
 
 
-def newest_complete(store, exclude: Iterable[str] = (), on_torn: OnTorn | None = None) -> CheckpointInfo | None:
+def newest_complete(store: _Store, exclude: Iterable[str] = (), on_torn: OnTorn | None = None) -> CheckpointInfo | None:
     """The most recently saved checkpoint that passes every check, sha256 included."""
     for name, manifest in reversed(survey(store, on_torn, exclude)):
         try:
@@ -173,7 +177,7 @@ def newest_complete(store, exclude: Iterable[str] = (), on_torn: OnTorn | None =
     return None
 
 
-def explain(store, name: str, reason: str, fallback_store=None) -> str:
+def explain(store: _Store, name: str, reason: str, fallback_store: _Store | None = None) -> str:
     """The full error message: what is wrong with which checkpoint, and which one to resume from."""
     fallback_store = fallback_store or store
     message = f"checkpoint {store.url(name)} {reason}"
@@ -186,7 +190,7 @@ def explain(store, name: str, reason: str, fallback_store=None) -> str:
     return f"{message}; there is no complete checkpoint in {fallback_store.display}: start without --resume"
 
 
-def validate_checkpoint(path: str, fallback_store=None) -> CheckpointInfo:
+def validate_checkpoint(path: str, fallback_store: _Store | None = None) -> CheckpointInfo:
     """Fully check the checkpoint at ``path`` (sha256 included); raise CheckpointError if it is unusable.
 
     ``fallback_store`` is where the error message looks for a complete checkpoint to suggest
@@ -202,7 +206,8 @@ def validate_checkpoint(path: str, fallback_store=None) -> CheckpointInfo:
     return info_from(store, name, manifest)
 
 
-def load_checkpoint(path: str, groups: Iterable[str] | None = None) -> tuple[dict[str, dict[str, mx.array]], dict]:
+def load_checkpoint(path: str,
+                    groups: Iterable[str] | None = None) -> tuple[dict[str, dict[str, mx.array]], dict[str, Any]]:
     """Load ``(arrays by group, state)`` from a checkpoint directory or URL, checking every checksum.
 
     ``groups`` limits which array groups are read (e.g. ``["model"]`` for evaluation).
@@ -226,7 +231,7 @@ def load_checkpoint(path: str, groups: Iterable[str] | None = None) -> tuple[dic
         files = [f"{g}.safetensors" for g in wanted] + [STATE_FILE]
         check_files(store, name, manifest, files, verify_hashes=False)  # sizes now, hashes while reading
         arrays = {}
-        for group, fname in zip(wanted, files):
+        for group, fname in zip(wanted, files, strict=False):
             try:
                 arrays[group] = store.read_safetensors(f"{name}/{fname}", manifest["files"][fname]["sha256"])
             except ValueError:

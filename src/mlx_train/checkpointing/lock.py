@@ -89,11 +89,12 @@ class RunLock:
                 f"{self.what} {self.directory} is already used by another training run in this process; wait for it "
                 "to finish, or give this run its own directory")
         started = holder.get("started")
-        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)) if isinstance(started, (int, float)) else "?"
+        since = (time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)) if isinstance(started, (int, float))
+                 else "?")
         raise CheckpointError(
-            f"{self.what} {self.directory} is in use by another run: pid {pid} on host {host} (since {since}). Two runs "
-            f"on one directory overwrite each other's checkpoints. Use another directory, or stop that run; if it is "
-            f"gone (e.g. its machine died), delete {self.path}")
+            f"{self.what} {self.directory} is in use by another run: pid {pid} on host {host} (since {since}). "
+            "Two runs on one directory overwrite each other's checkpoints. Use another directory, or stop that run; "
+            f"if it is gone (e.g. its machine died), delete {self.path}")
 
     def _holder(self) -> dict[str, Any]:
         try:

@@ -11,24 +11,36 @@ Example::
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
-import sys
-import math
 import shutil
+import sys
 import threading
 import time
 import uuid
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
 from mlx_train.checkpointing.format import (
-    FORMAT, FORMAT_VERSION, STATE_FILE, STEP_DIR, TMP_DIR, CheckpointInfo, Torn, info_from,
-    newest_complete, scan, step_name, survey, validate_checkpoint,
+    FORMAT,
+    FORMAT_VERSION,
+    STATE_FILE,
+    STEP_DIR,
+    TMP_DIR,
+    CheckpointInfo,
+    Torn,
+    info_from,
+    newest_complete,
+    scan,
+    step_name,
+    survey,
+    validate_checkpoint,
 )
 from mlx_train.checkpointing.storage import MANIFEST, open_store, split_location
 from mlx_train.config import metric_direction
@@ -47,7 +59,7 @@ class _Job:
     tmp: str
     arrays: dict[str, dict[str, mx.array]]
     state_json: bytes
-    metrics: dict
+    metrics: dict[str, Any]
 
 
 def _pause_point(point: str, where: str) -> None:
@@ -85,7 +97,7 @@ def _exists(path: str) -> bool:
     return store.isdir(name) or store.size(name) is not None
 
 
-def _plain(value, where: str):
+def _plain(value: Any, where: str) -> Any:
     """``value`` as JSON-able Python (tuples -> lists, scalar arrays -> numbers), or CheckpointError."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
@@ -103,12 +115,12 @@ def _plain(value, where: str):
                           "strings, lists and dicts in state and pass arrays in the arrays argument")
 
 
-def _snapshot(arrays) -> dict[str, dict[str, mx.array]]:
+def _snapshot(arrays: Any) -> dict[str, dict[str, mx.array]]:
     """Check the groups and copy the dicts (not the arrays: mx arrays are immutable)."""
     if not isinstance(arrays, dict):
         raise CheckpointError(f"arrays must be a dict of group name -> {{name: mx.array}}, got "
                               f"{type(arrays).__name__}: e.g. {{'model': dict(tree_flatten(model.parameters()))}}")
-    snapshot = {}
+    snapshot: dict[str, dict[str, mx.array]] = {}
     for group, flat in arrays.items():
         if not isinstance(group, str) or not GROUP_NAME.match(group):
             raise CheckpointError(f"array group name {group!r} cannot be a file name: use letters, digits, _ . -")
@@ -118,7 +130,7 @@ def _snapshot(arrays) -> dict[str, dict[str, mx.array]]:
         snapshot[group] = {}
         for key, value in flat.items():
             if isinstance(value, (np.ndarray, np.generic)):
-                value = mx.array(value)
+                value = mx.array(value)  # type: ignore[arg-type]  # mlx accepts numpy arrays and scalars
             if not isinstance(key, str) or not isinstance(value, mx.array):
                 raise CheckpointError(f"arrays[{group!r}][{key!r}] is a {type(value).__name__}; each group must map "
                                       "str names to mx.array (plain numbers belong in state)")
@@ -175,14 +187,14 @@ class CheckpointManager:
         self.async_save = async_save
         self._store = open_store(directory)
         self._executor: ThreadPoolExecutor | None = None
-        self._pending: Future | None = None
+        self._pending: Future[Any] | None = None
         self._inflight: str | None = None  # temporary directory of the save in flight: not a leftover
         self._lock = threading.Lock()  # directory scans never interleave with a commit or a deletion
         self._reported: set[str] = set()
 
     # ------------------------------------------------------------------ saving
-    def save(self, step: int, arrays: dict[str, dict[str, mx.array]], state: dict,
-             metrics: dict | None = None) -> str:
+    def save(self, step: int, arrays: dict[str, dict[str, mx.array]], state: dict[str, Any],
+             metrics: dict[str, Any] | None = None) -> str:
         """Save a checkpoint of ``step`` and return its path; returns before writing when async.
 
         Validation and the JSON encoding of ``state`` happen now, so later changes to the
@@ -227,10 +239,10 @@ class CheckpointManager:
                 self._executor.shutdown(wait=True)
                 self._executor = None
 
-    def __enter__(self) -> "CheckpointManager":
+    def __enter__(self) -> CheckpointManager:
         return self
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
     def _write(self, job: _Job) -> None:
@@ -244,7 +256,8 @@ class CheckpointManager:
             records[STATE_FILE] = store.write_bytes(f"{job.tmp}/{STATE_FILE}", job.state_json)
             _pause_point(STATE_FILE, store.url(job.tmp))
             manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "step": job.step,
-                        "saved_at": time.time(), "metrics": job.metrics, "mlx_version": mx.__version__,
+                        "saved_at": time.time(), "metrics": job.metrics,
+                        "mlx_version": mx.__version__,  # type: ignore[attr-defined]  # not in the stubs
                         "files": {name: {"size": r.size, "sha256": r.sha256} for name, r in records.items()}}
             store.write_bytes(f"{job.tmp}/{MANIFEST}", json.dumps(manifest, indent=1).encode())
             _pause_point(MANIFEST, store.url(job.tmp))
@@ -285,9 +298,11 @@ class CheckpointManager:
             return
         complete = [info_from(store, name, manifest) for name, manifest in survey(store)]
         scored = [info for info in complete if info.metric(self.monitor) is not None
-                  and math.isfinite(info.metric(self.monitor))]  # a NaN is never "best"
+                  # metric() was checked for None just before; a NaN is never "best"
+                  and math.isfinite(info.metric(self.monitor))]  # type: ignore[arg-type]
         sign = 1.0 if self.mode == "min" else -1.0
-        scored.sort(key=lambda info: (sign * info.metric(self.monitor), info.step))  # ties: the older one
+        # ties: the older one (every metric in scored is a number)
+        scored.sort(key=lambda info: (sign * info.metric(self.monitor), info.step))  # type: ignore[operator]
         last = complete[-self.keep_last:] if self.keep_last else []
         keep = {info.path for info in complete[-1:] + last + scored[: self.keep_best]}
         for info in complete:

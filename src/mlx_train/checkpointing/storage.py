@@ -21,6 +21,7 @@ import os
 import shutil
 import uuid
 from dataclasses import dataclass
+from typing import Any, cast
 
 import mlx.core as mx
 
@@ -39,7 +40,7 @@ class FileRecord:
     sha256: str
 
 
-def open_store(location: str) -> "LocalStore | FsspecStore":
+def open_store(location: str) -> LocalStore | FsspecStore:
     """Return the store for a local path or an fsspec URL (fsspec is imported only for URLs)."""
     if not location.endswith("://"):
         location = location.rstrip("/") or "/"
@@ -163,7 +164,7 @@ class LocalStore:
         """Load arrays after checking the file's sha256 (ValueError when it differs)."""
         if self.sha256(rel) != sha256:
             raise ValueError("sha256 mismatch")
-        arrays = mx.load(self.local(rel), format="safetensors")
+        arrays = cast("dict[str, mx.array]", mx.load(self.local(rel), format="safetensors"))
         mx.eval(arrays)  # read now: a later retention pass may delete the file
         return arrays
 
@@ -190,7 +191,7 @@ class LocalStore:
 _OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"}
 
 
-def check_bucket(fs, root: str) -> None:
+def check_bucket(fs: Any, root: str) -> None:
     """Raise FileNotFoundError when ``root`` is on an object store whose bucket does not exist.
 
     s3fs and gcsfs create a missing bucket on ``makedirs``: a misspelt bucket name would
@@ -209,7 +210,7 @@ def check_bucket(fs, root: str) -> None:
 class FsspecStore:
     """A directory behind an fsspec URL; the manifest, written last, marks a checkpoint complete."""
 
-    def __init__(self, display: str, fs, root: str) -> None:
+    def __init__(self, display: str, fs: Any, root: str) -> None:
         self.display = display
         self.fs = fs
         self.root = root.rstrip("/")
@@ -230,7 +231,7 @@ class FsspecStore:
         return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
 
     def isdir(self, rel: str) -> bool:
-        return self.fs.isdir(self._p(rel))
+        return cast(bool, self.fs.isdir(self._p(rel)))
 
     def size(self, rel: str) -> int | None:
         try:
@@ -245,7 +246,7 @@ class FsspecStore:
         self.fs.makedirs(self._p(rel), exist_ok=True)
 
     def read_bytes(self, rel: str) -> bytes:
-        return self.fs.cat_file(self._p(rel))
+        return cast(bytes, self.fs.cat_file(self._p(rel)))
 
     def sha256(self, rel: str) -> str:
         return hashlib.sha256(self.read_bytes(rel)).hexdigest()
@@ -264,7 +265,7 @@ class FsspecStore:
         data = self.read_bytes(rel)  # one download, hashed and parsed
         if hashlib.sha256(data).hexdigest() != sha256:
             raise ValueError("sha256 mismatch")
-        arrays = mx.load(io.BytesIO(data), format="safetensors")
+        arrays = cast("dict[str, mx.array]", mx.load(io.BytesIO(data), format="safetensors"))
         mx.eval(arrays)
         return arrays
 

@@ -34,8 +34,17 @@ is written under a section or differs from its default.
 """
 
 from mlx_train.config.options import Every, Option, option, parse_bytes, parse_every, same_as
-from mlx_train.config.train import (BACKEND_CHOICES, BACKENDS, HYPER_PARAMETERS, OPTIMIZERS, SCHEDULES, SECTIONS,
-                                    FieldHelp, TrainConfig, metric_direction)
+from mlx_train.config.train import (
+                                    BACKEND_CHOICES,
+                                    BACKENDS,
+                                    HYPER_PARAMETERS,
+                                    OPTIMIZERS,
+                                    SCHEDULES,
+                                    SECTIONS,
+                                    FieldHelp,
+                                    TrainConfig,
+                                    metric_direction,
+)
 
 __all__ = ["BACKENDS", "BACKEND_CHOICES", "Every", "FieldHelp", "HYPER_PARAMETERS", "OPTIMIZERS", "Option",
            "SCHEDULES", "SECTIONS", "TrainConfig", "metric_direction", "option", "parse_bytes", "parse_every",

@@ -14,20 +14,21 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any, cast
 
 import yaml
 
 from mlx_train.config.options import Invalid, Option, convert, default_of, first_problem
 from mlx_train.errors import ConfigError, did_you_mean
 
-Fields = Mapping[str, dataclasses.Field]
+Fields = Mapping[str, dataclasses.Field[Any]]
 # section -> {key: (field name, converter of the key's value or None)}
 Routes = dict[str, dict[str, tuple[str, Callable[[Any], Any] | None]]]
 
 
-def _spec(f: dataclasses.Field) -> Option:
-    return f.metadata["option"]
+def _spec(f: dataclasses.Field[Any]) -> Option:
+    return cast(Option, f.metadata["option"])
 
 
 def routes(fields: Fields, sections: tuple[str, ...]) -> Routes:
@@ -43,7 +44,7 @@ def routes(fields: Fields, sections: tuple[str, ...]) -> Routes:
     return table
 
 
-def read(path: str | os.PathLike, fields: Fields, sections: tuple[str, ...]) -> dict[str, Any]:
+def read(path: str | os.PathLike[str], fields: Fields, sections: tuple[str, ...]) -> dict[str, Any]:
     """The checked field values a YAML file sets; an empty file sets none."""
     source = os.fspath(path)
     try:
@@ -59,18 +60,18 @@ def _where(source: str, line: int | None) -> str:
     return f"{source}:{line}" if line else source
 
 
-def _parse(text: str, source: str, sections: tuple[str, ...]) -> tuple[Any, dict[tuple, int]]:
+def _parse(text: str, source: str, sections: tuple[str, ...]) -> tuple[Any, dict[tuple[Any, ...], int]]:
     """Parse YAML keeping the line of each top-level and section key (from the composed nodes)."""
-    lines: dict[tuple, int] = {}
+    lines: dict[tuple[Any, ...], int] = {}
     loader = yaml.SafeLoader(text)
     try:
         root = loader.get_single_node()
         if root is None:
             return {}, lines
 
-        def mapping(node: yaml.MappingNode, prefix: tuple) -> dict:
+        def mapping(node: yaml.MappingNode, prefix: tuple[Any, ...]) -> dict[str, Any]:
             loader.flatten_mapping(node)  # resolve "<<:" merge keys
-            result: dict = {}
+            result: dict[str, Any] = {}
             for key_node, value_node in node.value:
                 key = loader.construct_object(key_node, deep=True)
                 line = key_node.start_mark.line + 1
@@ -125,7 +126,7 @@ class _Values:
         return self.origins.get(name) or self.option_origins.get(name) or (name, None)
 
 
-def build(data: Any, source: str, lines: dict[tuple, int], fields: Fields,
+def build(data: Any, source: str, lines: dict[tuple[Any, ...], int], fields: Fields,
           sections: tuple[str, ...]) -> dict[str, Any]:
     """Map sections, keys and aliases onto fields and check every value with its location.
 
@@ -232,7 +233,7 @@ def sectioned(values: Mapping[str, Any], fields: Fields, sections: tuple[str, ..
     return {section: keys for section, keys in out.items() if keys}
 
 
-def write(path: str | os.PathLike, data: Mapping[str, Any], header: str) -> None:
+def write(path: str | os.PathLike[str], data: Mapping[str, Any], header: str) -> None:
     """Write ``data`` as YAML under a one-line comment ``header``."""
     with open(path, "w", encoding="utf-8") as file:
         file.write(f"# {header}\n")

@@ -23,8 +23,9 @@ import copy
 import dataclasses
 import math
 import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, cast
 
 from mlx_train.errors import ConfigError, did_you_mean
 
@@ -87,19 +88,19 @@ def same_as(owner: type, name: str) -> Any:
     return field(default=source.default, metadata=metadata)
 
 
-def options(cls_or_obj: Any) -> dict[str, dataclasses.Field]:
+def options(cls_or_obj: Any) -> dict[str, dataclasses.Field[Any]]:
     """The fields of a dataclass that carry an ``Option``, by name, in declaration order."""
     return {f.name: f for f in dataclasses.fields(cls_or_obj) if "option" in f.metadata}
 
 
-def default_of(f: dataclasses.Field) -> Any:
+def default_of(f: dataclasses.Field[Any]) -> Any:
     """A fresh copy of the default of ``f``."""
     if f.default is not dataclasses.MISSING:
         return f.default
     return f.default_factory()  # type: ignore[operator]  # a field has one or the other
 
 
-def kind_of(f: dataclasses.Field) -> tuple[str, bool]:
+def kind_of(f: dataclasses.Field[Any]) -> tuple[str, bool]:
     """``("int", True)`` for ``int | None``: the base type name and whether None is allowed."""
     text = str(f.type)
     return text.split("|")[0].strip(), "None" in text
@@ -121,7 +122,7 @@ def number(value: Any) -> float | None:
     return None
 
 
-def convert(f: dataclasses.Field, value: Any) -> Any:
+def convert(f: dataclasses.Field[Any], value: Any) -> Any:
     """Check and normalise one value of field ``f``; raises ``Invalid`` saying what is wrong."""
     spec: Option = f.metadata["option"]
     kind, optional = kind_of(f)
@@ -179,12 +180,12 @@ def _of_kind(kind: str, optional: bool, value: Any) -> Any:
     return value
 
 
-def is_set(f: dataclasses.Field, value: Any) -> bool:
+def is_set(f: dataclasses.Field[Any], value: Any) -> bool:
     """Whether ``value`` differs from the default of ``f`` (set on purpose, as far as a dataclass knows)."""
-    return value != default_of(f)
+    return cast(bool, value != default_of(f))
 
 
-def first_problem(fields: Mapping[str, dataclasses.Field], values: Mapping[str, Any],
+def first_problem(fields: Mapping[str, dataclasses.Field[Any]], values: Mapping[str, Any],
                   explicit: set[str] | frozenset[str] = frozenset()) -> tuple[str, str] | None:
     """``(field, problem)`` from the first ``check`` that fails, else None.
 
@@ -270,7 +271,7 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
-def byte_count(value: Any) -> Any:
+def byte_count(value: Any) -> int | None:
     """``parse`` of a byte-count field: ``"8GB" -> 8_000_000_000``; None and numbers pass; raises ``Invalid``."""
     if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)):
         return None if value is None else int(value)

@@ -11,13 +11,24 @@ import copy
 import dataclasses
 import os
 import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Any, NamedTuple
 
 from mlx_train.config import files
-from mlx_train.config.options import (Invalid, byte_count, cadence, check_fields, convert, default_of,
-                                      first_problem, kind_of, option, options)
+from mlx_train.config.options import (
+    Invalid,
+    byte_count,
+    cadence,
+    check_fields,
+    convert,
+    default_of,
+    first_problem,
+    kind_of,
+    option,
+    options,
+)
 from mlx_train.errors import ConfigError, did_you_mean
 
 # name -> (mlx.optimizers class, the TrainConfig hyper-parameters it uses: beta1 and beta2 become
@@ -104,7 +115,7 @@ def _used_by_optimizer(name: str) -> Callable[[Any, Mapping[str, Any]], str | No
     return check
 
 
-def _schedule_needed(value: list, values: Mapping[str, Any]) -> str | None:
+def _schedule_needed(value: list[Any], values: Mapping[str, Any]) -> str | None:
     if value and values["lr_schedule"] is None:
         return (f"is set but lr_schedule is null: also set lr_schedule (one of {', '.join(SCHEDULES)}) "
                 "or remove lr_schedule_args")
@@ -196,7 +207,8 @@ class TrainConfig:
                                             "the loss; typical values are 1e-4 to 1e-2")
     lr_schedule: str | None = in_optimizer(None, "Learning-rate schedule from mlx.optimizers after the warmup "
                                               "(null: constant learning_rate).", choices=tuple(SCHEDULES))
-    lr_schedule_args: list = in_optimizer([], "Arguments of lr_schedule after the initial rate, e.g. "
+    # Bare list/dict: options.kind_of and the config help read the annotation text ("list", "dict") at runtime.
+    lr_schedule_args: list = in_optimizer([], "Arguments of lr_schedule after the initial rate, e.g. "  # type: ignore[type-arg]
                                            "[10000, 1e-5] for cosine_decay (decay_steps, end).",
                                        check=_schedule_needed)
     warmup_steps: int = in_optimizer(0, "Optimizer steps of linear warmup from warmup_init to learning_rate "
@@ -238,7 +250,7 @@ class TrainConfig:
     gradient_checkpointing: bool = in_memory(False, "Recompute the activations of repeated blocks in the backward "
                                                  "pass (mx.checkpoint): less memory, about a third more "
                                                  "compute; which blocks: checkpoint_modules.")
-    checkpoint_modules: list = in_memory([], "Blocks gradient_checkpointing recomputes: dotted paths to a module "
+    checkpoint_modules: list = in_memory([], "Blocks gradient_checkpointing recomputes: dotted paths to a module "  # type: ignore[type-arg]
                                           "or a list of modules, e.g. ['encoder.layers'] (empty: model.layers).")
     memory_limit: int | None = in_memory(None, "Memory budget per device, bytes or a size like '8GB': a step whose "
                                             "peak memory goes over it counts as out of memory (null: no budget; "
@@ -278,12 +290,12 @@ class TrainConfig:
     shuffle: bool = in_data(True, "Shuffle the training data each epoch (the order follows seed and epoch).")
     drop_last: bool = in_data(True, "Drop the last incomplete training batch of each epoch "
                                  "(keeps one batch shape for the compiled step).")
-    dataset_options: dict = in_data({}, "Options of the built-in dataset (YAML: the other keys of data:).",
+    dataset_options: dict = in_data({}, "Options of the built-in dataset (YAML: the other keys of data:).",  # type: ignore[type-arg]
                                  other_keys=True)
 
     # ----- model: the built-in model -----
     model: str = in_model("mlp", "Built-in model the CLI trains (YAML: model.name).", key="name")
-    model_options: dict = in_model({}, "Keyword arguments of the built-in model (YAML: the other keys of model:).",
+    model_options: dict = in_model({}, "Keyword arguments of the built-in model (YAML: the other keys of model:).",  # type: ignore[type-arg]
                                 other_keys=True)
 
     def __post_init__(self) -> None:
@@ -291,7 +303,7 @@ class TrainConfig:
 
     # ----- building -----
     @classmethod
-    def from_yaml(cls, path: str | os.PathLike) -> TrainConfig:
+    def from_yaml(cls, path: str | os.PathLike[str]) -> TrainConfig:
         """Load a YAML file, sectioned (see ``mlx_train.config``) or flat; an empty file gives the defaults.
 
         Errors name the file and line: ``custom.yaml:5: unknown key 'batch_sise' in section
@@ -327,7 +339,7 @@ class TrainConfig:
         unused = HYPER_PARAMETERS - set(OPTIMIZERS[self.optimizer][1])
         return files.sectioned(self.to_dict(), options(self), SECTIONS, leave_out=unused)
 
-    def to_yaml(self, path: str | os.PathLike) -> None:
+    def to_yaml(self, path: str | os.PathLike[str]) -> None:
         """Write the config by sections; ``from_yaml`` reads it back to an equal config."""
         files.write(path, self.sections(), "mlx-train configuration (TrainConfig), by section")
 

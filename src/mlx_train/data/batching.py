@@ -15,8 +15,9 @@ none) and ``arrange(order, lengths, rng, batch_size, world_size, drop_last)
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -143,7 +144,7 @@ class LengthBucketing:
         self.lengths = lengths
         self.window = window
 
-    def describe(self) -> dict:
+    def describe(self) -> dict[str, Any]:
         return {"name": "LengthBucketing", "window": self.window}
 
     def arrange(
@@ -190,7 +191,7 @@ class TokenBudget:
         self.multiple = int(multiple)
         self.window = window
 
-    def describe(self) -> dict:
+    def describe(self) -> dict[str, Any]:
         return {"name": "TokenBudget", "max_tokens": self.max_tokens, "multiple": self.multiple,
                 "window": self.window}
 

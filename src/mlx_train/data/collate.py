@@ -22,7 +22,8 @@ Rules of :func:`pad_collate` (and so of :func:`default_collate`):
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, cast
 
 import mlx.core as mx
 import numpy as np
@@ -146,18 +147,18 @@ def _is_sequence(value: Any) -> bool:
 
 def _np_dtype(value: Any) -> np.dtype:
     if isinstance(value, np.ndarray):
-        return value.dtype
+        return cast("np.dtype[Any]", value.dtype)
     name = str(value.dtype).rsplit(".", 1)[-1]
     return np.dtype(name) if name not in ("bfloat16",) else np.dtype(np.float32)
 
 
-def _wants_pad(value: Any, name: str | int, pad: set | None) -> bool:
+def _wants_pad(value: Any, name: str | int, pad: set[Any] | None) -> bool:
     if pad is None:
         return _is_sequence(value)
     return name in pad
 
 
-def _field(sample: Any, key: str | int, i: int, label: str, where: list, width: int = 0) -> Any:
+def _field(sample: Any, key: str | int, i: int, label: str, where: list[Any], width: int = 0) -> Any:
     """Fetch one field, with an error naming the sample when it does not match the first."""
     try:
         if isinstance(key, int) and len(sample) != width:
@@ -179,7 +180,7 @@ def _describe(sample: Any) -> str:
     return f"a {type(sample).__name__}"
 
 
-def _stack(values: Sequence[Any], what: str, label: str, where: list) -> np.ndarray:
+def _stack(values: Sequence[Any], what: str, label: str, where: list[Any]) -> np.ndarray:
     arrays = [np.asarray(v) if not _is_mx(v) else _mx_to_np(v) for v in values]
     shape = arrays[0].shape
     if arrays[0].dtype.kind in "USO":
@@ -205,7 +206,7 @@ def _mx_to_np(value: Any) -> np.ndarray:
 
 
 def _pad(
-    values: Sequence[Any], multiple: int, pad_value: int, what: str, label: str, where: list
+    values: Sequence[Any], multiple: int, pad_value: int, what: str, label: str, where: list[Any]
 ) -> tuple[np.ndarray, np.ndarray]:
     seqs = [np.asarray(v) if not _is_mx(v) else _mx_to_np(v) for v in values]
     for i, s in enumerate(seqs):
@@ -217,7 +218,7 @@ def _pad(
     lengths = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=len(seqs))
     dtype = np.int32 if all(s.dtype.kind in "iub" for s in seqs) else np.float32
     out = np.full((len(seqs), round_up(lengths.max(), multiple)), pad_value, dtype=dtype)
-    for row, s in zip(out, seqs):
+    for row, s in zip(out, seqs, strict=False):
         row[: len(s)] = s
     mask = np.arange(out.shape[1]) < lengths[:, None]
     return out, mask
@@ -235,5 +236,5 @@ def to_mx(batch: Batch) -> Batch:
     if isinstance(batch, dict):
         return {k: to_mx(v) for k, v in batch.items()}
     if isinstance(batch, (np.ndarray, *_SCALARS)):
-        return mx.array(batch)
+        return mx.array(batch)  # type: ignore[arg-type]  # mlx accepts numpy arrays and scalars
     return batch

@@ -9,7 +9,8 @@ arithmetic on index lists, never by reading and discarding samples.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
+from typing import Any, cast
 
 import mlx.core as mx
 import numpy as np
@@ -66,7 +67,7 @@ class DataLoader:
         num_workers: int = 4,
         drop_last: bool = False,
         seed: int = 0,
-        collate_fn: Callable[[list], Batch] | None = None,
+        collate_fn: Callable[[list[Any]], Batch] | None = None,
         batching: Any = None,
     ) -> None:
         if isinstance(dataset, DataLoader):
@@ -75,7 +76,7 @@ class DataLoader:
                        drop_last=drop_last, seed=seed, collate_fn=collate_fn, batching=batching)
         self._setup(make_source(dataset), options)
 
-    def _setup(self, source: Any, options: dict) -> None:
+    def _setup(self, source: Any, options: dict[str, Any]) -> None:
         self._source = source
         self._dataset = options["dataset"]
         self._batch_size = _check_int(options["batch_size"], "batch_size", 1, "32")
@@ -83,7 +84,7 @@ class DataLoader:
         self._seed = _check_int(options["seed"], "seed", 0, "0")
         self._shuffle = bool(options["shuffle"])
         self._drop_last = bool(options["drop_last"])
-        self._collate_fn = options["collate_fn"]
+        self._collate_fn: Callable[[list[Any]], Batch] | None = options["collate_fn"]
         self._batching = options["batching"]
         if self._collate_fn is not None and not callable(self._collate_fn):
             raise DataError(f"collate_fn must be a function of a list of samples, got {self._collate_fn!r}")
@@ -106,7 +107,7 @@ class DataLoader:
         self._rank, self._world_size = 0, 1
         self._epoch, self._position = 0, 0
         self._cursor = StreamCursor(source) if isinstance(source, IterableSource) else None
-        self._plan_cache: tuple[tuple, EpochPlan] | None = None
+        self._plan_cache: tuple[tuple[Any, ...], EpochPlan] | None = None
 
     # ---------------------------------------------------------------- properties
     @property
@@ -165,14 +166,14 @@ class DataLoader:
         return self._batching
 
     @property
-    def collate_fn(self) -> Callable[[list], Batch] | None:
+    def collate_fn(self) -> Callable[[list[Any]], Batch] | None:
         """The collate function, or None for the default."""
         return self._collate_fn
 
     @property
     def num_samples(self) -> int | None:
         """The number of samples in the dataset (None for an iterable)."""
-        return self._source.num_samples
+        return cast("int | None", self._source.num_samples)
 
     def __repr__(self) -> str:
         return (f"DataLoader({self._source.kind}, num_samples={self.num_samples}, "
@@ -204,13 +205,13 @@ class DataLoader:
             )
         return plan
 
-    def arrays(self) -> tuple | dict | None:
+    def arrays(self) -> tuple[Any, ...] | dict[str, Any] | None:
         """The dataset's arrays (numpy, all samples) when it is array-backed, else None: lets a caller check
         the whole dataset once instead of every batch."""
         source = self._source
         if not isinstance(source, ArraySource):
             return None
-        return tuple(source.arrays) if source.keys is None else dict(zip(source.keys, source.arrays))
+        return tuple(source.arrays) if source.keys is None else dict(zip(source.keys, source.arrays, strict=False))
 
     def __len__(self) -> int:
         """Batches per epoch (global batches; each rank yields this many)."""
@@ -255,15 +256,17 @@ class DataLoader:
             # The hot path (digits-sized arrays): one fancy-index + one conversion per array.
             arrays, keys, order = source.arrays, source.keys, plan.order
             starts, stops = plan.starts, plan.stops
+            batch: Batch
             for k in range(start, stop):
                 index = order[starts[k]:stops[k]] if order is not None else slice(starts[k], stops[k])
                 if keys is None:
                     batch = tuple([mx.array(a[index]) for a in arrays])
                 else:
-                    batch = {key: mx.array(a[index]) for key, a in zip(keys, arrays)}
+                    batch = {key: mx.array(a[index]) for key, a in zip(keys, arrays, strict=False)}
                 self._position = k + 1  # advances when a batch is yielded, not when it is prefetched
                 yield batch
         else:
+            batches: Generator[Batch, None, None]
             if self._num_workers == 0:
                 batches = (to_mx(self._collate(plan, k)) for k in range(start, stop))
             else:
@@ -285,7 +288,7 @@ class DataLoader:
         if self._num_workers == 0:
             return False
         row_bytes = sum(a[:1].nbytes for a in self._source.arrays)
-        return row_bytes * self._batch_size >= _THREAD_MIN_BATCH_BYTES
+        return cast(bool, row_bytes * self._batch_size >= _THREAD_MIN_BATCH_BYTES)
 
     def _collate(self, plan: EpochPlan, k: int) -> Batch:
         """Batch k as numpy arrays (runs on a worker thread when num_workers > 0)."""
@@ -296,10 +299,10 @@ class DataLoader:
         samples = self._source.samples(index)
         if self._collate_fn is not None:
             return self._collate_fn(samples)
-        where = range(s, e) if plan.order is None else index.tolist()
+        where = range(s, e) if plan.order is None else index.tolist()  # type: ignore[union-attr]  # an array here
         return pad_collate(samples, indices=where)
 
-    def _prefetched(self, plan: EpochPlan, start: int, stop: int) -> Iterator[Batch]:
+    def _prefetched(self, plan: EpochPlan, start: int, stop: int) -> Generator[Batch, None, None]:
         results = prefetch(lambda task: self._collate(plan, start + task), stop - start, self._num_workers)
         try:
             for batch in results:
@@ -309,7 +312,7 @@ class DataLoader:
 
     def _iter_stream(self) -> Iterator[Batch]:
         """Consecutive items of an iterable, ``batch_size * world_size`` per global batch."""
-        cursor = self._cursor
+        cursor: StreamCursor = self._cursor  # type: ignore[assignment]  # set for every iterable source
         geometry = (self._batch_size, self._rank, self._world_size, self._drop_last)
         for batch, count, state in cursor.batches(self._epoch, self._position, geometry, self._collate_fn,
                                                   self._num_workers):
@@ -343,7 +346,7 @@ class DataLoader:
         if not isinstance(self._source, IterableSource):
             self._position = self._locate(offset, "change the number of ranks here")
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         """The loader's position and the options that define its order (JSON-able)."""
         state = {
             "format": STATE_FORMAT, "kind": self._source.kind, "epoch": self._epoch,
@@ -356,7 +359,7 @@ class DataLoader:
             state["iterable_state"] = self._cursor.state
         return state
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state`` (from :meth:`state_dict`) by arithmetic; nothing is read.
 
         The batch size and number of ranks may differ from the saved ones as long
@@ -395,10 +398,10 @@ class DataLoader:
                 "only at epoch ends"
             )
         self._position = position
-        self._cursor.reset()
-        self._cursor.offset, self._cursor.state = offset, state.get("iterable_state")  # used by the next iter
+        self._cursor.reset()  # type: ignore[union-attr]  # an iterable source: the cursor is set
+        self._cursor.offset, self._cursor.state = offset, state.get("iterable_state")  # type: ignore[union-attr]
 
-    def replace(self, **changes: Any) -> "DataLoader":
+    def replace(self, **changes: Any) -> DataLoader:
         """A new loader with the same dataset and options except ``changes``, at the same place.
 
         Epoch, shard and position carry over; the position is kept in samples, so
@@ -420,7 +423,7 @@ class DataLoader:
         if new_data:
             return new
         if isinstance(self._source, IterableSource):
-            new._position, new._cursor = self._position, self._cursor.copy()
+            new._position, new._cursor = self._position, self._cursor.copy()  # type: ignore[union-attr]  # iterable
         else:
             new._position = new._locate(self._offset_now(), "keep the position in replace()")
         return new

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
+from typing import Any
 
 __all__ = ["prefetch", "THREAD_PREFIX"]
 
@@ -32,7 +33,7 @@ class _Failure:
 def _work(
     produce: Callable[[int], Any],
     tasks: range | Iterator[int],
-    out: queue.Queue,
+    out: queue.Queue[Any],
     stop: threading.Event,
 ) -> None:
     for task in tasks:
@@ -56,7 +57,7 @@ def _work(
 
 def prefetch(
     produce: Callable[[int], Any], num_tasks: int | None, num_workers: int, depth: int = 2
-) -> Iterator[Any]:
+) -> Generator[Any, None, None]:
     """Yield ``produce(0), produce(1), ...`` computed ahead on ``num_workers`` threads.
 
     ``num_tasks=None`` means "until ``produce`` raises StopIteration" and needs a
@@ -70,7 +71,7 @@ def prefetch(
     if num_tasks is None and num_workers != 1:
         raise ValueError("an unbounded task stream needs exactly one worker")
     stop = threading.Event()
-    queues = [queue.Queue(maxsize=depth) for _ in range(num_workers)]
+    queues: list[queue.Queue[Any]] = [queue.Queue(maxsize=depth) for _ in range(num_workers)]
     threads = []
     for w in range(num_workers):
         tasks: Any = range(w, num_tasks, num_workers) if num_tasks is not None else _count()

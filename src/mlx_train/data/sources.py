@@ -12,7 +12,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, cast
 
 import numpy as np
 
@@ -62,18 +63,18 @@ class ArraySource:
 
     kind = "arrays"
 
-    def __init__(self, arrays: tuple | list | Mapping[str, Any]) -> None:
+    def __init__(self, arrays: tuple[Any, ...] | list[Any] | Mapping[str, Any]) -> None:
         if isinstance(arrays, Mapping):
             self.keys: list[str] | None = [str(k) for k in arrays]
             names = [f"'{k}'" for k in arrays]
-            self.arrays = [_to_numpy(v, n) for v, n in zip(arrays.values(), names)]
+            self.arrays = [_to_numpy(v, n) for v, n in zip(arrays.values(), names, strict=False)]
         else:
             self.keys = None
             names = [f"{i} of the tuple" for i in range(len(arrays))]
-            self.arrays = [_to_numpy(v, n) for v, n in zip(arrays, names)]
+            self.arrays = [_to_numpy(v, n) for v, n in zip(arrays, names, strict=False)]
         if not self.arrays:
             raise DataError("the dataset holds no arrays; pass e.g. (x, y) or {'x': x, 'y': y}")
-        lengths = {n: len(a) for n, a in zip(names, self.arrays)}
+        lengths = {n: len(a) for n, a in zip(names, self.arrays, strict=False)}
         if len(set(lengths.values())) > 1:
             listed = ", ".join(f"{n}: {size}" for n, size in lengths.items())
             raise DataError(
@@ -84,18 +85,18 @@ class ArraySource:
         self.num_samples = len(self.arrays[0])
         self.lengths_cache: dict[Any, np.ndarray] = {}
 
-    def gather(self, index: np.ndarray | slice) -> tuple | dict:
+    def gather(self, index: np.ndarray | slice) -> tuple[Any, ...] | dict[str, Any]:
         """One batch as numpy arrays: one fancy-index (or slice) per array."""
         if self.keys is None:
             return tuple([a[index] for a in self.arrays])
-        return {k: a[index] for k, a in zip(self.keys, self.arrays)}
+        return {k: a[index] for k, a in zip(self.keys, self.arrays, strict=False)}
 
-    def samples(self, index: np.ndarray | slice) -> list:
+    def samples(self, index: np.ndarray | slice) -> list[Any]:
         """Per-sample rows, for a user collate_fn (slower than gather)."""
         rows = range(self.num_samples)[index] if isinstance(index, slice) else index
         if self.keys is None:
             return [tuple(a[i] for a in self.arrays) for i in rows]
-        return [{k: a[i] for k, a in zip(self.keys, self.arrays)} for i in rows]
+        return [{k: a[i] for k, a in zip(self.keys, self.arrays, strict=False)} for i in rows]
 
 
 class MapSource:
@@ -108,9 +109,9 @@ class MapSource:
         self.num_samples = len(dataset)
         self.lengths_cache: dict[Any, np.ndarray] = {}
         many = getattr(dataset, "__getitems__", None)
-        self._getitems: Callable | None = many if callable(many) else None
+        self._getitems: Callable[..., Any] | None = many if callable(many) else None
 
-    def samples(self, index: np.ndarray | slice) -> list:
+    def samples(self, index: np.ndarray | slice) -> list[Any]:
         """The samples at ``index``, read from the dataset."""
         rows = range(self.num_samples)[index] if isinstance(index, slice) else index.tolist()
         if self._getitems is not None:
@@ -182,7 +183,7 @@ def _looks_like_array_list(dataset: Any) -> bool:
     return len(rows) == 1 and rows.pop() > len(dataset)
 
 
-def _has_int_keys(mapping: Mapping) -> bool:
+def _has_int_keys(mapping: Mapping[str, Any]) -> bool:
     return any(isinstance(k, (int, np.integer)) for k in list(mapping.keys())[:1])
 
 
@@ -224,7 +225,7 @@ def lengths_of(source: Any, spec: Sequence[int] | np.ndarray | str | int | None)
             )
         return lengths
     if spec in source.lengths_cache:
-        return source.lengths_cache[spec]
+        return cast(np.ndarray, source.lengths_cache[spec])
     if isinstance(source, ArraySource):
         raise DataError(
             "length bucketing needs per-sample lengths, and arrays datasets are rectangular; "

@@ -10,7 +10,8 @@ were read ahead; never by reading and discarding items.
 from __future__ import annotations
 
 import itertools
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
+from typing import Any
 
 from mlx_train.errors import DataError
 
@@ -31,14 +32,14 @@ class StreamCursor:
     def reset(self) -> None:
         self.offset = 0  # items consumed this epoch (global)
         self.state: Any = None  # dataset.state_dict() after the last yielded batch
-        self.live: Iterator | None = None  # this epoch's iterator, while no item was read ahead
+        self.live: Iterator[Any] | None = None  # this epoch's iterator, while no item was read ahead
 
-    def copy(self) -> "StreamCursor":
+    def copy(self) -> StreamCursor:
         twin = StreamCursor(self.source)
         twin.offset, twin.state, twin.live = self.offset, self.state, self.live
         return twin
 
-    def _open(self, epoch: int, position: int) -> Iterator:
+    def _open(self, epoch: int, position: int) -> Iterator[Any]:
         """The iterator to read from: fresh, restored from the saved state, or the live one."""
         source = self.source
         if position == 0:
@@ -61,7 +62,7 @@ class StreamCursor:
         epoch: int,
         position: int,
         geometry: tuple[int, int, int, bool],
-        collate_fn: Callable[[list], Batch] | None,
+        collate_fn: Callable[[list[Any]], Batch] | None,
         num_workers: int,
     ) -> Iterator[tuple[Batch, int, Any]]:
         """Yield ``(numpy batch for this rank, items in the global batch, dataset state after it)``."""
@@ -69,7 +70,7 @@ class StreamCursor:
         size, source = batch_size * world, self.source
         stream, read = self._open(epoch, position), [0]
 
-        def produce(_: int) -> tuple:
+        def produce(_: int) -> tuple[Any, ...]:
             items = list(itertools.islice(stream, size))
             read[0] += len(items)
             if not items or len(items) < world or (len(items) < size and drop_last):
@@ -108,7 +109,7 @@ class StreamCursor:
             )
 
 
-def _until_stop(produce: Callable[[int], Any]) -> Iterator[Any]:
+def _until_stop(produce: Callable[[int], Any]) -> Generator[Any, None, None]:
     """``produce(0), produce(1), ...`` until it raises StopIteration (synchronous streams)."""
     for task in itertools.count():
         try:

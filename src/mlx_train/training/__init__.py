@@ -5,6 +5,8 @@ Example::
     from mlx_train.training import Trainer, DataLoader, ModelCheckpoint, EarlyStopping
 """
 
+from typing import Any
+
 from mlx_train.data import DataLoader
 from mlx_train.training.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from mlx_train.training.heartbeat import Heartbeat
@@ -14,8 +16,7 @@ from mlx_train.training.tensorboard import TensorBoardLogger
 from mlx_train.training.trainer import Trainer
 
 
-
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     # DistributedTrainer belongs to the distributed runtime, a layer above the training loop.
     if name == "DistributedTrainer":
         import importlib

@@ -26,13 +26,17 @@ import contextlib
 import math
 import os
 import warnings
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
 from mlx_train.config import metric_direction
 from mlx_train.errors import ConfigError
+
+if TYPE_CHECKING:
+    from mlx_train.training.trainer import Trainer
 
 EVENTS = (
     "on_fit_start",
@@ -57,20 +61,20 @@ class Callback:
                 print(logs["step"], logs["loss"])
     """
 
-    def on_fit_start(self, trainer) -> None: ...
-    def on_epoch_start(self, trainer, epoch: int) -> None: ...
-    def on_batch_end(self, trainer, step: int) -> None: ...
-    def on_report(self, trainer, logs: dict) -> None: ...
-    def on_validation_end(self, trainer, logs: dict) -> None: ...
-    def on_epoch_end(self, trainer, epoch: int, logs: dict) -> None: ...
-    def on_checkpoint(self, trainer, path: str) -> None: ...
-    def on_fit_end(self, trainer, history: dict) -> None: ...
-    def on_exception(self, trainer, error: BaseException) -> None: ...
+    def on_fit_start(self, trainer: Trainer) -> None: ...
+    def on_epoch_start(self, trainer: Trainer, epoch: int) -> None: ...
+    def on_batch_end(self, trainer: Trainer, step: int) -> None: ...
+    def on_report(self, trainer: Trainer, logs: dict[str, Any]) -> None: ...
+    def on_validation_end(self, trainer: Trainer, logs: dict[str, Any]) -> None: ...
+    def on_epoch_end(self, trainer: Trainer, epoch: int, logs: dict[str, Any]) -> None: ...
+    def on_checkpoint(self, trainer: Trainer, path: str) -> None: ...
+    def on_fit_end(self, trainer: Trainer, history: dict[str, Any]) -> None: ...
+    def on_exception(self, trainer: Trainer, error: BaseException) -> None: ...
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         return {}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
 
 
@@ -80,7 +84,7 @@ class MLXLMCallback(Callback):
     def __init__(self, inner: Any) -> None:
         self.inner = inner
 
-    def on_report(self, trainer, logs: dict) -> None:
+    def on_report(self, trainer: Trainer, logs: dict[str, Any]) -> None:
         if hasattr(self.inner, "on_train_loss_report"):
             self.inner.on_train_loss_report({
                 "iteration": logs["step"],
@@ -92,7 +96,7 @@ class MLXLMCallback(Callback):
                 "peak_memory": logs["peak_memory_gb"],
             })
 
-    def on_validation_end(self, trainer, logs: dict) -> None:
+    def on_validation_end(self, trainer: Trainer, logs: dict[str, Any]) -> None:
         if hasattr(self.inner, "on_val_loss_report"):
             self.inner.on_val_loss_report(
                 {"iteration": logs["step"], "val_loss": logs["val_loss"], "val_time": logs["val_time"]}
@@ -104,7 +108,7 @@ def as_callback(obj: Any) -> Callback:
     if isinstance(obj, Callback):
         return obj
     if any(hasattr(obj, e) for e in EVENTS):
-        return obj
+        return cast(Callback, obj)  # duck-typed: the events it lacks are skipped
     if hasattr(obj, "on_train_loss_report") or hasattr(obj, "on_val_loss_report"):
         return MLXLMCallback(obj)
     raise ConfigError(
@@ -170,10 +174,10 @@ class CallbackList:
         finally:
             model.load_weights(list(trained.items()), strict=False)
 
-    def state(self) -> tuple[dict, dict[str, mx.array]]:
+    def state(self) -> tuple[dict[str, Any], dict[str, mx.array]]:
         """(JSON state, arrays) of every callback that has state."""
         json_state, arrays = {}, {}
-        for key, c in zip(self.keys(), self.callbacks):
+        for key, c in zip(self.keys(), self.callbacks, strict=False):
             if not hasattr(c, "state_dict"):
                 continue
             flat = tree_flatten(c.state_dict(), is_leaf=lambda x: isinstance(x, mx.array))
@@ -184,8 +188,8 @@ class CallbackList:
             json_state[key] = {"values": dict(plain), "arrays": [k for k, v in flat if isinstance(v, mx.array)]}
         return json_state, arrays
 
-    def load_state(self, json_state: dict, arrays: dict[str, mx.array]) -> None:
-        for key, c in zip(self.keys(), self.callbacks):
+    def load_state(self, json_state: dict[str, Any], arrays: dict[str, mx.array]) -> None:
+        for key, c in zip(self.keys(), self.callbacks, strict=False):
             if key not in json_state or not hasattr(c, "load_state_dict"):
                 continue
             entry = json_state[key]
@@ -200,7 +204,7 @@ class _Monitor:
         self.monitor, self.mode, self.min_delta = monitor, metric_direction(monitor, mode), abs(min_delta)
         self.best = math.inf if self.mode == "min" else -math.inf
 
-    def value(self, logs: dict) -> float | None:
+    def value(self, logs: dict[str, Any]) -> float | None:
         if self.monitor not in logs:
             warnings.warn(
                 f"{type(self).__name__}: metric '{self.monitor}' is not in the logs "
@@ -236,10 +240,12 @@ class EarlyStopping(Callback, _Monitor):
         if patience < 0:
             raise ConfigError(f"EarlyStopping patience must be >= 0, got {patience}")
         self.patience, self.restore_best_weights = patience, restore_best_weights
-        self.wait, self.stopped_epoch, self.best_epoch = 0, None, None
+        self.wait = 0
+        self.stopped_epoch: int | None = None
+        self.best_epoch: int | None = None
         self.best_weights: dict[str, mx.array] | None = None
 
-    def on_epoch_end(self, trainer, epoch: int, logs: dict) -> None:
+    def on_epoch_end(self, trainer: Trainer, epoch: int, logs: dict[str, Any]) -> None:
         value = self.value(logs)
         if value is None:
             return
@@ -260,13 +266,14 @@ class EarlyStopping(Callback, _Monitor):
             trainer.log(f"early stopping at epoch {epoch + 1}: {self.monitor} did not improve for {self.patience} "
                         f"epoch(s); {best}")
 
-    def state_dict(self) -> dict:
-        state = {"best": self.best, "wait": self.wait, "best_epoch": self.best_epoch, "stopped_epoch": self.stopped_epoch}
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"best": self.best, "wait": self.wait, "best_epoch": self.best_epoch,
+                                 "stopped_epoch": self.stopped_epoch}
         if self.best_weights is not None:
             state["best_weights"] = dict(self.best_weights)
         return state
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.best, self.wait = state["best"], state["wait"]
         self.best_epoch, self.stopped_epoch = state.get("best_epoch"), state.get("stopped_epoch")
         weights = state.get("best_weights")
@@ -296,12 +303,13 @@ class ModelCheckpoint(Callback, _Monitor):
         _Monitor.__init__(self, monitor, mode)
         root, ext = os.path.splitext(filepath)
         if ext in (".pt", ".pth", ".pkl", ".pickle", ".h5", ".ckpt", ".npz", ""):
-            warnings.warn(f"ModelCheckpoint writes safetensors, never pickle: saving to {root}.safetensors", stacklevel=2)
+            warnings.warn(f"ModelCheckpoint writes safetensors, never pickle: saving to {root}.safetensors",
+                          stacklevel=2)
             filepath = root + ".safetensors"
         self.filepath, self.save_best_only, self.every_n_epochs = filepath, save_best_only, every_n_epochs
         self.last_saved: str | None = None
 
-    def on_epoch_end(self, trainer, epoch: int, logs: dict) -> None:
+    def on_epoch_end(self, trainer: Trainer, epoch: int, logs: dict[str, Any]) -> None:
         if (epoch + 1) % self.every_n_epochs or not getattr(trainer, "is_main", True):
             return
         if self.save_best_only:
@@ -318,9 +326,9 @@ class ModelCheckpoint(Callback, _Monitor):
         os.replace(tmp, path)
         self.last_saved = path
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         return {"best": self.best, "last_saved": self.last_saved}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.best, self.last_saved = state["best"], state.get("last_saved")
 

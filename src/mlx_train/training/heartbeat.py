@@ -16,13 +16,16 @@ Example::
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
 from mlx_train import rundir
 from mlx_train.errors import TrainingInterrupted
 from mlx_train.training.callbacks import Callback
+
+if TYPE_CHECKING:
+    from mlx_train.training.trainer import Trainer
 
 HEARTBEAT_PREFIX = rundir.HEARTBEAT_PREFIX
 TIMING_KEYS = ("step_time", "time_data", "time_compute", "time_comm", "time_checkpoint")
@@ -51,7 +54,7 @@ class Heartbeat(Callback):
 
     # -- events -------------------------------------------------------------------------
 
-    def on_fit_start(self, trainer) -> None:
+    def on_fit_start(self, trainer: Trainer) -> None:
         group = getattr(trainer, "group", None)
         self.rank, self.world_size = (group.rank(), group.size()) if group is not None else (0, 1)
         self.path = heartbeat_path(self.run_dir, self.rank)
@@ -61,11 +64,11 @@ class Heartbeat(Callback):
         self._anchor = None
         self.beat(trainer, "running")
 
-    def on_batch_end(self, trainer, step: int) -> None:
+    def on_batch_end(self, trainer: Trainer, step: int) -> None:
         if time.perf_counter() >= self._next:
             self.beat(trainer)
 
-    def on_report(self, trainer, logs: dict) -> None:
+    def on_report(self, trainer: Trainer, logs: dict[str, Any]) -> None:
         world = self.world_size
         info = self._info
         info["samples_per_second"] = logs["samples_per_second"] / world
@@ -75,24 +78,24 @@ class Heartbeat(Callback):
         info["peak_memory_gb"] = max(info["peak_memory_gb"], logs["peak_memory_gb"])
         info["timing"] = {k: logs[k] for k in TIMING_KEYS if k in logs}
 
-    def on_validation_end(self, trainer, logs: dict) -> None:
+    def on_validation_end(self, trainer: Trainer, logs: dict[str, Any]) -> None:
         self._info["val_time"] = logs.get("val_time")
         self.beat(trainer)
 
-    def on_checkpoint(self, trainer, path: str) -> None:
+    def on_checkpoint(self, trainer: Trainer, path: str) -> None:
         self._info["last_checkpoint"] = str(path)
         self.beat(trainer)
 
-    def on_fit_end(self, trainer, history: dict) -> None:
+    def on_fit_end(self, trainer: Trainer, history: dict[str, Any]) -> None:
         self.beat(trainer, "finished")
 
-    def on_exception(self, trainer, error: BaseException) -> None:
+    def on_exception(self, trainer: Trainer, error: BaseException) -> None:
         state = "interrupted" if isinstance(error, (KeyboardInterrupt, TrainingInterrupted)) else "failed"
         self.beat(trainer, state, error)
 
     # -- writing ------------------------------------------------------------------------
 
-    def beat(self, trainer, state: str = "running", error: BaseException | None = None) -> None:
+    def beat(self, trainer: Trainer, state: str = "running", error: BaseException | None = None) -> None:
         """Write the heartbeat file now (atomically: a reader never sees half a file).
 
         ``state`` is one of ``rundir.STATES``: e.g. ``beat(trainer, "validating")`` before a long evaluation.

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import signal
 import threading
+from collections.abc import Callable
 from types import FrameType
-from typing import Any, Callable
+from typing import Any
 
 from mlx_train.errors import TrainingInterrupted
 

@@ -78,7 +78,7 @@ class LabelCheck:
         self.whole_checked = True
 
     def _classes(self, inputs: Any) -> int | None:
-        key = mx.random.state[0]
+        key = mx.random.state[0]  # type: ignore[index]  # a list; the stubs say object
         was_training = self.model.training
         self.model.eval()
         try:

@@ -8,10 +8,13 @@ import json
 import os
 import sys
 import time
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from mlx_train import rundir
 from mlx_train.training.callbacks import Callback
+
+if TYPE_CHECKING:
+    from mlx_train.training.trainer import Trainer
 
 
 def _fmt(value: Any) -> str:
@@ -22,7 +25,7 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
-def format_report(logs: dict) -> str:
+def format_report(logs: dict[str, Any]) -> str:
     """One line for a training report, as mlx-lm users expect to read it."""
     parts = [f"step {logs['step']}", f"epoch {logs['epoch'] + 1}", f"loss {logs['loss']:.4f}",
              f"lr {logs['learning_rate']:.3e}"]
@@ -40,13 +43,13 @@ def _rate(value: float) -> str:
     return f"{value:.0f}" if value >= 100 else f"{value:.3g}"
 
 
-def format_validation(logs: dict) -> str:
+def format_validation(logs: dict[str, Any]) -> str:
     """One line for a validation run between epochs (``eval_every="N steps"``)."""
     shown = [f"{k} {_fmt(v)}" for k, v in logs.items() if k not in ("step", "epoch", "val_time")]
     return f"step {logs['step']} | validation: {'  '.join(shown)}  ({logs.get('val_time', 0.0):.1f}s)"
 
 
-def format_epoch(epoch: int, epochs: int | None, logs: dict, seconds: float) -> str:
+def format_epoch(epoch: int, epochs: int | None, logs: dict[str, Any], seconds: float) -> str:
     shown = {k: v for k, v in logs.items() if k not in ("epoch", "step")}
     body = "  ".join(f"{k} {_fmt(v)}" for k, v in shown.items())
     total = f"/{epochs}" if epochs else ""
@@ -64,11 +67,11 @@ class ProgressBar(Callback):
     def __init__(self, stream: TextIO | None = None, live: bool | None = None) -> None:
         self.stream = stream or sys.stdout
         self.live = self.stream.isatty() if live is None else live
-        self._progress = None
-        self._task = None
+        self._progress: Any = None  # a rich Progress while live
+        self._task: Any = None
         self._epoch_start = time.perf_counter()
 
-    def on_fit_start(self, trainer) -> None:
+    def on_fit_start(self, trainer: Trainer) -> None:
         if not self.live:
             return
         from rich.console import Console
@@ -83,17 +86,18 @@ class ProgressBar(Callback):
         self._task = self._progress.add_task("train", total=trainer.total_steps, epoch=1, info="",
                                              completed=trainer.step)
 
-    def on_epoch_start(self, trainer, epoch: int) -> None:
+    def on_epoch_start(self, trainer: Trainer, epoch: int) -> None:
         self._epoch_start = time.perf_counter()
 
-    def on_report(self, trainer, logs: dict) -> None:
+    def on_report(self, trainer: Trainer, logs: dict[str, Any]) -> None:
         if self._progress is not None:
-            info = f"loss {logs['loss']:.4f}  lr {logs['learning_rate']:.2e}  {logs['samples_per_second']:.0f} samples/s"
+            info = (f"loss {logs['loss']:.4f}  lr {logs['learning_rate']:.2e}  "
+                    f"{logs['samples_per_second']:.0f} samples/s")
             self._progress.update(self._task, completed=logs["step"], epoch=logs["epoch"] + 1, info=info)
         else:
             print(format_report(logs), file=self.stream, flush=True)
 
-    def on_validation_end(self, trainer, logs: dict) -> None:
+    def on_validation_end(self, trainer: Trainer, logs: dict[str, Any]) -> None:
         from mlx_train.config import parse_every
 
         if parse_every(trainer.config.eval_every).unit != "step":
@@ -106,7 +110,7 @@ class ProgressBar(Callback):
         else:
             print(line, file=self.stream, flush=True)
 
-    def on_epoch_end(self, trainer, epoch: int, logs: dict) -> None:
+    def on_epoch_end(self, trainer: Trainer, epoch: int, logs: dict[str, Any]) -> None:
         line = format_epoch(epoch, trainer.epochs, logs, time.perf_counter() - self._epoch_start)
         if self._progress is not None:
             self._progress.update(self._task, completed=trainer.step)
@@ -114,10 +118,10 @@ class ProgressBar(Callback):
         else:
             print(line, file=self.stream, flush=True)
 
-    def on_fit_end(self, trainer, history: dict) -> None:
+    def on_fit_end(self, trainer: Trainer, history: dict[str, Any]) -> None:
         self._stop()
 
-    def on_exception(self, trainer, error: BaseException) -> None:
+    def on_exception(self, trainer: Trainer, error: BaseException) -> None:
         self._stop()
 
     def _stop(self) -> None:
@@ -143,10 +147,10 @@ class MetricsLogger(Callback):
         self.run_dir = run_dir
         self.jsonl_path = os.path.join(run_dir, rundir.METRICS_FILE)
         self.csv_path = os.path.join(run_dir, rundir.METRICS_CSV)
-        self._rows: list[dict] = []
+        self._rows: list[dict[str, Any]] = []
         self._columns: list[str] = []
 
-    def on_fit_start(self, trainer) -> None:
+    def on_fit_start(self, trainer: Trainer) -> None:
         os.makedirs(self.run_dir, exist_ok=True)
         config = getattr(trainer, "config", None)
         if config is not None:  # the config this run actually uses, for the monitor and for people
@@ -164,7 +168,7 @@ class MetricsLogger(Callback):
             rundir.atomic_write(self.jsonl_path, "".join(json.dumps(r) + "\n" for r in self._rows), durable=False)
             self._rewrite_csv()
 
-    def _write(self, kind: str, logs: dict) -> None:
+    def _write(self, kind: str, logs: dict[str, Any]) -> None:
         row = {"kind": kind, "time": time.time(), **logs}
         with open(self.jsonl_path, "a") as f:
             f.write(json.dumps(row) + "\n")
@@ -184,17 +188,17 @@ class MetricsLogger(Callback):
         writer.writerows(self._rows)
         rundir.atomic_write(self.csv_path, text.getvalue(), durable=False)
 
-    def on_report(self, trainer, logs: dict) -> None:
+    def on_report(self, trainer: Trainer, logs: dict[str, Any]) -> None:
         self._write("train", logs)
 
-    def on_validation_end(self, trainer, logs: dict) -> None:
+    def on_validation_end(self, trainer: Trainer, logs: dict[str, Any]) -> None:
         self._write("val", logs)
 
-    def on_epoch_end(self, trainer, epoch: int, logs: dict) -> None:
+    def on_epoch_end(self, trainer: Trainer, epoch: int, logs: dict[str, Any]) -> None:
         self._write("epoch", {"step": trainer.step, "epoch": epoch, **logs})
 
 
-def _parse_row(line: str) -> dict | None:
+def _parse_row(line: str) -> dict[str, Any] | None:
     """One metrics.jsonl row; None for a blank line or one torn by a kill mid-write (it is re-done)."""
     try:
         row = json.loads(line)

@@ -19,8 +19,9 @@ next-token prediction (inputs ``tokens[:, :-1]``, targets ``tokens[:, 1:]``).
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -108,7 +109,7 @@ def _check_classification(predictions: mx.array, targets: mx.array | None) -> No
         )
 
 
-def takes_model_first(loss_fn: Callable) -> bool:
+def takes_model_first(loss_fn: Callable[..., Any]) -> bool:
     """True when ``loss_fn``'s first parameter is named ``model`` (the mlx-lm convention)."""
     try:
         params = list(inspect.signature(loss_fn).parameters.values())
@@ -117,7 +118,7 @@ def takes_model_first(loss_fn: Callable) -> bool:
     return bool(params) and params[0].name == "model"
 
 
-def _positional_count(fn: Callable) -> int:
+def _positional_count(fn: Callable[..., Any]) -> int:
     try:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
@@ -135,10 +136,10 @@ class Loss:
     accuracy), else None.
     """
 
-    def __init__(self, loss_fn: Callable | None = None) -> None:
+    def __init__(self, loss_fn: Callable[..., Any] | None = None) -> None:
         self.loss_fn = loss_fn
         self.model_style = loss_fn is not None and takes_model_first(loss_fn)
-        self.unpack = self.model_style and _positional_count(loss_fn) > 2
+        self.unpack = self.model_style and _positional_count(loss_fn) > 2  # type: ignore[arg-type]  # model_style: set
         self.name = getattr(loss_fn, "__name__", type(loss_fn).__name__) if loss_fn else "cross_entropy"
 
     def __call__(self, model: nn.Module, batch: Any) -> tuple[mx.array, mx.array, mx.array | None]:
@@ -148,7 +149,7 @@ class Loss:
         outputs = model(parts.inputs)
         fn = self.loss_fn or cross_entropy_loss
         try:
-            value = fn(outputs, parts.targets)
+            value = fn(outputs, parts.targets)  # type: ignore[arg-type]  # no targets: fails here, a DataError
         except (TypeError, ValueError) as e:
             raise DataError(
                 f"loss '{self.name}' was called as loss_fn(predictions, targets) and failed: {e}. "
@@ -166,9 +167,12 @@ class Loss:
         mean, n = _masked_mean(value.astype(mx.float32), parts.mask)
         return mean, n, outputs
 
-    def _call_model_style(self, model: nn.Module, batch: Any):
+    def _call_model_style(self, model: nn.Module, batch: Any) -> tuple[mx.array, mx.array, mx.array | None]:
         try:
-            out = self.loss_fn(model, *batch) if self.unpack and isinstance(batch, (tuple, list)) else self.loss_fn(model, batch)
+            # model_style implies a loss_fn: it is never None here.
+            out = (self.loss_fn(model, *batch)  # type: ignore[misc]
+                   if self.unpack and isinstance(batch, (tuple, list))
+                   else self.loss_fn(model, batch))  # type: ignore[misc]
         except (TypeError, ValueError) as e:
             raise DataError(
                 f"loss '{self.name}' was called as loss_fn(model, batch) (its first parameter is named "

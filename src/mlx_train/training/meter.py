@@ -15,7 +15,8 @@ Example::
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import mlx.core as mx
 
@@ -44,7 +45,7 @@ class Meter:
         self._pause_start = self.start
         reset_peak()
 
-    def timed(self, loader: Iterable) -> Iterator:
+    def timed(self, loader: Iterable[Any]) -> Iterator[Any]:
         """Iterate ``loader``, adding the time spent waiting for each batch to ``data_seconds``."""
         start = self.clock()
         iterator = iter(loader)
@@ -81,7 +82,7 @@ class Meter:
         """Steps were counted since the last report."""
         return self.pending_steps > 0
 
-    def report(self, totals: dict[str, float], learning_rate: float, grad_norm: float | None = None) -> dict:
+    def report(self, totals: dict[str, float], learning_rate: float, grad_norm: float | None = None) -> dict[str, Any]:
         """The report's logs. ``totals``: the epoch's ``loss_sum`` and ``items`` summed over ranks."""
         state, now = self.state, self.clock()
         seconds = max(now - self.start - self.paused, 1e-9)

@@ -32,13 +32,14 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, cast
 
 import mlx.core as mx
 
 from mlx_train.device import format_bytes
-from mlx_train.errors import ConfigError, MLXTrainError, OutOfMemoryError
+from mlx_train.errors import MLXTrainError, OutOfMemoryError
 from mlx_train.training.losses import batch_size_of
 from mlx_train.training.state import set_rng_key
 
@@ -102,7 +103,7 @@ def any_rank(flag: bool, group: Any = None) -> bool:
     if group is None or group.size() == 1:
         return bool(flag)
     votes = mx.distributed.all_sum(mx.array(1 if flag else 0, dtype=mx.int32), group=group, stream=mx.cpu)
-    return bool(votes.item() > 0)
+    return bool(votes.item() > 0)  # type: ignore[operator]  # an int32 scalar
 
 
 #: Steps of each batch shape (and settings) that keep the state to undo them: the first run
@@ -110,12 +111,12 @@ def any_rank(flag: bool, group: Any = None) -> bool:
 WARMUP = 2
 
 
-def _shape(batch: Any) -> tuple:
+def _shape(batch: Any) -> tuple[Any, ...]:
     """The shape of a batch's first array: steps of the same shape need the same memory."""
-    return (next(iter(batch.values())) if isinstance(batch, dict) else batch[0]).shape
+    return cast("tuple[Any, ...]", (next(iter(batch.values())) if isinstance(batch, dict) else batch[0]).shape)
 
 
-def _slots(tree: Any, out: list) -> list:
+def _slots(tree: Any, out: list[Any]) -> list[Any]:
     """``(container, key)`` of every array in the step state, in a fixed order (``mx.random.state`` is
     not a list: its key is saved apart)."""
     items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, list) else ()
@@ -157,15 +158,18 @@ class MemoryGuard:
         state.running = guard(state, batch)
     """
 
+    #: The in-step callbacks its steps were built with (set by the Trainer that builds it).
+    extensions: tuple[Any, ...]
+
     def __init__(self, build: Callable[[int, bool], Any], accumulation: int, policy: MemoryPolicy,
-                 group: Any = None, log: Callable[[str], None] = print, settings: dict | None = None) -> None:
+                 group: Any = None, log: Callable[[str], None] = print, settings: dict[str, Any] | None = None) -> None:
         settings = settings or {}
         self.build, self.policy, self.log = build, policy, log
         self.base_accumulation = accumulation
         self.split = int(settings.get("split", 1))
         self.checkpointing = bool(settings.get("gradient_checkpointing", False))
         self.step_batch: int | None = settings.get("step_batch")
-        self.events: list[dict] = list(settings.get("events", []))
+        self.events: list[dict[str, Any]] = list(settings.get("events", []))
         voting = group is not None and group.size() > 1 and (policy.recover or policy.budget is not None)
         self.group = group if voting else None
         self.hooks: list[Callable[[Any], None]] = []  # called with each new step function
@@ -180,7 +184,7 @@ class MemoryGuard:
 
     # -- the hot path -------------------------------------------------------------------
 
-    def __call__(self, state: Any, batch: Any) -> dict:
+    def __call__(self, state: Any, batch: Any) -> dict[str, Any]:
         # Keeping the state of before the step lets a failed step be undone, but costs a little on
         # every step (MLX cannot update those buffers in place), so it is kept only where running out
         # of memory is plausible: the first steps of each batch shape and settings, steps after ones
@@ -196,8 +200,8 @@ class MemoryGuard:
                     raise
                 raise self._not_undoable(state, str(error)) from error
             self._tight = mx.get_peak_memory() > self._tight_above
-            return result
-        saved, key = [container[name] for container, name in self._slots], mx.random.state[0]
+            return cast("dict[str, Any]", result)
+        saved, key = [container[name] for container, name in self._slots], mx.random.state[0]  # type: ignore[index]
         try:
             result, failure = self._attempt(state, batch)
             while failure is not None:
@@ -212,9 +216,9 @@ class MemoryGuard:
             raise
         self._runs[shape] = self._runs.get(shape, 0) + 1
         self._tight = mx.get_peak_memory() > self._tight_above
-        return result
+        return result  # type: ignore[return-value]  # not None: the loop ends on a step that ran
 
-    def _attempt(self, state: Any, batch: Any) -> tuple[dict | None, str | None]:
+    def _attempt(self, state: Any, batch: Any) -> tuple[dict[str, Any] | None, str | None]:
         """Run the step once: ``(running, None)``, or ``(None, why)`` when it ran out of memory here or,
         in a distributed run, on any rank. A step over the budget is kept, and the next ones shrink."""
         budget = self.policy.budget
@@ -244,7 +248,7 @@ class MemoryGuard:
         """(any rank over its budget, any rank out of memory): one small all_sum across the group."""
         votes = mx.distributed.all_sum(mx.array([int(over), int(failed)], dtype=mx.int32),
                                        group=self.group, stream=mx.cpu).tolist()
-        return votes[0] > 0, votes[1] > 0
+        return votes[0] > 0, votes[1] > 0  # type: ignore[index,operator]  # a list of two ints
 
     # -- settings -----------------------------------------------------------------------
 
@@ -276,7 +280,7 @@ class MemoryGuard:
         """(Re)build the step function for the current settings."""
         self.step = self.build(self.accumulation, self.checkpointing)
         self._slots = _slots(self.step.state, [])
-        self._runs: dict[tuple, int] = {}  # completed steps per batch shape, with these settings
+        self._runs: dict[tuple[Any, ...], int] = {}  # completed steps per batch shape, with these settings
         for hook in self.hooks:
             hook(self.step)
 
@@ -289,22 +293,22 @@ class MemoryGuard:
             "checkpoint, and set memory_limit below the free memory so the Trainer shrinks the micro-batch "
             "before running out")
 
-    def _restore(self, saved: list, key: mx.array, strict: bool = True) -> None:
+    def _restore(self, saved: list[Any], key: mx.array, strict: bool = True) -> None:
         """Put back the state arrays of before the step: nothing of the failed step stays applied."""
         current = _slots(self.step.state, [])
         same = len(current) == len(self._slots) and all(
-            a[0] is b[0] and a[1] == b[1] for a, b in zip(current, self._slots))
+            a[0] is b[0] and a[1] == b[1] for a, b in zip(current, self._slots, strict=False))
         if not same and not strict:
-            set_rng_key(key.tolist())
+            set_rng_key(key.tolist())  # type: ignore[arg-type]  # a uint32 key: a list of ints
             return
         if not same:
             raise OutOfMemoryError(
                 "out of memory in a training step, and the model or optimizer state was restructured since "
                 "the run started, so the step cannot be undone safely; resume from the last checkpoint with a "
                 "smaller batch_size (or set memory_limit so the Trainer adapts before running out)")
-        for (container, name), value in zip(self._slots, saved):
+        for (container, name), value in zip(self._slots, saved, strict=False):
             container[name] = value
-        set_rng_key(key.tolist())  # mx.random.state is not a list: reseed to the same key
+        set_rng_key(key.tolist())  # type: ignore[arg-type]  # mx.random.state is not a list: reseed to the same key
 
     def _shrink(self, state: Any, batch: Any, reason: str, kept: bool = False) -> None:
         """Take the next step down: half the micro-batch, else checkpointing, else fail."""
@@ -390,7 +394,7 @@ class SimulatedOutOfMemory:
         """Make ``steps.micro`` fail as configured (again after the step is rebuilt)."""
         original = steps.micro
 
-        def micro(batch: Any, grads: Any, running: dict, update: bool, weighted: bool) -> Any:
+        def micro(batch: Any, grads: Any, running: dict[str, Any], update: bool, weighted: bool) -> Any:
             result = original(batch, grads, running, update, weighted)
             index, self._index = self._index, 0 if update else self._index + 1
             step = self._trainer.step + 1

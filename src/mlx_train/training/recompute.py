@@ -19,7 +19,8 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -39,7 +40,7 @@ def _checkpointed_class(cls: type) -> type:
     if cls not in _SUBCLASSES:
         original = cls.__call__
 
-        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
             def forward(params: Any, *inner_args: Any, **inner_kwargs: Any) -> Any:
                 self.update(params)
                 return original(self, *inner_args, **inner_kwargs)

@@ -34,7 +34,7 @@ RUNNING_KEYS = ("loss_sum", "items")
 
 def rng_key() -> list[int]:
     """The global MLX PRNG key as two Python ints."""
-    return [int(v) for v in mx.random.state[0].tolist()]
+    return [int(v) for v in mx.random.state[0].tolist()]  # type: ignore[index]  # a list; stubs say object
 
 
 def set_rng_key(key: list[int]) -> None:
@@ -70,7 +70,7 @@ def assign_leaves(tree: Any, flat: dict[str, mx.array]) -> None:
             node[last] = value
 
 
-def check_keys(path: str, group: str, saved: dict, expected: dict) -> None:
+def check_keys(path: str, group: str, saved: dict[str, Any], expected: dict[str, Any]) -> None:
     """Raise a CheckpointError when names or shapes of ``saved`` differ from ``expected``."""
     missing = sorted(set(expected) - set(saved))
     unknown = sorted(set(saved) - set(expected))
@@ -121,7 +121,7 @@ class LoopState:
     step: int = 0
     epoch: int = 0
     running: dict[str, mx.array] = field(default_factory=dict)
-    history: dict[str, list] = field(default_factory=dict)
+    history: dict[str, list[Any]] = field(default_factory=dict)
     last_val: dict[str, Any] = field(default_factory=dict)
     report_base: dict[str, float] = field(default_factory=lambda: {"loss_sum": 0.0, "items": 0.0, "step": 0})
     trained_samples: int = 0
@@ -140,7 +140,8 @@ class LoopState:
     # -- checkpoints ----------------------------------------------------------------------
 
     def capture(self, model: Any, optimizer: Any, loader: Any, callbacks: Any, config: Any,
-                running: dict[str, float], world_size: int = 1) -> tuple[dict[str, dict[str, mx.array]], dict]:
+                running: dict[str, float],
+                world_size: int = 1) -> tuple[dict[str, dict[str, mx.array]], dict[str, Any]]:
         """Return (arrays by group, JSON state). ``running`` holds the epoch's sums over every rank."""
         from mlx_train import __version__
 
@@ -172,11 +173,13 @@ class LoopState:
             "callbacks": cb_json,
             "config": config.to_dict(),
             "world_size": world_size,
-            "versions": {"mlx_train": __version__, "mlx": mx.__version__, "python": platform.python_version()},
+            "versions": {"mlx_train": __version__,
+                         "mlx": mx.__version__,  # type: ignore[attr-defined]  # not in the stubs
+                         "python": platform.python_version()},
         }
         return arrays, state
 
-    def restore(self, path: str, arrays: dict, state: dict, model: Any, optimizer: Any, loader: Any,
+    def restore(self, path: str, arrays: dict[str, Any], state: dict[str, Any], model: Any, optimizer: Any, loader: Any,
                 callbacks: Any, rank: int = 0) -> None:
         """Put a captured state back, in place. Off rank 0 the running sums start at zero (rank 0's
         hold the sums over every rank)."""
@@ -210,7 +213,7 @@ class LoopState:
         set_rng_key(state["rng_key"])
         mx.eval(model.parameters(), optimizer.state, self.loss_scale)
 
-    def _check_base_model(self, path: str, saved: dict | None) -> None:
+    def _check_base_model(self, path: str, saved: dict[str, Any] | None) -> None:
         if not saved or not self.base_model:
             return
         if saved.get("sha256") and self.base_model.get("sha256") and saved["sha256"] != self.base_model["sha256"]:

@@ -18,9 +18,10 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Sequence
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -95,7 +96,7 @@ class TrainStep:
         self.compute_dtype = DTYPES[options.precision]
         self.dynamic_scaling = options.precision == "float16"
         self.loss_scale, self.reduction, self.extensions = loss_scale, reduction, list(extensions)
-        self.state: list = [model.state, optimizer.state, mx.random.state]
+        self.state: list[Any] = [model.state, optimizer.state, mx.random.state]
         if self.dynamic_scaling:  # only when used: fewer inputs per call
             self.state.append(loss_scale)
         self.state += [ext.step_state for ext in self.extensions]
@@ -122,12 +123,13 @@ class TrainStep:
                 self.reduction.before_update()
             grads, running = self.micro(part, grads, running, i == last, not self._single)
             mx.eval(self.state, grads, running)
-        return running
+        return cast("dict[str, mx.array]", running)
 
-    def micro(self, batch: Any, grads: Any, running: dict, update: bool, weighted: bool) -> tuple[Any, dict]:
+    def micro(self, batch: Any, grads: Any, running: dict[str, Any], update: bool,
+              weighted: bool) -> tuple[Any, dict[str, Any]]:
         """Run one micro-batch; apply the update when ``update``. Returns (gradient sum, running sums)."""
         try:
-            return self._compiled[update, weighted](batch, grads, running)
+            return cast("tuple[Any, dict[str, Any]]", self._compiled[update, weighted](batch, grads, running))
         except DataError:
             raise
         except ValueError as error:  # MLX reports shape mismatches as ValueError
@@ -138,7 +140,7 @@ class TrainStep:
 
     # -- traced bodies ------------------------------------------------------------------
 
-    def _objective(self, params: Any, batch: Any, weighted: bool):
+    def _objective(self, params: Any, batch: Any, weighted: bool) -> tuple[mx.array, tuple[mx.array, mx.array]]:
         if self.compute_dtype != mx.float32:
             params = _cast(params, self.compute_dtype)
         self.model.update(params)
@@ -148,7 +150,8 @@ class TrainStep:
             objective = objective * self.loss_scale["scale"]
         return objective, (value, n)
 
-    def _micro(self, batch: Any, grad_sum: Any, running: dict, update: bool, weighted: bool):
+    def _micro(self, batch: Any, grad_sum: Any, running: dict[str, Any], update: bool,
+               weighted: bool) -> tuple[Any, dict[str, Any]]:
         params = self.model.trainable_parameters()
         (_, (value, n)), grads = mx.value_and_grad(self._objective)(params, batch, weighted)
         self.model.update(params)  # back to the float32 master weights
@@ -200,7 +203,7 @@ class TrainStep:
         if self.reduction is not None and self.reduction.clip is not None:
             return self.reduction.clip(grads, self.options.max_grad_norm)
         if self.options.max_grad_norm is not None:
-            return optim.clip_grad_norm(grads, self.options.max_grad_norm)
+            return cast("tuple[Any, mx.array]", optim.clip_grad_norm(grads, self.options.max_grad_norm))
         return grads, None  # no norm without clipping: its reductions cost ~15% of a small model's step
 
     def _update_if_finite(self, grads: Any, finite: mx.array) -> None:
@@ -231,11 +234,11 @@ def build_step(model: nn.Module, optimizer: optim.Optimizer, loss: Loss, options
 
 
 def build_eval_step(model: nn.Module, loss: Loss, precision: str = "float32",
-                    compile: bool = True) -> Callable[[Any, dict], dict]:
+                    compile: bool = True) -> Callable[[Any, dict[str, Any]], dict[str, Any]]:
     """``sums = evaluate(batch, sums)``: adds one batch's loss (and accuracy counts when they apply)."""
     dtype = DTYPES[precision]
 
-    def evaluate(batch: Any, sums: dict) -> dict:
+    def evaluate(batch: Any, sums: dict[str, Any]) -> dict[str, Any]:
         params = model.parameters()
         if dtype != mx.float32:
             model.update(_cast(params, dtype))
@@ -260,10 +263,11 @@ def split_batch(batch: Any, parts: int) -> list[Any]:
     first = next(iter(batch.values())) if isinstance(batch, dict) else batch[0]
     size = first.shape[0]
     bounds = [(size * i) // parts for i in range(parts + 1)]
-    slices = [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+    slices = [(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=False) if b > a]
     if isinstance(batch, dict):
         return [{k: v[a:b] for k, v in batch.items()} for a, b in slices]
-    return [type(batch)(v[a:b] for v in batch) if isinstance(batch, tuple) else [v[a:b] for v in batch] for a, b in slices]
+    return [type(batch)(v[a:b] for v in batch) if isinstance(batch, tuple) else [v[a:b] for v in batch]
+            for a, b in slices]
 
 
 def describe_shapes(batch: Any) -> str:

@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlx_train import rundir
 from mlx_train.errors import ConfigError
 from mlx_train.training.callbacks import Callback
+
+if TYPE_CHECKING:
+    from mlx_train.training.trainer import Trainer
 
 SKIPPED = frozenset({"step", "epoch", "trained_samples"})
 
@@ -48,9 +51,9 @@ class TensorBoardLogger(Callback):
     def __init__(self, log_dir: str | None = None, flush_seconds: float = 10.0) -> None:
         self._event_pb2, self._summary_pb2, self._writer_class = _require_tensorboard()
         self.log_dir, self.flush_seconds = log_dir, flush_seconds
-        self._writer = None
+        self._writer: Any = None  # tensorboard's EventFileWriter while fitting
 
-    def on_fit_start(self, trainer) -> None:
+    def on_fit_start(self, trainer: Trainer) -> None:
         if not getattr(trainer, "is_main", True):
             return
         log_dir = self.log_dir
@@ -68,24 +71,24 @@ class TensorBoardLogger(Callback):
             self._writer.add_event(self._event_pb2.Event(wall_time=time.time(), step=trainer.step + 1,
                                                          session_log=log))
 
-    def on_report(self, trainer, logs: dict) -> None:
+    def on_report(self, trainer: Trainer, logs: dict[str, Any]) -> None:
         self.write_scalars("train", logs, trainer.step)
 
-    def on_validation_end(self, trainer, logs: dict) -> None:
+    def on_validation_end(self, trainer: Trainer, logs: dict[str, Any]) -> None:
         self.write_scalars("val", {k.removeprefix("val_"): v for k, v in logs.items()}, trainer.step)
         if self._writer is not None:
             self._writer.flush()
 
-    def on_epoch_end(self, trainer, epoch: int, logs: dict) -> None:
+    def on_epoch_end(self, trainer: Trainer, epoch: int, logs: dict[str, Any]) -> None:
         self.write_scalars("epoch", logs, trainer.step)
 
-    def on_fit_end(self, trainer, history: dict) -> None:
+    def on_fit_end(self, trainer: Trainer, history: dict[str, Any]) -> None:
         self.close()
 
-    def on_exception(self, trainer, error: BaseException) -> None:
+    def on_exception(self, trainer: Trainer, error: BaseException) -> None:
         self.close()
 
-    def write_scalars(self, prefix: str, values: dict, step: int) -> None:
+    def write_scalars(self, prefix: str, values: dict[str, Any], step: int) -> None:
         """Add ``prefix/name`` scalars for the numeric entries of ``values`` at ``step``."""
         if self._writer is None:
             return

@@ -7,30 +7,45 @@ import os
 import signal
 import time
 import warnings
-from contextlib import nullcontext
-from typing import Any, Callable, ContextManager, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 
 from mlx_train import rundir
-from mlx_train.checkpointing.manager import CheckpointWarning
+from mlx_train.checkpointing.manager import CheckpointManager, CheckpointWarning
 from mlx_train.config import TrainConfig, parse_every
 from mlx_train.data import DataLoader
-from mlx_train.errors import (CheckpointError, ConfigError, DataError, MLXTrainError, NonFiniteError, OutOfMemoryError,
-                              TrainingInterrupted)
+from mlx_train.errors import (
+    CheckpointError,
+    ConfigError,
+    DataError,
+    MLXTrainError,
+    NonFiniteError,
+    OutOfMemoryError,
+    TrainingInterrupted,
+)
 from mlx_train.training.callbacks import CallbackList, EarlyStopping, ModelCheckpoint
 from mlx_train.training.heartbeat import Heartbeat
+from mlx_train.training.interrupt import StopSignals
+from mlx_train.training.labels import LabelCheck
 from mlx_train.training.loggers import MetricsLogger, ProgressBar
 from mlx_train.training.losses import Loss, split_parts
 from mlx_train.training.meter import Meter
-from mlx_train.training.interrupt import StopSignals
-from mlx_train.training.labels import LabelCheck
 from mlx_train.training.oom import MemoryGuard, MemoryPolicy, any_rank, is_out_of_memory
 from mlx_train.training.state import RUNNING_KEYS, LoopState
-from mlx_train.training.step import (Reduction, StepOptions, TrainStep, build_eval_step, build_step,
-                                     describe_shapes, split_batch)
+from mlx_train.training.step import (
+    Reduction,
+    StepOptions,
+    TrainStep,
+    build_eval_step,
+    build_step,
+    describe_shapes,
+    split_batch,
+)
 
 
 class Trainer:
@@ -53,7 +68,7 @@ class Trainer:
         self,
         model: nn.Module,
         optimizer: optim.Optimizer | None = None,
-        loss_fn: Callable | None = None,
+        loss_fn: Callable[..., Any] | None = None,
         device_config: Any = None,
         batch_size: int | None = None,
         gradient_accumulation: int | None = None,
@@ -85,14 +100,14 @@ class Trainer:
         #: as time_comm, taken out of time_compute).
         self.comm_seconds: float = 0.0
         #: ``with trainer.collective("what"):`` guards a blocking collective (a watchdog when distributed).
-        self.collective: Callable[[str], ContextManager] = lambda what: nullcontext()
+        self.collective: Callable[[str], AbstractContextManager[Any]] = lambda what: nullcontext()
         #: Runs the steps and recovers from out-of-memory; keeps the micro-batch it settled on.
         self.memory_guard: MemoryGuard | None = None
-        self._loaders: tuple | None = None
+        self._loaders: tuple[Any, ...] | None = None
         self._optimizer_ready = False
         self._seeded = False
         self._checkpointed_blocks = False
-        self._eval_step: Callable | None = None
+        self._eval_step: Callable[..., Any] | None = None
         self._saved_step: int | None = None
         self._poisoned = False
         self._signals: StopSignals | None = None
@@ -115,12 +130,12 @@ class Trainer:
         self.state.stop_training = bool(value)
 
     @property
-    def base_model(self) -> dict | None:
+    def base_model(self) -> dict[str, Any] | None:
         """The frozen base a checkpoint of trainable parameters needs ({"path", "sha256"}), checked on resume."""
         return self.state.base_model
 
     @base_model.setter
-    def base_model(self, value: dict | None) -> None:
+    def base_model(self, value: dict[str, Any] | None) -> None:
         self.state.base_model = value
 
     @property
@@ -131,7 +146,8 @@ class Trainer:
     # -- public API ---------------------------------------------------------------------
 
     def train(self, train_dataset: Any = None, val_dataset: Any = None, epochs: int | None = None,
-              checkpoint_dir: str | None = None, callbacks: list | None = None, resume: str | None = None) -> dict:
+              checkpoint_dir: str | None = None, callbacks: list[Any] | None = None,
+              resume: str | None = None) -> dict[str, Any]:
         """Train on a dataset (arrays, map-style, iterable or a DataLoader); returns the per-epoch history.
 
         Called again without datasets, it continues on the datasets of the previous call
@@ -153,8 +169,8 @@ class Trainer:
         self._loaders = (loader, val_loader)
         return self._run(loader, val_loader, epochs, checkpoint_dir, callbacks or [], resume)
 
-    def fit(self, train_loader: Iterable, val_loader: Iterable | None = None, epochs: int | None = None,
-            save_best: bool = True, callbacks: list | None = None) -> dict:
+    def fit(self, train_loader: Iterable[Any], val_loader: Iterable[Any] | None = None, epochs: int | None = None,
+            save_best: bool = True, callbacks: list[Any] | None = None) -> dict[str, Any]:
         """Train from DataLoaders (or any iterable of batches); returns the per-epoch history.
 
         With ``save_best`` the best weights by ``val_loss`` go to ``best_model.safetensors`` (in
@@ -196,7 +212,8 @@ class Trainer:
 
     # -- the loop -----------------------------------------------------------------------
 
-    def _run(self, loader, val_loader, epochs, checkpoint_dir, callbacks, resume) -> dict:
+    def _run(self, loader: Iterable[Any], val_loader: Iterable[Any] | None, epochs: int | None,
+             checkpoint_dir: str | None, callbacks: Any, resume: str | None) -> dict[str, Any]:
         cfg, state = self.config, self.state
         self.epochs = epochs = epochs or cfg.epochs
         state.stop_training = False
@@ -263,14 +280,16 @@ class Trainer:
         callbacks.call("on_fit_end", self, history)
         return history
 
-    def _history_with_open_epoch(self) -> dict:
+    def _history_with_open_epoch(self) -> dict[str, list[Any]]:
         """The history, plus the epoch the run stopped in when it stopped before that epoch's end (a run
         counted in steps): its train_loss so far and the last validation. Checkpoints keep only whole epochs."""
         state = self.state
-        if state.epoch_done or not state.running or not float(state.running["items"].item()):
+        if state.epoch_done or not state.running:
             return state.history
         totals = self._totals()
-        logs = {"epoch": state.epoch, "train_loss": totals["loss_sum"] / max(totals["items"], 1.0)}
+        if not totals["items"]:
+            return state.history
+        logs: dict[str, Any] = {"epoch": state.epoch, "train_loss": totals["loss_sum"] / max(totals["items"], 1.0)}
         logs.update({k: v for k, v in state.last_val.items() if k not in ("step", "epoch", "val_time")})
         logs["learning_rate"] = float(self.optimizer.learning_rate.item())
         history = {k: list(v) for k, v in state.history.items()}
@@ -278,15 +297,16 @@ class Trainer:
             history.setdefault(key, []).append(value)
         return history
 
-    def _begin_epoch(self, loader, callbacks) -> None:
+    def _begin_epoch(self, loader: Iterable[Any], callbacks: CallbackList) -> None:
         state = self.state
         epoch = _epoch_of(loader, state)
         if epoch != state.epoch or not state.running:  # a new epoch (a resumed one keeps its sums)
             state.epoch, state.epoch_done = epoch, False
-            state.reset_running(self.memory_guard.step.zero_running())
+            state.reset_running(self.memory_guard.step.zero_running())  # type: ignore[union-attr]  # set by _run
         callbacks.call("on_epoch_start", self, state.epoch)
 
-    def _end_epoch(self, val_loader, callbacks, meter, every) -> None:
+    def _end_epoch(self, val_loader: Iterable[Any] | None, callbacks: CallbackList, meter: Meter,
+                   every: _Cadences) -> None:
         state = self.state
         if not every.report.by_step(state.step) and meter.pending:
             self._report(callbacks, meter)
@@ -302,13 +322,13 @@ class Trainer:
         state.running, state.epoch_done = {}, True
         callbacks.call("on_epoch_end", self, state.epoch, logs)
 
-    def _report(self, callbacks, meter) -> None:
+    def _report(self, callbacks: CallbackList, meter: Meter) -> None:
         grad_norm = self.state.running.get("grad_norm")
         logs = meter.report(self._totals(), float(self.optimizer.learning_rate.item()),
-                            None if grad_norm is None else float(grad_norm.item()))
+                            None if grad_norm is None else float(grad_norm.item()))  # type: ignore[arg-type]
         callbacks.call("on_report", self, {**logs, **callbacks.report_metrics()})
 
-    def _validate(self, val_loader, callbacks, meter) -> None:
+    def _validate(self, val_loader: Iterable[Any], callbacks: CallbackList, meter: Meter) -> None:
         meter.pause()
         with callbacks.validation_weights(self.model):
             logs = {"step": self.state.step, "epoch": self.state.epoch,
@@ -317,7 +337,8 @@ class Trainer:
         callbacks.call("on_validation_end", self, logs)
         meter.resume()
 
-    def _save(self, checkpoints, loader, callbacks, meter) -> None:
+    def _save(self, checkpoints: CheckpointManager, loader: Iterable[Any], callbacks: CallbackList,
+              meter: Meter) -> None:
         state = self.state
         if self._poisoned:
             return  # non-finite weights are never saved: the last finite checkpoint stays the newest
@@ -330,7 +351,7 @@ class Trainer:
         if not self.is_main:
             return  # only rank 0 writes; every rank holds the same state
         meter.pause()
-        running = {k: float(v.item()) for k, v in state.running.items()}
+        running = {k: float(v.item()) for k, v in state.running.items()}  # type: ignore[arg-type]  # real scalars
         running.update(totals)
         arrays, saved = state.capture(self.model, self.optimizer, loader, callbacks, self.config, running,
                                       self.group.size() if self.group is not None else 1)
@@ -340,7 +361,8 @@ class Trainer:
 
     # -- pieces -------------------------------------------------------------------------
 
-    def _start(self, checkpoints, resume, loader, callbacks) -> None:
+    def _start(self, checkpoints: CheckpointManager | None, resume: str | None, loader: Iterable[Any],
+               callbacks: CallbackList) -> None:
         """Make the optimizer state, then restore a checkpoint into it or seed a fresh run.
 
         With ``resume="auto"`` a checkpoint that passes its checks but cannot be restored (damaged
@@ -370,7 +392,7 @@ class Trainer:
                 mx.random.seed(self.config.seed)
         self._seeded = True
 
-    def _restore(self, path: str, loader, callbacks) -> None:
+    def _restore(self, path: str, loader: Iterable[Any], callbacks: CallbackList) -> None:
         from mlx_train.checkpointing import load_checkpoint
 
         arrays, saved = load_checkpoint(path)
@@ -378,7 +400,7 @@ class Trainer:
                            rank=self.group.rank() if self.group is not None else 0)
 
     @contextlib.contextmanager
-    def _locks(self, checkpoints) -> Iterator[None]:
+    def _locks(self, checkpoints: CheckpointManager | None) -> Iterator[None]:
         """One run per checkpoint and run directory (rank 0 holds the locks); proves they are writable."""
         from mlx_train.checkpointing.lock import RunLock
 
@@ -397,7 +419,7 @@ class Trainer:
             for lock in locks:
                 lock.release()
 
-    def _guard(self, callbacks) -> MemoryGuard:
+    def _guard(self, callbacks: CallbackList) -> MemoryGuard:
         """The memory guard around the step function, with the micro-batch settings of the loop state."""
         cfg = self.config
         extensions = tuple(c for c in callbacks.callbacks if hasattr(c, "in_step"))
@@ -408,7 +430,7 @@ class Trainer:
         budget = cfg.memory_limit or getattr(self.device_config, "memory_limit", None)
         policy = MemoryPolicy(recover=cfg.oom_recovery, budget=budget, device_memory=self._device_memory(),
                               can_checkpoint=self._can_checkpoint())
-        options = dict(precision=cfg.precision, max_grad_norm=cfg.max_grad_norm,
+        options: dict[str, Any] = dict(precision=cfg.precision, max_grad_norm=cfg.max_grad_norm,
                        loss_scale_window=cfg.loss_scale_window, compile=cfg.compile, nonfinite=cfg.nonfinite)
 
         def build(accumulation: int, checkpointing: bool) -> TrainStep:
@@ -448,7 +470,7 @@ class Trainer:
             return self._voted_stop  # ranks agree: the decision of the last vote
         return self._signals.requested is not None
 
-    def _interruption(self, signum: int, checkpoints) -> TrainingInterrupted:
+    def _interruption(self, signum: int, checkpoints: CheckpointManager | None) -> TrainingInterrupted:
         name = signal.Signals(signum).name
         if checkpoints is None:
             where, saved = "no checkpoint_dir was set, so nothing was saved", None
@@ -459,7 +481,7 @@ class Trainer:
         self.log(message)
         return TrainingInterrupted(signum, self.state.step, saved, message)
 
-    def _check_finite(self, batch, loader) -> None:
+    def _check_finite(self, batch: Any, loader: Iterable[Any]) -> None:
         """Act on a NaN/Inf loss or gradient flagged inside the step (a value the step already computed)."""
         flag = self.state.running.get("nonfinite")
         if flag is None or not flag.item():
@@ -482,7 +504,7 @@ class Trainer:
         raise NonFiniteError(f"non-finite loss or gradient at {where}{culprit}. The model's weights are no longer "
                              f"finite and nothing was saved after this step. To fix: {advice}")
 
-    def _epoch_complete(self, loader) -> bool:
+    def _epoch_complete(self, loader: Iterable[Any]) -> bool:
         if not isinstance(loader, DataLoader):
             return not self._done()
         if _at_epoch_end(loader) and loader.epoch == self.state.epoch:
@@ -499,7 +521,7 @@ class Trainer:
         return DataLoader(dataset, batch_size=cfg.eval_batch_size or cfg.batch_size, shuffle=False,
                           num_workers=cfg.num_workers, drop_last=False, seed=cfg.seed)
 
-    def _evaluate_loader(self, loader, max_batches: int | None = None) -> dict[str, float]:
+    def _evaluate_loader(self, loader: Iterable[Any], max_batches: int | None = None) -> dict[str, float]:
         start = time.perf_counter()
         if self._eval_step is None:
             self._eval_step = build_eval_step(self.model, self.loss, self.config.precision, self.config.compile)
@@ -517,7 +539,9 @@ class Trainer:
                     break
                 if labels is not None:
                     labels.batch(batch)
-                sums = self._recovering("evaluation", batch, lambda part, acc: self._eval_step(part, acc), sums)
+                # _eval_step was built above: never None here.
+                sums = self._recovering("evaluation", batch,
+                                        lambda part, acc: self._eval_step(part, acc), sums)  # type: ignore[misc]
         finally:
             self.model.train()
         values = self._reduce(sums)
@@ -536,7 +560,7 @@ class Trainer:
 
         while True:
             slots = _slots([self.model.state], [])
-            saved, key = [c[k] for c, k in slots], mx.random.state[0]
+            saved, key = [c[k] for c, k in slots], mx.random.state[0]  # type: ignore[index]  # a list
             parts = split_batch(batch, min(self._eval_parts, _rows(batch)))
             try:
                 result = acc
@@ -545,7 +569,7 @@ class Trainer:
                     mx.eval(result)
                 return result
             except BaseException as error:
-                for (container, name), value in zip(slots, saved):
+                for (container, name), value in zip(slots, saved, strict=False):
                     container[name] = value
                 set_rng_key(key.tolist())
                 if isinstance(error, ValueError) and not isinstance(error, MLXTrainError):
@@ -573,18 +597,18 @@ class Trainer:
             with self.collective("metric reduction"):
                 values = {k: mx.distributed.all_sum(v, group=self.group, stream=mx.cpu) for k, v in values.items()}
                 mx.eval(values)
-        return {k: float(v.item()) for k, v in values.items()}
+        return {k: float(v.item()) for k, v in values.items()}  # type: ignore[arg-type]  # real scalars
 
-    def _shard(self, *loaders) -> None:
+    def _shard(self, *loaders: Iterable[Any] | None) -> None:
         if self.group is None or self.group.size() == 1:
             return
         for loader in loaders:
             if isinstance(loader, DataLoader) and loader.world_size != self.group.size():
                 loader.set_shard(self.group.rank(), self.group.size())
 
-    def _default_callbacks(self) -> list:
+    def _default_callbacks(self) -> list[Any]:
         cfg = self.config
-        callbacks: list = [ProgressBar()] if self.is_main else []
+        callbacks: list[Any] = [ProgressBar()] if self.is_main else []
         if cfg.run_dir and self.is_main:
             callbacks.append(MetricsLogger(cfg.run_dir))
         if cfg.run_dir:  # every rank: the monitor shows each one's progress and memory
@@ -594,7 +618,7 @@ class Trainer:
                                            min_delta=cfg.early_stopping_min_delta, mode=cfg.monitor_mode))
         return callbacks
 
-    def _checkpoints(self, directory: str | None):
+    def _checkpoints(self, directory: str | None) -> CheckpointManager | None:
         if not directory:
             return None
         from mlx_train.checkpointing import CheckpointManager
@@ -603,12 +627,13 @@ class Trainer:
         return CheckpointManager(directory, keep_last=cfg.keep_last, keep_best=cfg.keep_best,
                                  monitor=cfg.monitor, mode=cfg.monitor_direction())
 
-    def _resume_candidates(self, checkpoints, resume) -> list[str]:
+    def _resume_candidates(self, checkpoints: CheckpointManager | None, resume: str | None) -> list[str]:
         """Checkpoints to try, newest first: one for an explicit path; for "auto" every complete one."""
         if not resume:
             return []
         if resume != "auto":
-            return [checkpoints.resolve(resume) if checkpoints is not None else resume]
+            # A path resolves to a checked path (or raises), never None.
+            return [checkpoints.resolve(resume) if checkpoints is not None else resume]  # type: ignore[list-item]
         if checkpoints is None:
             raise ConfigError("resume='auto' needs a checkpoint_dir to look in; pass checkpoint_dir=... or a "
                               "checkpoint path")
