@@ -11,8 +11,12 @@ from mlx_train import processes
 
 
 def _sleeper(**env):
-    return subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE,
-                            env={**os.environ, **env}, start_new_session=True)
+    """A child that has started Python (its command line and environment are its own) and waits on stdin."""
+    child = subprocess.Popen([sys.executable, "-c", "import sys; print('up', flush=True); sys.stdin.read()"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env={**os.environ, **env},
+                             start_new_session=True)
+    assert child.stdout.readline() == b"up\n"  # before this, /proc may still show the forked parent
+    return child
 
 
 def test_a_running_process_is_alive_and_described():
