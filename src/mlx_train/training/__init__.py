@@ -7,9 +7,11 @@ Example::
 
 from mlx_train.data import DataLoader
 from mlx_train.training.callbacks import Callback, EarlyStopping, ModelCheckpoint
+from mlx_train.training.ema import EMA
 from mlx_train.training.heartbeat import Heartbeat
 from mlx_train.training.loggers import MetricsLogger, ProgressBar
 from mlx_train.training.losses import CrossEntropyLoss
+from mlx_train.training.pruning import Pruning
 from mlx_train.training.tensorboard import TensorBoardLogger
 from mlx_train.training.trainer import Trainer
 
@@ -25,6 +27,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "EMA",
     "Callback",
     "CrossEntropyLoss",
     "DataLoader",
@@ -34,6 +37,7 @@ __all__ = [
     "MetricsLogger",
     "ModelCheckpoint",
     "ProgressBar",
+    "Pruning",
     "TensorBoardLogger",
     "Trainer",
 ]
