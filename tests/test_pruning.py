@@ -106,20 +106,41 @@ def test_mlp_pruned_weights_are_exact_zeros_and_stay_zero(digits, tmp_path):
     assert [r for r in rows if r["kind"] == "epoch"][-1]["sparsity"] == pytest.approx(0.9, abs=1e-4)
 
 
-def test_optimizer_moments_of_pruned_weights_are_zero(digits):
-    for optimizer in (optim.AdamW(1e-3), optim.SGD(0.05, momentum=0.9)):
+def _pruned_moments(optimizer, pruning):
+    """(name, moment key, moment values of pruned entries, of kept entries) for every pruned tensor."""
+    for name, mask in pruning.step_state["masks"].items():
+        layer, index, _ = name.split(".")
+        for key, value in optimizer.state[layer][int(index)]["weight"].items():
+            keep = np.array(mask)
+            yield name, key, np.array(value)[~keep], np.array(value)[keep]
+
+
+class MomentsAtUpdate(Callback):
+    def __init__(self, pruning, optimizer, step):
+        self.pruning, self.optimizer, self.step, self.seen = pruning, optimizer, step, []
+
+    def on_batch_end(self, trainer, step):
+        if step == self.step:
+            self.seen = list(_pruned_moments(self.optimizer, self.pruning))
+
+
+@pytest.mark.parametrize("make_optimizer", [lambda: optim.AdamW(1e-3), lambda: optim.SGD(0.05, momentum=0.9)])
+def test_moments_of_pruned_weights_are_zeroed_every_step_or_at_updates(digits, make_optimizer):
+    for zero_moments in ("step", "update"):
         mx.random.seed(1)
-        model = build_model("mlp", digits["info"], hidden_dims=[32])
-        pruning = Pruning(0.6, schedule="one_shot", start_step=5)
+        model, optimizer = build_model("mlp", digits["info"], hidden_dims=[32]), make_optimizer()
+        pruning = Pruning(0.6, schedule="one_shot", start_step=5, zero_moments=zero_moments)
+        at_update = MomentsAtUpdate(pruning, optimizer, 5)
         trainer = Trainer(model, optimizer, batch_size=64, max_steps=15, **_quiet())
-        trainer.train(digits["train"], epochs=1, callbacks=[pruning])
+        trainer.train(digits["train"], epochs=1, callbacks=[pruning, at_update])
+        assert at_update.seen and all(np.all(p == 0) and np.any(k != 0) for _, _, p, k in at_update.seen)
+        for name, key, pruned, kept in _pruned_moments(optimizer, pruning):
+            assert pruned.size and np.any(kept != 0)
+            # "update": the moments of pruned weights grow again, yet the weights stay exactly 0.
+            assert np.all(pruned == 0) == (zero_moments == "step"), f"{zero_moments}: {key} of {name}"
+        params = dict(tree_flatten(model.parameters()))
         for name, mask in pruning.step_state["masks"].items():
-            layer, index, _ = name.split(".")
-            moments = optimizer.state[layer][int(index)]["weight"]
-            for key, value in moments.items():
-                dropped = np.array(value)[~np.array(mask)]
-                assert dropped.size and np.all(dropped == 0), f"{type(optimizer).__name__} {key} of {name}"
-                assert np.any(np.array(value)[np.array(mask)] != 0)
+            assert np.all(np.array(params[name])[~np.array(mask)] == 0)
 
 
 def test_cnn_layer_scope_prunes_each_conv_and_linear_weight(digits):
@@ -184,6 +205,8 @@ def test_bad_arguments_are_clear_errors(digits):
         Pruning(1.5)
     with pytest.raises(ConfigError, match="Pruning schedule must be one of polynomial, one_shot, got 'cubic'"):
         Pruning(0.5, schedule="cubic")
+    with pytest.raises(ConfigError, match="zero_moments must be 'update' .* got 'never'"):
+        Pruning(0.5, zero_moments="never")
     with pytest.raises(ConfigError, match="scope must be 'global'"):
         Pruning(0.5, scope="model")
     with pytest.raises(ConfigError, match="end_step \\(10\\) must come after start_step \\(10\\).*one_shot"):

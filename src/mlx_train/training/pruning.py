@@ -4,9 +4,10 @@ At the schedule's steps (``on_batch_end``, outside the compiled step) the smalle
 magnitude are masked, globally or per tensor, to the schedule's sparsity: polynomial (Zhu & Gupta,
 "To prune, or not to prune", 2017: ``s_t = s_f + (s_i - s_f) * (1 - progress) ** 3`` every
 ``frequency`` steps from ``start_step`` to ``end_step``) or one-shot (all of it at ``start_step``).
-The masks live in ``step_state``, which the compiled step captures, and ``in_step`` multiplies
-them into the weights and the optimizer's per-weight moments after every update: a pruned weight
-stays exactly 0 and its moments cannot revive it. New masks are written into the existing
+The masks live in ``step_state``, which the compiled step captures, and ``in_step`` applies
+them to the weights after every update: a pruned weight stays exactly 0, whatever its optimizer
+moments say. The moments of pruned weights are zeroed at each mask update (and after every step
+with ``zero_moments="step"``, which costs a few elementwise operations per step). New masks are written into the existing
 container (the compiled step holds it), never a new one. Masks and the schedule position are
 callback state, so a run killed mid-schedule resumes bit for bit.
 
@@ -90,13 +91,14 @@ class Pruning(Callback):
     """Magnitude pruning to ``sparsity`` on a schedule; pruned weights stay exactly 0.
 
     ``schedule``: ``"polynomial"`` (Zhu & Gupta: from ``initial_sparsity`` at ``start_step`` to
-    ``sparsity`` at ``end_step``, masks recomputed every ``frequency`` steps, cubic by default)
+    ``sparsity`` at ``end_step``, masks recomputed every ``frequency`` steps, cubic)
     or ``"one_shot"`` (``sparsity`` at once at ``start_step``). ``end_step`` defaults to the run's
     last step. ``scope``: ``"global"`` (one magnitude threshold over all pruned tensors) or
     ``"layer"`` (each tensor to the same sparsity; safer when layers differ in scale, where one global
     threshold can empty a whole layer). ``parameters``: shell-style patterns of flat
     parameter names (default: weights of Linear and convolution layers). Reports and epoch logs
-    get ``sparsity`` and, with ``layer_metrics``, ``sparsity/<layer>``.
+    get ``sparsity`` and ``sparsity/<layer>``. ``zero_moments``: ``"update"`` zeroes the optimizer
+    moments of pruned weights when masks change, ``"step"`` after every update as well.
 
     Example::
 
@@ -106,7 +108,7 @@ class Pruning(Callback):
 
     def __init__(self, sparsity: float, start_step: int = 0, end_step: int | None = None, frequency: int = 100,
                  schedule: str = "polynomial", scope: str = "global", parameters: Sequence[str] | None = None,
-                 initial_sparsity: float = 0.0, power: float = 3.0, layer_metrics: bool = True) -> None:
+                 initial_sparsity: float = 0.0, zero_moments: str = "update") -> None:
         for label, value in (("sparsity", sparsity), ("initial_sparsity", initial_sparsity)):
             if not 0.0 <= value < 1.0:
                 raise ConfigError(f"Pruning {label} must be in [0, 1), got {value}")
@@ -114,6 +116,9 @@ class Pruning(Callback):
             raise ConfigError(f"Pruning schedule must be one of {', '.join(SCHEDULES)}, got '{schedule}'")
         if scope not in SCOPES:
             raise ConfigError(f"Pruning scope must be 'global' (one threshold) or 'layer' (each tensor), got '{scope}'")
+        if zero_moments not in ("update", "step"):
+            raise ConfigError(f"Pruning zero_moments must be 'update' (when masks change) or 'step' (after every "
+                              f"update), got '{zero_moments}'")
         if frequency < 1 or start_step < 0:
             raise ConfigError(f"Pruning needs frequency >= 1 and start_step >= 0, got {frequency} and {start_step}")
         if end_step is not None and end_step <= start_step and schedule == "polynomial":
@@ -123,7 +128,7 @@ class Pruning(Callback):
             parameters = [parameters]
         self.target, self.start_step, self.end_step, self.frequency = sparsity, start_step, end_step, frequency
         self.schedule, self.scope, self.patterns = schedule, scope, parameters
-        self.initial_sparsity, self.power, self.layer_metrics = initial_sparsity, power, layer_metrics
+        self.initial_sparsity, self.zero_moments = initial_sparsity, zero_moments
         #: Captured by the compiled step: ``{"masks": {flat name: bool array}}``, filled in place.
         self.step_state: dict[str, dict[str, mx.array]] = {"masks": {}}
         self.last_update: int | None = None  # the step whose masks are in step_state
@@ -147,7 +152,7 @@ class Pruning(Callback):
         if step > end or ((step - self.start_step) % self.frequency and step != end):
             return None
         progress = (step - self.start_step) / (end - self.start_step)
-        return self.target + (self.initial_sparsity - self.target) * (1.0 - progress) ** self.power
+        return self.target + (self.initial_sparsity - self.target) * (1.0 - progress) ** 3
 
     def _end(self) -> int:
         if self.end_step is None:
@@ -181,14 +186,19 @@ class Pruning(Callback):
         self._maybe_update(trainer, step)
 
     def in_step(self, model: nn.Module, optimizer: Any) -> None:
-        """Inside the compiled update, after the optimizer: zero pruned weights and their moments."""
+        """Inside the compiled update, after the optimizer: zero the pruned weights (and their moments
+        with ``zero_moments="step"``)."""
+        self._apply(optimizer, moments=self.zero_moments == "step")
+
+    def _apply(self, optimizer: Any, moments: bool) -> None:
         for name, mask in self.step_state["masks"].items():
             module, key = self._owners[name]
             module[key] = mx.where(mask, module[key], 0)
-            _mask_moments(optimizer.state, name, mask)
+            if moments:
+                _mask_moments(optimizer.state, name, mask)
 
     def report_metrics(self) -> dict[str, float]:
-        return self.sparsity() if self.layer_metrics else {"sparsity": self._sparsity.get("sparsity", 0.0)}
+        return self.sparsity()
 
     def sparsity(self) -> dict[str, float]:
         """Fraction of pruned weights: ``sparsity`` over all pruned tensors, ``sparsity/<layer>`` for each
@@ -214,7 +224,7 @@ class Pruning(Callback):
         masks = _magnitude_masks(weights, target, self.scope)
         self.step_state["masks"].update(masks)
         # Apply at once: reports, validation and a checkpoint taken at this step see the pruned weights.
-        self.in_step(trainer.model, trainer.optimizer)
+        self._apply(trainer.optimizer, moments=True)
         mx.eval(trainer.model.parameters(), trainer.optimizer.state)
         self.last_update = step
         self._measure()
