@@ -2,8 +2,10 @@
 optimizer moments of pruned weights held at zero, sparsity in reports and metrics.jsonl, clear
 errors, and a run SIGKILLed mid-schedule that resumes bit for bit."""
 
+import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -104,6 +106,14 @@ def test_mlp_pruned_weights_are_exact_zeros_and_stay_zero(digits, tmp_path):
     assert train_rows[0]["step"] == 20 and 0 < train_rows[0]["sparsity"] < 0.9
     assert {"sparsity/layers.0", "sparsity/layers.1"} <= set(train_rows[-1])
     assert [r for r in rows if r["kind"] == "epoch"][-1]["sparsity"] == pytest.approx(0.9, abs=1e-4)
+
+    from rich.console import Console
+
+    from mlx_train.monitor import RunReader, render
+
+    console = Console(file=io.StringIO(), width=120)
+    console.print(render(RunReader(tmp_path).read(), width=120))
+    assert re.search(r"sparsity +90\.0%", console.file.getvalue())
 
 
 def _pruned_moments(optimizer, pruning):
