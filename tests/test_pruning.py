@@ -226,6 +226,10 @@ def test_bad_arguments_are_clear_errors(digits):
     with pytest.raises(ConfigError, match="pattern 'encoder.\\*' matches no trainable parameter of MLP; "
                                           "names look like: layers.0.bias"):
         trainer.train(digits["train"], epochs=1, callbacks=[Pruning(0.5, parameters=["encoder.*"])])
+    stream = ((x, y) for x, y in zip(np.zeros((4, 8, 64), np.float32), np.zeros((4, 8), np.int32)))
+    with pytest.raises(ConfigError, match="needs an end_step \\(or a run of known length"):
+        Trainer(model, optim.SGD(0.1), batch_size=8, **_quiet()).train(
+            stream, epochs=1, callbacks=[Pruning(0.5, start_step=2)])
 
 
 # -- exact resume -------------------------------------------------------------------------

@@ -169,6 +169,8 @@ class Pruning(Callback):
             if self.end_step <= self.start_step:
                 raise ConfigError(f"Pruning start_step ({self.start_step}) is not before the run's last step "
                                   f"({self.end_step}); lower start_step or train longer")
+        if self.schedule == "polynomial":
+            self._end()  # no end_step and a run of unknown length: say so now, not at start_step
         masks = self.step_state["masks"]
         if masks:  # restored from a checkpoint: same tensors and shapes as this model's
             if set(masks) != set(self._owners):
