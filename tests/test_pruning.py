@@ -153,13 +153,18 @@ def test_moments_of_pruned_weights_are_zeroed_every_step_or_at_updates(digits, m
             assert np.all(np.array(params[name])[~np.array(mask)] == 0)
 
 
-def test_cnn_layer_scope_prunes_each_conv_and_linear_weight(digits):
+def test_cnn_layer_scope_prunes_each_conv_and_linear_weight(digits, tmp_path):
     mx.random.seed(0)
     model = build_model("cnn", digits["info"], channels=[8, 16], hidden_dims=32)
     pruning = Pruning(0.5, schedule="one_shot", start_step=3, scope="layer")
     trainer = Trainer(model, optim.Adam(1e-3), batch_size=64, max_steps=8, **_quiet())
-    trainer.train(digits["train"], epochs=1, callbacks=[pruning])
+    trainer.train(digits["train"], epochs=1, callbacks=[pruning], checkpoint_dir=str(tmp_path))
     params = dict(tree_flatten(model.parameters()))
+    # What is saved (and exported from a checkpoint) is the pruned weights.
+    from mlx_train.checkpointing import load_checkpoint
+
+    saved = load_checkpoint(str(tmp_path / "step-00000008"), groups=["model"])[0]["model"]
+    assert all(np.array_equal(np.array(saved[n]), np.array(params[n])) for n in params)
     assert sorted(pruning.step_state["masks"]) == ["convs.0.weight", "convs.1.weight", "head.weight", "hidden.weight"]
     for name in pruning.step_state["masks"]:
         assert int((np.array(params[name]) == 0).sum()) == round(0.5 * params[name].size), name
