@@ -20,13 +20,15 @@ import statistics
 import time
 
 import mlx_train  # noqa: F401  (loads the optimized BLAS before mlx.core)
+
+# isort: split
 import mlx.core as mx
 import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten
 
-from mlx_train.datasets import load_dataset
-from mlx_train.models import build_model
+from mlx_train.builtin.datasets import load_dataset
+from mlx_train.builtin.models import build_model
 from mlx_train.training import Callback, Pruning, Trainer
 
 SPARSITIES = (0.0, 0.5, 0.8, 0.9)

@@ -10,8 +10,8 @@ import pytest
 from mlx.utils import tree_flatten
 
 from mlx_train import ConfigError
-from mlx_train.datasets import load_dataset
-from mlx_train.models import build_model
+from mlx_train.builtin.datasets import load_dataset
+from mlx_train.builtin.models import build_model
 from mlx_train.training import EMA, Callback, Pruning, Trainer
 from mlx_train.training.ema import checkpoint_ema_weights
 

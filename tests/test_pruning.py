@@ -18,8 +18,8 @@ import pytest
 from mlx.utils import tree_flatten
 
 from mlx_train import ConfigError
-from mlx_train.datasets import load_dataset
-from mlx_train.models import CharTransformerLM, build_model
+from mlx_train.builtin.datasets import load_dataset
+from mlx_train.builtin.models import CharTransformerLM, build_model
 from mlx_train.training import Callback, Pruning, Trainer
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "prune_resume_run.py")
@@ -96,7 +96,7 @@ def test_mlp_pruned_weights_are_exact_zeros_and_stay_zero(digits, tmp_path):
     assert after_end and all(z == after_end[0] for z in after_end)
     # Sparsity only grows while the schedule runs.
     totals = [sum(z.values()) for _, z in watch.zeros]
-    assert all(a <= b for a, b in zip(totals, totals[1:]))
+    assert all(a <= b for a, b in zip(totals, totals[1:], strict=False))
     assert history["sparsity"][-1] == pytest.approx(0.9, abs=1e-4)
     assert history["sparsity/layers.0"][-1] == pytest.approx(_zeros(params["layers.0.weight"]))
 
@@ -231,7 +231,7 @@ def test_bad_arguments_are_clear_errors(digits):
     with pytest.raises(ConfigError, match="pattern 'encoder.\\*' matches no trainable parameter of MLP; "
                                           "names look like: layers.0.bias"):
         trainer.train(digits["train"], epochs=1, callbacks=[Pruning(0.5, parameters=["encoder.*"])])
-    stream = ((x, y) for x, y in zip(np.zeros((4, 8, 64), np.float32), np.zeros((4, 8), np.int32)))
+    stream = ((x, y) for x, y in zip(np.zeros((4, 8, 64), np.float32), np.zeros((4, 8), np.int32), strict=True))
     with pytest.raises(ConfigError, match="needs an end_step \\(or a run of known length"):
         Trainer(model, optim.SGD(0.1), batch_size=8, **_quiet()).train(
             stream, epochs=1, callbacks=[Pruning(0.5, start_step=2)])

@@ -12,12 +12,14 @@ import json
 import time
 
 import mlx_train  # noqa: F401  (before mlx.core: BLAS preload)
+
+# isort: split
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from mlx_train import TrainConfig
-from mlx_train.datasets import load_dataset
-from mlx_train.models import build_model
+from mlx_train.builtin.datasets import load_dataset
+from mlx_train.builtin.models import build_model
 from mlx_train.optim import build_optimizer
 from mlx_train.training import EMA, Callback, Pruning, Trainer
 

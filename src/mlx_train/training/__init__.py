@@ -16,7 +16,6 @@ from mlx_train.training.tensorboard import TensorBoardLogger
 from mlx_train.training.trainer import Trainer
 
 
-
 def __getattr__(name: str):
     # DistributedTrainer belongs to the distributed runtime, a layer above the training loop.
     if name == "DistributedTrainer":

@@ -7,8 +7,8 @@ magnitude are masked, globally or per tensor, to the schedule's sparsity: polyno
 The masks live in ``step_state``, which the compiled step captures, and ``in_step`` applies
 them to the weights after every update: a pruned weight stays exactly 0, whatever its optimizer
 moments say. The moments of pruned weights are zeroed at each mask update (and after every step
-with ``zero_moments="step"``, which costs a few elementwise operations per step). New masks are written into the existing
-container (the compiled step holds it), never a new one. Masks and the schedule position are
+with ``zero_moments="step"``, which costs a few elementwise operations per step). New masks are
+written into the existing container (the compiled step holds it), never a new one. Masks and the schedule position are
 callback state, so a run killed mid-schedule resumes bit for bit.
 
 Example::
