@@ -142,6 +142,8 @@ def _latest(snap: RunSnapshot, width: int, height: int) -> RenderableType:
         table.add_row("learning rate", f"{last['learning_rate']:.3e}")
     if "grad_norm" in last:
         table.add_row("grad norm", f"{last['grad_norm']:.4f}")
+    if "sparsity" in last:  # reported by the Pruning callback
+        table.add_row("sparsity", f"{last['sparsity']:.1%}")
     if "samples_per_second" in last:
         table.add_row("samples/s", f"{last['samples_per_second']:,.0f}")
     if "tokens_per_second" in last:

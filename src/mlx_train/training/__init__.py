@@ -9,9 +9,11 @@ from typing import Any
 
 from mlx_train.data import DataLoader
 from mlx_train.training.callbacks import Callback, EarlyStopping, ModelCheckpoint
+from mlx_train.training.ema import EMA
 from mlx_train.training.heartbeat import Heartbeat
 from mlx_train.training.loggers import MetricsLogger, ProgressBar
 from mlx_train.training.losses import CrossEntropyLoss
+from mlx_train.training.pruning import Pruning
 from mlx_train.training.tensorboard import TensorBoardLogger
 from mlx_train.training.trainer import Trainer
 
@@ -26,6 +28,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "EMA",
     "Callback",
     "CrossEntropyLoss",
     "DataLoader",
@@ -35,6 +38,7 @@ __all__ = [
     "MetricsLogger",
     "ModelCheckpoint",
     "ProgressBar",
+    "Pruning",
     "TensorBoardLogger",
     "Trainer",
 ]
