@@ -34,6 +34,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from mlx_train.config import metric_direction
 from mlx_train.errors import ConfigError
+from mlx_train.training.state import saved_parameters
 
 if TYPE_CHECKING:
     from mlx_train.training.trainer import Trainer
@@ -253,7 +254,8 @@ class EarlyStopping(Callback, _Monitor):
             self.best, self.wait, self.best_epoch = value, 0, epoch
             if self.restore_best_weights:
                 # mx arrays are immutable and replaced each step, so keeping references is a snapshot.
-                self.best_weights = dict(tree_flatten(trainer.model.parameters()))
+                # Only what trains: a LoRA fine-tune keeps megabytes, not a copy of the frozen base.
+                self.best_weights = saved_parameters(trainer.model)
             return
         self.wait += 1
         if self.wait >= self.patience:
@@ -282,6 +284,9 @@ class EarlyStopping(Callback, _Monitor):
 
 class ModelCheckpoint(Callback, _Monitor):
     """Save the model's weights (safetensors) at the end of an epoch, or only when it improves.
+
+    A model with frozen parameters (a LoRA fine-tune) saves its trainable parameters only: load
+    them over the base with ``model.load_weights(path, strict=False)``.
 
     ``filepath`` may contain ``{epoch}`` and metric placeholders (``{val_loss:.3f}``). Weights are
     written as safetensors, never pickle: a ``.pt``/``.pth``/``.pkl``/``.h5`` suffix is replaced
@@ -322,7 +327,7 @@ class ModelCheckpoint(Callback, _Monitor):
         if directory:
             os.makedirs(directory, exist_ok=True)
         tmp = f"{path}.tmp-{os.getpid()}.safetensors"
-        mx.save_safetensors(tmp, dict(tree_flatten(trainer.model.parameters())), metadata={"epoch": str(epoch + 1)})
+        mx.save_safetensors(tmp, saved_parameters(trainer.model), metadata={"epoch": str(epoch + 1)})
         os.replace(tmp, path)
         self.last_saved = path
 
