@@ -304,3 +304,20 @@ def test_val_batches_validates_on_the_first_batches_each_time():
     first_two_batches = trainer.evaluate((x[:16], y[:16]))["loss"]
     assert len(seen) == 3 and all(v == pytest.approx(first_two_batches, rel=1e-6) for v in seen)
     assert trainer.evaluate((x, y))["loss"] != pytest.approx(first_two_batches, rel=1e-6)
+
+
+def test_with_frozen_parameters_checkpoints_and_best_weights_hold_only_what_trains(tmp_path):
+    rng = np.random.default_rng(2)
+    x, y = rng.standard_normal((64, 4)).astype(np.float32), rng.integers(0, 2, 64).astype(np.int32)
+    mx.random.seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 2))
+    model.layers[0].freeze()
+    trainable = set(dict(tree_flatten(model.trainable_parameters())))
+    stopper = EarlyStopping(monitor="val_loss", patience=5, restore_best_weights=True)
+    best = tmp_path / "best.safetensors"
+    trainer = Trainer(model, optim.Adam(1e-2), batch_size=8, num_workers=0)
+    trainer.train((x, y), (x, y), epochs=2, checkpoint_dir=str(tmp_path / "ck"),
+                  callbacks=[stopper, ModelCheckpoint(str(best), save_best_only=True)])
+    assert set(mx.load(str(best))) == trainable == set(stopper.best_weights) == {"layers.2.weight", "layers.2.bias"}
+    latest = sorted(p for p in os.listdir(tmp_path / "ck") if p.startswith("step-"))[-1]
+    assert set(mx.load(str(tmp_path / "ck" / latest / "model.safetensors"))) == trainable
