@@ -57,6 +57,7 @@ class Attempt:
     progress: dict  # PROGRESS.json when the process ended
     at_signal: dict | None = None  # PROGRESS.json read right before the signal (None: no signal sent)
     delay: float | None = None  # seconds after the training window opened
+    window: float = 0.0  # seconds from the training window opening to the end of the process
     checkpoints: list[int] = field(default_factory=list)  # complete checkpoints on disk when it ended
 
     @property
@@ -99,6 +100,7 @@ class Trial:
     duplicated: list
     missing: list
     problems: list[str]
+    planned: int = 0  # signals planned; fewer are sent when the run ends before one is due
 
     @property
     def ok(self) -> bool:
@@ -138,10 +140,10 @@ def run_attempt(model: str, run_dir: Path, out: Path, signal_name: str | None = 
                                 env=env)
         at_signal = None
         try:
+            while not progress_path.exists() and proc.poll() is None:  # the window opens at train()
+                time.sleep(POLL_SECONDS)
+            opened = time.perf_counter()
             if signal_name is not None:
-                while not progress_path.exists() and proc.poll() is None:  # the window opens at train()
-                    time.sleep(POLL_SECONDS)
-                opened = time.perf_counter()
                 while proc.poll() is None and time.perf_counter() - opened < delay:
                     time.sleep(min(POLL_SECONDS, max(0.0, delay - (time.perf_counter() - opened))))
                 if proc.poll() is None:
@@ -152,7 +154,12 @@ def run_attempt(model: str, run_dir: Path, out: Path, signal_name: str | None = 
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    return Attempt(proc.returncode, log_path.read_text(), _read_json(progress_path), at_signal, delay)
+    window = time.perf_counter() - opened
+    return Attempt(proc.returncode, log_path.read_text(), _read_json(progress_path), at_signal, delay, window=window)
+
+
+def resume_from_checkpoint(attempt: Attempt) -> bool:
+    return bool(RESUMED.search(attempt.output))
 
 
 def complete_checkpoints(checkpoint_dir: Path) -> list[int]:
@@ -188,28 +195,20 @@ class Reference:
     window: float  # seconds from the training window opening to the end of the process
 
 
-def reference(model: str, workdir: Path) -> Reference:
-    """Run ``model`` once without signals (twice, to time the training window on a warm disk cache)."""
+def reference(model: str, workdir: Path, timings: int = 3) -> Reference:
+    """Run ``model`` without signals ``timings`` times: the first run is the reference, the shortest
+    training window of all sets the range of the signal times (so that signals land before the end)."""
     directory = workdir / f"reference-{model}"
     shutil.rmtree(directory, ignore_errors=True)
     directory.mkdir(parents=True)
-    out = directory / "final.safetensors"
-    attempt = run_attempt(model, directory / "run", out)
-    if attempt.returncode != 0:
-        raise RuntimeError(f"uninterrupted {model} run failed (exit {attempt.returncode}):\n{attempt.output[-2000:]}")
-    total = json.loads(Path(f"{out}.json").read_text())["step"]
-    # Time the window with a second run: the first one also paid for cold caches.
-    timing = directory / "timing"
-    progress = timing / "t.progress.json"
-    timing.mkdir()
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), model, str(timing / "run"), str(timing / "t.safetensors"),
-                             str(progress)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "OPENBLAS_NUM_THREADS": "1"})
-    while not progress.exists() and proc.poll() is None:
-        time.sleep(POLL_SECONDS)
-    start = time.perf_counter()
-    proc.wait()
-    return Reference(load_params(out), row_keys(directory / "run"), total, time.perf_counter() - start)
+    runs = [run_attempt(model, directory / f"run-{i}", directory / f"final-{i}.safetensors") for i in range(timings)]
+    for attempt in runs:
+        if attempt.returncode != 0:
+            raise RuntimeError(f"uninterrupted {model} run failed (exit {attempt.returncode}):\n"
+                               f"{attempt.output[-2000:]}")
+    total = json.loads((directory / "final-0.safetensors.json").read_text())["step"]
+    return Reference(load_params(directory / "final-0.safetensors"), row_keys(directory / "run-0"), total,
+                     min(attempt.window for attempt in runs))
 
 
 def run_trial(model: str, ref: Reference, kinds: list[str], rng: random.Random, trial_dir: Path,
@@ -240,6 +239,9 @@ def run_trial(model: str, ref: Reference, kinds: list[str], rng: random.Random, 
         attempt.checkpoints = complete_checkpoints(run_dir / "checkpoints")
         attempts.append((kind, attempt))
         if kind is None or attempt.at_signal is None:  # finished (or the signal came too late)
+            if kind is not None and not resume_from_checkpoint(attempt) and attempt.returncode == 0:
+                # The whole run was shorter than the window the signal times are drawn from: shrink it.
+                ref.window = min(ref.window, attempt.window)
             break
     kills = []
     for i, (kind, killed) in enumerate(attempts):
@@ -251,7 +253,7 @@ def run_trial(model: str, ref: Reference, kinds: list[str], rng: random.Random, 
     if last.returncode != 0:
         problems.append(f"the last attempt (after {len(kills)} signals) exited {last.returncode}: "
                         f"{last.output[-600:]}")
-        return Trial(model, run_dir, kills, False, [], [], [], problems)
+        return Trial(model, run_dir, kills, False, [], [], [], problems, len(kinds))
     params = load_params(trial_dir / f"attempt-{len(attempts) - 1}.safetensors")
     differing = sorted(name for name, value in ref.params.items()
                        if name not in params or not np.array_equal(params[name], value))
@@ -262,7 +264,7 @@ def run_trial(model: str, ref: Reference, kinds: list[str], rng: random.Random, 
     if extra:
         problems.append(f"rows not in the uninterrupted run: {extra}")
     problems += [f"{k.kind} at {k.phase}: {p}" for k in kills for p in k.problems]
-    return Trial(model, run_dir, kills, not differing, differing, duplicated, missing, problems)
+    return Trial(model, run_dir, kills, not differing, differing, duplicated, missing, problems, len(kinds))
 
 
 def _account(kind: str, killed: Attempt, resumed: Attempt, total_steps: int) -> Kill:
@@ -292,12 +294,13 @@ def _account(kind: str, killed: Attempt, resumed: Attempt, total_steps: int) -> 
 
 def summarize(trials: list[Trial]) -> str:
     """The summary table: trials and bit-exact resumes per model, steps lost and phases per signal."""
-    lines = [f"{'model':12s} {'trials':>6s} {'bit-exact':>9s} {'dup rows':>8s} {'miss rows':>9s} {'kills':>5s}"]
+    lines = [f"{'model':12s} {'trials':>6s} {'bit-exact':>9s} {'dup rows':>8s} {'miss rows':>9s} "
+             f"{'signals sent/planned':>20s}"]
     for model in sorted({t.model for t in trials}) + ["all"]:
         chosen = [t for t in trials if model in ("all", t.model)]
         lines.append(f"{model:12s} {len(chosen):6d} {sum(t.bit_exact for t in chosen):9d} "
                      f"{sum(len(t.duplicated) for t in chosen):8d} {sum(len(t.missing) for t in chosen):9d} "
-                     f"{sum(len(t.kills) for t in chosen):5d}")
+                     f"{sum(len(t.kills) for t in chosen):13d}/{sum(t.planned for t in chosen):<6d}")
     kills = [k for t in trials for k in t.kills]
     lines += ["", f"{'signal':7s} {'sent':>5s} {'lost total':>10s} {'lost max':>8s} {'lost mean':>9s}  phases"]
     for kind in SIGNALS:
@@ -337,8 +340,8 @@ def main() -> None:
         plan = [rng.choice(kinds) for _ in range(args.kills_per_trial)]
         trial = run_trial(model, refs[model], plan, rng, workdir / f"trial-{i:03d}-{model}")
         trials.append(trial)
-        shown = " ".join(f"{k.kind}@{k.phase}(step {k.step_at_signal}, +{k.delay:.2f}s, lost {k.lost})"
-                         for k in trial.kills)
+        shown = " ".join(f"{k.kind}@{k.phase}(step {k.step_at_signal}, +{k.delay:.2f}s, exit {k.returncode}, "
+                         f"lost {k.lost})" for k in trial.kills)
         print(f"trial {i:3d} {model:11s} {'ok ' if trial.ok else 'BAD'} {shown}", flush=True)
         if not trial.ok:
             print(f"    run dir {trial.run_dir}; params differ: {trial.differing}; duplicated rows "

@@ -29,7 +29,7 @@ def _chaos():
 def chaos(tmp_path_factory):
     module = _chaos()
     workdir = tmp_path_factory.mktemp("chaos")
-    return module, module.reference("mlp", workdir), workdir
+    return module, module.reference("mlp", workdir, timings=2), workdir
 
 
 @pytest.mark.slow
