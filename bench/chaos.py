@@ -8,11 +8,20 @@ background checkpoint saves included); after every signal the run is resumed wit
 uninterrupted run of the same configuration:
 
 - bit-exact: final parameters ``np.array_equal`` to the uninterrupted run's;
-- steps lost per signal: the step the attempt had reached (its last ``on_batch_end``) minus the
-  step of the checkpoint the next attempt resumes from (its "resumed from ... (step N" line).
-  SIGTERM/SIGINT must lose none (the Trainer finishes the step, saves and exits 143/130);
-  SIGKILL loses the steps since the last complete checkpoint;
+- steps lost per signal: the step the attempt had reached when it ended (its last
+  ``on_batch_end``; for SIGKILL the step at the signal, for SIGTERM/SIGINT it includes the step
+  the Trainer finishes) minus the step of the checkpoint the next attempt resumes from (its
+  "resumed from ... (step N" line), which must be the newest complete checkpoint on disk.
+  SIGTERM/SIGINT must lose none and exit 143/130; SIGKILL loses the steps since the last complete
+  checkpoint;
 - rows of RUN_DIR/metrics.jsonl keyed by (kind, step, epoch): none twice, none missing.
+
+A signal's time is uniform from the moment the script calls ``train()`` over the shortest
+uninterrupted window seen (process end), scaled to the steps still to run. Its phase, read from
+the script's progress file right before sending: startup/restore (before the first
+``on_fit_start``), step, validation, save (the background checkpoint writer is busy), or after
+training (train() has returned or put the previous signal handlers back: the default action
+applies, and nothing is lost since the last step is saved).
 
     python bench/chaos.py                        # 30 trials over mlp, cnn, transformer
     python bench/chaos.py --trials 6 --models mlp --kills-per-trial 4 --signals TERM,KILL --seed 1
