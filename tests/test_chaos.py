@@ -37,11 +37,14 @@ def chaos(tmp_path_factory):
 def test_random_signals_then_resume_end_bit_exact(chaos, kind):
     module, ref, workdir = chaos
     # Signals within the first half of each attempt's expected window, so that they land before the end.
-    trial = module.run_trial("mlp", ref, [kind] * KILLS_PER_TRIAL, random.Random(len(kind)), workdir / kind,
-                             spread=0.5)
+    seed = ["KILL", "TERM", "INT"].index(kind)
+    trial = module.run_trial("mlp", ref, [kind] * KILLS_PER_TRIAL, random.Random(seed), workdir / kind, spread=0.5)
 
     report = f"run dir {trial.run_dir}: {trial.problems}"
-    assert len(trial.kills) == KILLS_PER_TRIAL, f"only {len(trial.kills)} signals landed before the run ended; {report}"
+    # A signal that comes after the run has saved its last step ends the trial early; at least one lands.
+    assert trial.kills, f"no signal landed before the run ended; {report}"
+    in_training = [k for k in trial.kills if k.phase not in ("startup/restore", module.AFTER)]
+    assert in_training, f"no signal landed while training: {[k.phase for k in trial.kills]}; {report}"
     assert trial.bit_exact, f"parameters differ from the uninterrupted run: {trial.differing}; {report}"
     assert not trial.duplicated, f"metrics.jsonl rows twice: {trial.duplicated}; {report}"
     assert not trial.missing, f"metrics.jsonl rows missing: {trial.missing}; {report}"
