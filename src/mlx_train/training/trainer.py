@@ -276,8 +276,9 @@ class Trainer:
             finally:
                 if checkpoints:
                     checkpoints.wait(raise_error=False)
-        history = self._history_with_open_epoch()
-        callbacks.call("on_fit_end", self, history)
+            # Still under the signal handlers: a late SIGTERM cannot cut on_fit_end short (the run is saved).
+            history = self._history_with_open_epoch()
+            callbacks.call("on_fit_end", self, history)
         return history
 
     def _history_with_open_epoch(self) -> dict[str, list[Any]]:
