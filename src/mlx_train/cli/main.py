@@ -32,6 +32,7 @@ COMMANDS: dict[str, str] = {
     "check-network": "mlx_train.cli.check_network",
     "reset-distributed": "mlx_train.cli.reset_distributed",
     "optimize": "mlx_train.cli.optimize",
+    "finetune": "mlx_train.cli.finetune",
 }
 
 
