@@ -173,3 +173,26 @@ def test_lm_loss_counts_only_masked_targets(base):
     ce = np.array(nn.losses.cross_entropy(logits, batch["targets"][0]))[mask]
     assert int(n.item()) == mask.sum() == len(docs.tokens[0]) - docs.offsets[0]
     np.testing.assert_allclose(loss.item(), ce.mean(), rtol=1e-5)
+
+
+def test_qlora_keeps_a_quantized_base_quantized(tmp_path):
+    import mlx_lm
+    from mlx_lm.utils import quantize_model
+
+    from mlx_train.llm import load_model
+    from mlx_train.llm.models import is_quantized
+
+    model, tokenizer, config = llm_tiny.write_model_dir(str(tmp_path / "float"), seed=6)
+    model, config = quantize_model(model, config, group_size=32, bits=4)
+    save_model(model, tokenizer, config, str(tmp_path / "q4"))
+    qmodel, tokenizer, _ = load_model(str(tmp_path / "q4"), quantized=True)
+    assert is_quantized(qmodel)
+    assert not is_quantized(load_model(str(tmp_path / "q4"), quantized=False)[0])
+    spec = AdapterConfig("lora", num_layers=2, rank=4, scale=10.0)
+    apply_adapters(qmodel, spec)
+    _train(qmodel, tokenizer, steps=2)
+    save_adapters(qmodel, spec, str(tmp_path / "adapters"))
+    loaded, _ = mlx_lm.load(str(tmp_path / "q4"), adapter_path=str(tmp_path / "adapters"))
+    qmodel.eval()
+    x = mx.array([tokenizer.encode("All that glitters")])
+    np.testing.assert_allclose(np.array(loaded(x)), np.array(qmodel(x)), atol=1e-5)

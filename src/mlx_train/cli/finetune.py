@@ -68,6 +68,7 @@ def build_config(args: argparse.Namespace):
 def main(args: argparse.Namespace) -> int:
     """Run ``mlx-train finetune``; prints a summary with the validation perplexity."""
     from mlx_train.llm.finetune import finetune, fuse_model
+    from mlx_train.llm.models import is_quantized
 
     cfg = build_config(args)
     result = finetune(cfg)
@@ -81,7 +82,7 @@ def main(args: argparse.Namespace) -> int:
         lines.append(f"  test: loss {result['test_loss']:.4f}, perplexity {result['test_perplexity']:.3f}")
     lines.append(f"  adapters: {result['adapter_path']} (mlx-lm format)")
     if args.fuse:
-        fuse_model(cfg.model, result["adapter_path"], args.fuse, dequantize=not cfg.quantized)
+        fuse_model(cfg.model, result["adapter_path"], args.fuse, dequantize=not is_quantized(result["model"]))
         lines.append(f"  fused model: {args.fuse} (mlx_lm.load / mlx_lm.generate --model {args.fuse})")
     elif not str(cfg.model).endswith(".gguf"):
         lines.append(f"  try: mlx_lm.generate --model {cfg.model} --adapter-path {result['adapter_path']}")

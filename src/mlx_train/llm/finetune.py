@@ -62,7 +62,8 @@ class FineTuneConfig:
     seed: int = _f(0, "Seed of adapter initialisation, dropout and data order.")
     run_dir: str | None = _f(None, "Run directory: metrics.jsonl, train.log, checkpoints/, adapters/.")
     resume: str | None = _f(None, "Resume from 'auto' (the newest checkpoint in run_dir) or a checkpoint path.")
-    quantized: bool = _f(False, "Keep a quantized base quantized (QLoRA); default dequantizes to float32.")
+    quantized: bool | None = _f(None, "Keep a quantized base quantized (QLoRA). Default: keep it on a GPU, "
+                                "dequantize to float32 on a CPU (quantized matmuls are slow there).")
     num_workers: int = _f(1, "Background threads that prepare batches.")
 
     # mlx_lm.lora YAML keys that have no effect here (accepted so its files load as they are).
@@ -193,7 +194,8 @@ def prepare(cfg: FineTuneConfig, log: Any = print) -> dict[str, Any]:
         raise ConfigError("fine-tuning needs a base model and data: pass --model PATH and --data DIR")
     spec = adapters.AdapterConfig.from_mlx_lm(
         {"fine_tune_type": cfg.fine_tune_type, "num_layers": cfg.num_layers, "lora_parameters": cfg.lora_parameters})
-    model, tokenizer, model_config = models.load_model(cfg.model, quantized=cfg.quantized)
+    quantized = cfg.quantized if cfg.quantized is not None else mx.default_device() == mx.gpu
+    model, tokenizer, model_config = models.load_model(cfg.model, quantized=quantized)
     records = data.load_records(cfg.data)
     if not records["train"]:
         raise ConfigError(f"{cfg.data} has no training records (train.jsonl is missing or empty)")

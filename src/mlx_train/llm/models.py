@@ -149,6 +149,7 @@ def is_mlx_lm_model(model: nn.Module) -> bool:
     return type(model).__module__.startswith("mlx_lm.models.") and hasattr(model, "layers")
 
 
-def evaluate_logits(model: nn.Module, tokens: list[int]) -> mx.array:
-    """The model's logits for one token sequence (a convenience for checks and tests)."""
-    return model(mx.array([tokens], dtype=mx.int32))
+def is_quantized(model: nn.Module) -> bool:
+    """True when any layer of ``model`` holds quantized weights."""
+    return any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules())
+
