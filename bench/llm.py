@@ -123,7 +123,7 @@ def run_mlx_lm(base: Base, batches: list, val=None) -> dict:
         def on_train_loss_report(self, info):
             stamps.append(time.perf_counter())
             losses.append(info["train_loss"])
-            peaks.append(info["peak_memory"])
+            peaks.append(info["peak_memory"] * 1e9)  # mlx-lm reports GB
 
         def on_val_loss_report(self, info):
             pass
@@ -175,7 +175,9 @@ def run_mlx_train(base: Base, batches, steps: int, val_rows=None, checkpoint_dir
             trainer.train(train_dataset=batches, epochs=100, callbacks=[Record()], checkpoint_dir=checkpoint_dir)
             seen = recorder.batches
     result = {"losses": losses, "seconds": stamps[-1] - stamps[0], "peak": max(peaks),
-              "tokens": sum(real_tokens(b) for b in seen[1:steps])}
+              "tokens": sum(real_tokens(b) for b in seen[1:steps]),
+              "trainable_bytes": sum(v.nbytes for _, v in tree_flatten(model.trainable_parameters()))
+              + sum(v.nbytes for _, v in tree_flatten(trainer.optimizer.state))}
     if val_rows is not None:
         from mlx_lm.tuner.trainer import evaluate
 
@@ -197,6 +199,16 @@ class _Recording:
             return batch
 
         loader._collate_fn = collate
+
+
+_START = time.perf_counter()
+
+
+def progress(name: str, result: dict) -> dict:
+    """Say on stderr that a run finished (a round takes minutes)."""
+    print(f"  [{time.perf_counter() - _START:6.0f}s] {name}: {result['seconds']:.1f}s for the timed steps",
+          file=sys.stderr, flush=True)
+    return result
 
 
 def directory_bytes(path: str) -> int:
@@ -233,14 +245,14 @@ def main() -> int:
     for r in range(args.rounds):
         final = r == args.rounds - 1
         batches = mlx_lm_batches(lm_train, args.steps, seed=r)
-        lm = run_mlx_lm(base, batches, val=lm_val if final else None)
-        mt = run_mlx_train(base, [as_mlx_train(b) for b in batches], args.steps)
+        lm = progress("mlx-lm", run_mlx_lm(base, batches, val=lm_val if final else None))
+        mt = progress("mlx-train, mlx-lm's batches", run_mlx_train(base, [as_mlx_train(b) for b in batches], args.steps))
         diff = max(abs(a - b) for a, b in zip(lm["losses"], mt["losses"]))
         losses_diff = max(losses_diff, diff)
-        plain = run_mlx_train(base, make_loader(plain_rows, BATCH, seed=r), args.steps)
+        plain = progress("mlx-train unpacked", run_mlx_train(base, make_loader(plain_rows, BATCH, seed=r), args.steps))
         ckpt = tempfile.mkdtemp() if final else None
-        packed = run_mlx_train(base, make_loader(packed_rows, BATCH, seed=r), args.steps,
-                               val_rows=val_rows if final else None, checkpoint_dir=ckpt)
+        packed = progress("mlx-train packed", run_mlx_train(base, make_loader(packed_rows, BATCH, seed=r), args.steps,
+                                                            val_rows=val_rows if final else None, checkpoint_dir=ckpt))
         for key, value in (("a_lm", lm), ("a_mt", mt), ("own_lm", lm), ("own_plain", plain), ("own_packed", packed)):
             rows[key].append(value)
         print(f"round {r + 1}: step s mlx-lm {lm['seconds'] / (args.steps - 1):.2f}, mlx-train same batches "
@@ -273,6 +285,9 @@ def main() -> int:
           f"{med('own_packed', lambda x: x['peak']) / 1e9:.2f} | {peak_packed:.2f} | <= 1.0 |")
     print(f"| (d) checkpoint (MB; mlx-lm: adapters + Adam state) | {resume_bytes / 1e6:.2f} | {ckpt_bytes / 1e6:.2f} | "
           f"{ckpt_bytes / resume_bytes:.2f}x | <= 1.1x |")
+    print(f"| (d) trainable parameters + Adam state alone (MB) | {resume_bytes / 1e6:.2f} | "
+          f"{last['packed']['trainable_bytes'] / 1e6:.2f} | {last['packed']['trainable_bytes'] / resume_bytes:.2f}x | "
+          "what a trainable-only checkpoint holds |")
     print(f"| (e) val loss after {args.steps} steps (mlx-lm's evaluate) | {last['lm']['val_loss']:.4f} | "
           f"{last['packed']['val_loss_mlx_lm_eval']:.4f} (packed run) | | |")
     print(f"| (e) val loss, mlx-train's evaluate (real targets only) | | {last['packed']['val_loss']:.4f} | | |")

@@ -15,7 +15,7 @@ import llm_tiny  # noqa: E402
 
 from mlx_train.errors import ConfigError, DataError  # noqa: E402
 from mlx_train.llm.data import (SequenceDataset, collate, encode_record, load_records, make_loader,  # noqa: E402
-                                pack, tokenize)
+                                pack_documents, tokenize)
 
 
 @pytest.fixture(scope="module")
@@ -90,11 +90,11 @@ def test_load_records_reads_splits_and_reports_bad_lines(tmp_path):
 
 def test_pack_fills_rows_and_keeps_every_document_once():
     lengths = np.array([50, 30, 20, 70, 10, 64, 40])
-    rows = pack(lengths, 100)
+    rows = pack_documents(lengths, 100)
     assert sorted(i for r in rows for i in r) == list(range(len(lengths)))
     assert all(lengths[r].sum() <= 100 for r in rows)
     assert len(rows) == 3  # 284 tokens need at least 3 rows of 100
-    assert pack(np.array([5, 3, 2]), 8) == [[0, 1], [2]]
+    assert pack_documents(np.array([5, 3, 2]), 8) == [[0, 1], [2]]
 
 
 def test_packed_rows_have_no_loss_across_documents(tokenizer):

@@ -22,6 +22,8 @@ Example::
 
 from __future__ import annotations
 
+import bisect
+import copy
 import json
 import os
 from dataclasses import dataclass, field
@@ -174,17 +176,15 @@ def tokenize(records: Sequence[dict], tokenizer: Any, mask_prompt: bool = False,
     return Documents(tokens, offsets, truncated, max_seq_length)
 
 
-def pack(lengths: np.ndarray, capacity: int) -> list[list[int]]:
+def pack_documents(lengths: np.ndarray, capacity: int) -> list[list[int]]:
     """Group documents into rows of at most ``capacity`` tokens (best fit, longest first).
 
     Deterministic: a function of the lengths only. Each row lists its documents in index order.
-    Example: ``pack(np.array([5, 3, 2]), 8) -> [[0, 1], [2]]``.
+    Example: ``pack_documents(np.array([5, 3, 2]), 8) -> [[0, 1], [2]]``.
     """
     order = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))
     rows: list[list[int]] = []
     free: list[tuple[int, int]] = []  # (free tokens, row index), kept sorted
-    import bisect
-
     for i in order:
         need = int(lengths[i])
         k = bisect.bisect_left(free, (need, -1))
@@ -217,7 +217,7 @@ class SequenceDataset:
         if pack:
             if max_seq_length is None:
                 raise ConfigError("packing needs max_seq_length (the tokens per packed row)")
-            self.rows = globals()["pack"](documents.lengths, max_seq_length)
+            self.rows = pack_documents(documents.lengths, max_seq_length)
         else:
             self.rows = [[i] for i in range(len(documents))]
         self.document_mask = bool(document_mask) and self.packed
@@ -231,6 +231,14 @@ class SequenceDataset:
         """Targets that count in the loss over the whole dataset."""
         docs = self.documents
         return int(sum(len(t) - max(o, 1) for t, o in zip(docs.tokens, docs.offsets)))
+
+    def head(self, count: int) -> "SequenceDataset":
+        """The first ``count`` rows (all when ``count`` < 0), e.g. to validate on a few batches."""
+        if count < 0 or count >= len(self.rows):
+            return self
+        first = copy.copy(self)
+        first.rows, first.lengths = self.rows[:count], self.lengths[:count]
+        return first
 
     def samples(self) -> list[dict[str, np.ndarray]]:
         """Every row, built now, as a list (what DataLoader and Trainer take; see make_loader)."""

@@ -174,18 +174,6 @@ def _train_config(cfg: FineTuneConfig, steps_per_epoch: int) -> Any:
         eval_batch_size=cfg.batch_size, **schedule)
 
 
-def _limit(rows: Any, batches: int, batch_size: int) -> Any:
-    """The first ``batches`` batches of an evaluation set (all with -1)."""
-    if batches < 0 or len(rows) <= batches * batch_size:
-        return rows
-    from mlx_train.llm.data import SequenceDataset
-
-    keep = SequenceDataset.__new__(SequenceDataset)
-    keep.__dict__.update(rows.__dict__)
-    keep.rows, keep.lengths = rows.rows[: batches * batch_size], rows.lengths[: batches * batch_size]
-    return keep
-
-
 def prepare(cfg: FineTuneConfig, log: Any = print) -> dict[str, Any]:
     """Load the model, add adapters and build the datasets (what :func:`finetune` trains on)."""
     from mlx_train.llm import adapters, data, loss, models
@@ -248,7 +236,7 @@ def finetune(cfg: FineTuneConfig, callbacks: list | None = None) -> dict[str, An
     extra = {"model": cfg.model, "data": cfg.data, "max_seq_length": cfg.max_seq_length, "seed": cfg.seed,
              "mask_prompt": cfg.mask_prompt, "pack": cfg.pack}
     writer = AdapterWriter(parts["spec"], adapter_dir, extra)
-    val = _limit(valid_rows, cfg.val_batches, cfg.batch_size) if valid_rows is not None else None
+    val = valid_rows.head(cfg.val_batches * cfg.batch_size) if valid_rows is not None else None
     val = val.samples() if val is not None else None  # a list: see make_loader
     history = trainer.train(train_dataset=loader, val_dataset=val, resume=cfg.resume,
                             callbacks=[counter, writer, *(callbacks or [])])
@@ -260,7 +248,7 @@ def finetune(cfg: FineTuneConfig, callbacks: list | None = None) -> dict[str, An
         result["val_loss"] = trainer.evaluate(val)["loss"]
         result["val_perplexity"] = math.exp(min(result["val_loss"], 50))
     if cfg.test and "test" in splits:
-        result["test_loss"] = trainer.evaluate(_limit(splits["test"], cfg.test_batches, cfg.batch_size).samples())["loss"]
+        result["test_loss"] = trainer.evaluate(splits["test"].head(cfg.test_batches * cfg.batch_size).samples())["loss"]
         result["test_perplexity"] = math.exp(min(result["test_loss"], 50))
     return result
 
