@@ -44,6 +44,6 @@ def test_sigkill_then_resume_is_bit_exact(tmp_path, kill_at):
     assert full.keys() == again.keys()
     different = [k for k in full if not mx.array_equal(full[k], again[k])]
     assert not different, f"{len(different)} adapter tensors differ after resume, e.g. {different[:3]}"
-    full_info = json.load(open(tmp_path / "full.safetensors.json"))
-    again_info = json.load(open(tmp_path / "resumed.safetensors.json"))
+    full_info = json.loads((tmp_path / "full.safetensors.json").read_text())
+    again_info = json.loads((tmp_path / "resumed.safetensors.json").read_text())
     assert again_info == full_info
