@@ -40,6 +40,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "optimize": ("mlx_train.cli.optimize",
                  "print a memory plan (micro-batch, accumulation, checkpointing) that fits the device"),
     "export": ("mlx_train.cli.export", "export a checkpoint's model to ONNX, an MLX function (.mlxfn) or safetensors"),
+    "finetune": ("mlx_train.cli.finetune",
+                 "fine-tune a language model (LoRA, DoRA or full; mlx_lm.lora's flags and YAML files)"),
 }
 
 

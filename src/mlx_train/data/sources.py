@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, cast
 
+import mlx.core as mx
 import numpy as np
 
 from mlx_train.errors import DataError
@@ -27,7 +28,7 @@ _MAX_ARRAY_FIELDS = 8
 
 
 def _is_array(value: Any) -> bool:
-    return isinstance(value, np.ndarray) or type(value).__module__.startswith("mlx")
+    return isinstance(value, (np.ndarray, mx.array))
 
 
 def _to_numpy(value: Any, name: str) -> np.ndarray:

@@ -99,8 +99,10 @@ class Meter:
             "trained_samples": state.trained_samples,
             "peak_memory_gb": self.peak_memory() / 1e9,
         }
+        state.trained_items += d_items
         if d_items > samples * 1.5:  # sequences: items are tokens
             logs["tokens_per_second"] = d_items / seconds
+            logs["trained_tokens"] = state.trained_items
         if grad_norm is not None:
             logs["grad_norm"] = grad_norm
         logs.update(self._step_times(seconds))

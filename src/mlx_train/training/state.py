@@ -125,6 +125,7 @@ class LoopState:
     last_val: dict[str, Any] = field(default_factory=dict)
     report_base: dict[str, float] = field(default_factory=lambda: {"loss_sum": 0.0, "items": 0.0, "step": 0})
     trained_samples: int = 0
+    trained_items: float = 0.0  # items the loss averaged over (tokens, for language models), as reported
     epoch_done: bool = False  # the current epoch's end (validation, history) already ran
     stop_training: bool = False
     micro_batch: dict[str, Any] = field(default_factory=dict)  # settings memory recovery settled on
@@ -166,6 +167,7 @@ class LoopState:
             "running": running,
             "report_base": self.report_base,
             "trained_samples": self.trained_samples,
+            "trained_items": self.trained_items,
             "last_val": self.last_val,
             "micro_batch": self.micro_batch,
             "model_scope": "trainable" if has_frozen_parameters(model) else "all",
@@ -205,6 +207,7 @@ class LoopState:
         self.report_base = state.get("report_base") or {"loss_sum": running.get("loss_sum", 0.0),
                                                         "items": running.get("items", 0.0), "step": self.step}
         self.trained_samples = state.get("trained_samples", 0)
+        self.trained_items = state.get("trained_items", 0.0)
         self.last_val = state.get("last_val") or {}
         self.micro_batch = state.get("micro_batch") or {}
         if state.get("loader") is not None and hasattr(loader, "load_state_dict"):

@@ -1,0 +1,209 @@
+"""LoRA, DoRA and full fine-tuning, in mlx-lm's adapter format.
+
+Adapters are written as mlx-lm writes them -- ``adapters.safetensors`` (the trainable parameters)
+and ``adapter_config.json`` (``fine_tune_type``, ``num_layers``, ``lora_parameters``) -- so
+``mlx_lm.load(model, adapter_path=...)`` and ``mlx_lm.generate --adapter-path`` use them, and
+adapters written by ``mlx_lm.lora`` load here to continue from.
+
+On mlx-lm models the layers are mlx-lm's own (``linear_to_lora_layers``); on any other model the
+same ``LoRALinear``/``DoRALinear`` classes replace the ``nn.Linear``/``nn.QuantizedLinear``
+modules named by ``keys`` in the last ``num_layers`` blocks of ``model.layers`` (or anywhere in
+the model when it has no ``layers``).
+
+Example::
+
+    spec = AdapterConfig(fine_tune_type="lora", num_layers=8, rank=8, scale=20.0)
+    apply_adapters(model, spec)              # freezes the base, adds trainable adapters
+    ...train...
+    save_adapters(model, spec, "adapters")   # mlx_lm.load(base, adapter_path="adapters")
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+
+from mlx_train.errors import ConfigError
+
+ADAPTER_FILE = "adapters.safetensors"
+CONFIG_FILE = "adapter_config.json"
+FINE_TUNE_TYPES = ("lora", "dora", "full")
+
+
+@dataclass
+class AdapterConfig:
+    """What to train: ``fine_tune_type`` (lora, dora or full), the last ``num_layers`` blocks
+    (-1: all), and for LoRA/DoRA ``rank``, ``scale``, ``dropout`` and ``keys`` (module paths
+    inside a block, e.g. ``["self_attn.q_proj", "self_attn.v_proj"]``; None: every linear).
+
+    Example: ``AdapterConfig("dora", num_layers=4, rank=16, keys=["self_attn.q_proj"])``.
+    """
+
+    fine_tune_type: str = "lora"
+    num_layers: int = 16
+    rank: int = 8
+    scale: float = 20.0
+    dropout: float = 0.0
+    keys: list[str] | None = field(default=None)
+
+    def __post_init__(self) -> None:
+        if self.fine_tune_type not in FINE_TUNE_TYPES:
+            raise ConfigError(f"fine_tune_type is {self.fine_tune_type!r}; choose one of {', '.join(FINE_TUNE_TYPES)}")
+        if not isinstance(self.rank, int) or self.rank < 1:
+            raise ConfigError(f"LoRA rank must be a positive integer, got {self.rank!r}")
+        if not 0.0 <= float(self.dropout) < 1.0:
+            raise ConfigError(f"LoRA dropout must be in [0, 1), got {self.dropout!r}")
+
+    def lora_parameters(self) -> dict:
+        """mlx-lm's ``lora_parameters`` dict."""
+        return {"rank": self.rank, "scale": float(self.scale), "dropout": float(self.dropout), "keys": self.keys}
+
+    def to_mlx_lm(self) -> dict:
+        """The keys of mlx-lm's ``adapter_config.json`` that describe the adapters."""
+        return {"fine_tune_type": self.fine_tune_type, "num_layers": self.num_layers,
+                "lora_parameters": self.lora_parameters()}
+
+    @classmethod
+    def from_mlx_lm(cls, config: dict, where: str = "adapter config") -> "AdapterConfig":
+        """Read mlx-lm's ``adapter_config.json`` (or an mlx_lm.lora YAML) dict."""
+        lora = dict(config.get("lora_parameters") or {})
+        if "alpha" in lora and "scale" not in lora:
+            raise ConfigError(f"{where}: lora_parameters has 'alpha' but mlx-lm LoRA uses 'scale' "
+                              "(the multiplier of the low-rank update); rename it to scale")
+        unknown = set(lora) - {"rank", "scale", "dropout", "keys"}
+        if unknown:
+            raise ConfigError(f"{where}: unknown lora_parameters {sorted(unknown)}; known: rank, scale, dropout, keys")
+        defaults = cls()
+        return cls(fine_tune_type=config.get("fine_tune_type", "lora"),
+                   num_layers=int(config.get("num_layers", defaults.num_layers)),
+                   rank=int(lora.get("rank", defaults.rank)), scale=float(lora.get("scale", defaults.scale)),
+                   dropout=float(lora.get("dropout", defaults.dropout)), keys=lora.get("keys"))
+
+
+def _blocks(model: nn.Module, num_layers: int) -> list[nn.Module]:
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, list):
+        return [model]
+    if num_layers > len(layers):
+        raise ConfigError(f"num_layers={num_layers} but the model has {len(layers)} layers; use at most "
+                          f"{len(layers)} (or -1 for all)")
+    return layers[-num_layers:] if num_layers >= 0 else layers
+
+
+def _matches(path: str, keys: list[str] | None) -> bool:
+    return keys is None or path in keys or path.rsplit(".", 1)[-1] in keys
+
+
+def _generic_lora(model: nn.Module, spec: AdapterConfig) -> int:
+    from mlx_lm.tuner.dora import DoRALinear
+    from mlx_lm.tuner.lora import LoRALinear
+
+    layer_class = DoRALinear if spec.fine_tune_type == "dora" else LoRALinear
+    converted = 0
+    for block in _blocks(model, spec.num_layers):
+        swaps = [(path, layer_class.from_base(m, r=spec.rank, scale=spec.scale, dropout=spec.dropout))
+                 for path, m in block.named_modules()
+                 if isinstance(m, (nn.Linear, nn.QuantizedLinear)) and _matches(path, spec.keys)]
+        if swaps:
+            block.update_modules(tree_unflatten(swaps))
+        converted += len(swaps)
+    return converted
+
+
+def apply_adapters(model: nn.Module, spec: AdapterConfig) -> nn.Module:
+    """Freeze ``model`` and make the parts ``spec`` names trainable (in place; returns ``model``).
+
+    Example: ``apply_adapters(model, AdapterConfig("lora", num_layers=2))``.
+    """
+    from mlx_train.llm.models import is_mlx_lm_model
+
+    model.freeze()
+    if spec.fine_tune_type == "full":
+        for block in _blocks(model, spec.num_layers):
+            block.unfreeze()
+        return model
+    if is_mlx_lm_model(model):
+        from mlx_lm.tuner.utils import linear_to_lora_layers
+
+        _blocks(model, spec.num_layers)  # the clear error for too many layers
+        linear_to_lora_layers(model, spec.num_layers, spec.lora_parameters(), use_dora=spec.fine_tune_type == "dora")
+    elif _generic_lora(model, spec) == 0:
+        raise ConfigError(
+            f"no nn.Linear/nn.QuantizedLinear module matches keys={spec.keys} in the last {spec.num_layers} "
+            "blocks; check the module names (model.named_modules()) or use fine_tune_type='full'")
+    if not tree_flatten(model.trainable_parameters()):
+        raise ConfigError(f"{spec.fine_tune_type} left nothing to train: no layer matched keys={spec.keys}")
+    return model
+
+
+def trainable_count(model: nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameter values of ``model``."""
+    trainable = sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
+    return trainable, sum(v.size for _, v in tree_flatten(model.parameters()))
+
+
+def save_adapters(model: nn.Module, spec: AdapterConfig, directory: str, extra: dict | None = None) -> str:
+    """Write the trainable parameters and ``adapter_config.json`` in mlx-lm's format.
+
+    ``extra`` adds keys to the config (mlx-lm stores the run's arguments there: model, data, ...).
+    Example: ``save_adapters(model, spec, "adapters", extra={"model": "base-dir"})``.
+    """
+    os.makedirs(directory, exist_ok=True)
+    weights = dict(tree_flatten(model.trainable_parameters()))
+    mx.save_safetensors(os.path.join(directory, ADAPTER_FILE), weights, metadata={"format": "mlx"})
+    config = {**(extra or {}), **spec.to_mlx_lm()}
+    if spec.fine_tune_type == "full":
+        config["lora_parameters"] = None  # as mlx_lm.lora writes it
+    with open(os.path.join(directory, CONFIG_FILE), "w") as f:
+        json.dump(config, f, indent=4, default=str)
+    return directory
+
+
+def read_adapter_config(directory: str) -> AdapterConfig:
+    """The :class:`AdapterConfig` of an adapter directory written here or by ``mlx_lm.lora``."""
+    path = os.path.join(directory, CONFIG_FILE)
+    if not os.path.isfile(path):
+        raise ConfigError(f"{directory} has no {CONFIG_FILE}; give a directory written by mlx-train "
+                          "finetune or mlx_lm.lora (adapters.safetensors + adapter_config.json)")
+    with open(path) as f:
+        return AdapterConfig.from_mlx_lm(json.load(f), where=path)
+
+
+def load_adapters(model: nn.Module, directory: str) -> AdapterConfig:
+    """Add the adapters of ``directory`` to ``model`` and load their weights, ready to train on.
+
+    Example: ``spec = load_adapters(model, "adapters")``.
+    """
+    spec = read_adapter_config(directory)
+    apply_adapters(model, spec)
+    weights = mx.load(os.path.join(directory, ADAPTER_FILE))
+    expected = dict(tree_flatten(model.trainable_parameters()))
+    wrong = sorted(k for k, v in weights.items() if k not in expected or expected[k].shape != v.shape)
+    if wrong:
+        raise ConfigError(f"adapters in {directory} do not fit this model: {len(wrong)} tensors (e.g. {wrong[0]}) "
+                          "are not trainable parameters of the same shape; was it trained on a different base?")
+    model.load_weights(list(weights.items()), strict=False)
+    mx.eval(model.parameters())
+    return spec
+
+
+def fuse_adapters(model: nn.Module, dequantize: bool = False) -> nn.Module:
+    """Fold LoRA/DoRA layers into plain linears (in place; returns ``model``).
+
+    Example: ``save_model(fuse_adapters(model), tokenizer, config, "fused")``.
+    """
+    fused = [(name, m.fuse(dequantize=dequantize)) for name, m in model.named_modules() if hasattr(m, "fuse")]
+    if fused:
+        model.update_modules(tree_unflatten(fused))
+    return model
+
+
+def describe(spec: AdapterConfig) -> dict[str, Any]:
+    """A flat dict of the adapter settings, for logs."""
+    return asdict(spec)

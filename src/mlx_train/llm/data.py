@@ -1,0 +1,313 @@
+"""Fine-tuning data: mlx-lm's jsonl formats, prompt masking, truncation, packing, batches.
+
+Records are ``{"text": ...}``, ``{"prompt": ..., "completion": ...}`` or chat
+``{"messages": [...]}`` (rendered with the tokenizer's chat template), read from a directory of
+``train.jsonl``/``valid.jsonl``/``test.jsonl`` or a Hugging Face ``datasets`` dataset.
+
+A document is its tokens plus ``offset``, the first token that is trained on (after the prompt
+when masking). A :class:`SequenceDataset` row holds one document, or several when packed (up to
+``max_seq_length`` tokens). A row is a dict of numpy arrays, already shifted for next-token
+prediction: ``inputs``, ``targets``, ``loss_mask`` (1 where the target is trained on: never the
+prompt, never the first token of the next document) and, when packed, ``segments`` (1, 2, ...
+per document, 0 for padding) so attention can stay inside a document.
+
+Rows are built once from the data (deterministically), so the DataLoader's arithmetic resume
+applies unchanged; :func:`make_loader` buckets them by token length and pads to a multiple of 8.
+
+Example::
+
+    train = SequenceDataset(tokenize(records, tokenizer, mask_prompt=True), max_seq_length=512, pack=True)
+    loader = make_loader(train, batch_size=4, seed=0)
+"""
+
+from __future__ import annotations
+
+import bisect
+import copy
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from mlx_train.errors import ConfigError, DataError
+
+PAD_MULTIPLE = 8
+SPLITS = ("train", "valid", "test")
+
+
+def load_records(data: str) -> dict[str, list[dict]]:
+    """Records of each split (``train``, ``valid``, ``test``) from a jsonl directory or a Hugging
+    Face dataset name; a missing split is an empty list.
+
+    Example: ``load_records("data/")["train"][0] -> {"text": ...}``.
+    """
+    if os.path.isdir(data):
+        splits = {}
+        for split in SPLITS:
+            path = os.path.join(data, f"{split}.jsonl")
+            splits[split] = _read_jsonl(path) if os.path.isfile(path) else []
+        if not splits["train"] and not splits["valid"] and not splits["test"]:
+            raise ConfigError(f"data directory {data} has no train.jsonl, valid.jsonl or test.jsonl")
+        return splits
+    if os.path.exists(data) or data.endswith(".jsonl"):
+        raise ConfigError(f"--data {data} must be a directory holding train.jsonl/valid.jsonl/test.jsonl "
+                          "(or a Hugging Face dataset name)")
+    try:
+        import datasets
+    except ImportError:
+        raise ConfigError(f"{data} is not a local directory; to load it as a Hugging Face dataset install "
+                          "the datasets extra: pip install 'mlx-train[datasets]'") from None
+    loaded = datasets.load_dataset(data)
+    names = {"valid": ("valid", "validation"), "train": ("train",), "test": ("test",)}
+    return {split: next((list(loaded[n]) for n in names[split] if n in loaded), []) for split in SPLITS}
+
+
+def _read_jsonl(path: str) -> list[dict]:
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise DataError(f"{path}:{number}: not valid JSON ({error.msg}); each line must be one "
+                                "JSON object like {\"text\": ...}") from None
+            if not isinstance(record, dict):
+                raise DataError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
+            records.append(record)
+    return records
+
+
+def record_format(record: dict) -> str:
+    """``"completion"``, ``"chat"`` or ``"text"``: which mlx-lm format a record is in."""
+    if "prompt" in record and "completion" in record:
+        return "completion"
+    if "messages" in record:
+        return "chat"
+    if "text" in record:
+        return "text"
+    raise DataError(f"record with keys {sorted(record)} is in no known format; use {{\"text\": ...}}, "
+                    "{\"prompt\": ..., \"completion\": ...} or {\"messages\": [{\"role\": ..., \"content\": ...}]}")
+
+
+def _chat(tokenizer: Any, messages: list[dict], tools: Any = None, add_generation_prompt: bool = False) -> list[int]:
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError("chat and prompt/completion records need a tokenizer with a chat template; "
+                        "this tokenizer has none (set tokenizer.chat_template or use {\"text\": ...} records)")
+    tokens = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                           tokenize=True, return_dict=False)
+    return list(tokens)
+
+
+def encode_record(record: dict, tokenizer: Any, mask_prompt: bool) -> tuple[list[int], int]:
+    """``(tokens, offset)`` of one record: ``offset`` is the first token that is trained on.
+
+    Text gets the EOS token appended; chat and prompt/completion are rendered with the chat
+    template, and with ``mask_prompt`` everything before the last message is left out of the loss.
+    Example: ``encode_record({"prompt": "2+2?", "completion": "4"}, tokenizer, True)``.
+    """
+    kind = record_format(record)
+    if kind == "text":
+        if mask_prompt:
+            raise DataError("mask_prompt needs prompt/completion or chat records; {\"text\": ...} records "
+                            "have no prompt to mask")
+        tokens = list(tokenizer.encode(record["text"]))
+        eos = tokenizer.eos_token_id
+        if eos is not None and (not tokens or tokens[-1] != eos):
+            tokens.append(eos)
+        return tokens, 0
+    if kind == "completion":
+        messages = [{"role": "user", "content": record["prompt"]},
+                    {"role": "assistant", "content": record["completion"]}]
+    else:
+        messages = record["messages"]
+        if not messages:
+            raise DataError("a chat record has an empty messages list")
+    tools = record.get("tools")
+    tokens = _chat(tokenizer, messages, tools)
+    if not mask_prompt:
+        return tokens, 0
+    prompt = _chat(tokenizer, messages[:-1], tools, add_generation_prompt=messages[-1].get("role") == "assistant")
+    return tokens, len(prompt)
+
+
+@dataclass
+class Documents:
+    """Tokenized documents: ``tokens[i]`` (int32) and ``offsets[i]``; ``truncated`` counts the
+    documents cut to ``max_seq_length``."""
+
+    tokens: list[np.ndarray]
+    offsets: list[int]
+    truncated: int = 0
+    max_seq_length: int | None = None
+    lengths: np.ndarray = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.lengths = np.array([len(t) for t in self.tokens], dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+def tokenize(records: Sequence[dict], tokenizer: Any, mask_prompt: bool = False,
+             max_seq_length: int | None = None, where: str = "data") -> Documents:
+    """Tokenize ``records``; documents longer than ``max_seq_length`` tokens are cut to it and
+    counted in ``Documents.truncated``.
+
+    Example: ``docs = tokenize(records, tokenizer, max_seq_length=2048); docs.truncated``.
+    """
+    tokens, offsets, truncated = [], [], 0
+    for i, record in enumerate(records):
+        try:
+            ids, offset = encode_record(record, tokenizer, mask_prompt)
+        except DataError as error:
+            raise DataError(f"{where} record {i}: {error}") from None
+        if max_seq_length is not None and len(ids) > max_seq_length:
+            ids, truncated = ids[:max_seq_length], truncated + 1
+        if len(ids) < 2 or offset >= len(ids):
+            continue  # nothing to predict (an empty text, or a prompt that fills the whole window)
+        tokens.append(np.asarray(ids, dtype=np.int32))
+        offsets.append(int(offset))
+    if not tokens:
+        raise DataError(f"{where}: no record has a token to train on ({len(records)} records)")
+    return Documents(tokens, offsets, truncated, max_seq_length)
+
+
+def pack_documents(lengths: np.ndarray, capacity: int) -> list[list[int]]:
+    """Group documents into rows of at most ``capacity`` tokens (best fit, longest first).
+
+    Deterministic: a function of the lengths only. Each row lists its documents in index order.
+    Example: ``pack_documents(np.array([5, 3, 2]), 8) -> [[0, 1], [2]]``.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))
+    rows: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # (free tokens, row index), kept sorted
+    for i in order:
+        need = int(lengths[i])
+        k = bisect.bisect_left(free, (need, -1))
+        if k < len(free):
+            room, row = free.pop(k)
+            rows[row].append(i)
+            bisect.insort(free, (room - need, row))
+        else:
+            rows.append([i])
+            bisect.insort(free, (capacity - need, len(rows) - 1))
+    return [sorted(r) for r in rows]
+
+
+class SequenceDataset:
+    """Map-style dataset of training rows (one document each, or packed documents).
+
+    ``lengths`` are the rows' token lengths (for :class:`~mlx_train.data.LengthBucketing`).
+    ``segments`` are emitted for packed rows when ``document_mask`` is true.
+
+    Example::
+
+        rows = SequenceDataset(docs, max_seq_length=256, pack=True)
+        rows[0]["inputs"].shape, rows.real_tokens
+    """
+
+    def __init__(self, documents: Documents, max_seq_length: int | None = None, pack: bool = False,
+                 document_mask: bool = True) -> None:
+        self.documents = documents
+        self.packed = bool(pack)
+        if pack:
+            if max_seq_length is None:
+                raise ConfigError("packing needs max_seq_length (the tokens per packed row)")
+            self.rows = pack_documents(documents.lengths, max_seq_length)
+        else:
+            self.rows = [[i] for i in range(len(documents))]
+        self.document_mask = bool(document_mask) and self.packed
+        self.lengths = [int(documents.lengths[r].sum()) for r in self.rows]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def trained_tokens(self) -> int:
+        """Targets that count in the loss over the whole dataset."""
+        docs = self.documents
+        return int(sum(len(t) - max(o, 1) for t, o in zip(docs.tokens, docs.offsets)))
+
+    def head(self, count: int) -> "SequenceDataset":
+        """The first ``count`` rows (all when ``count`` < 0), e.g. to validate on a few batches."""
+        if count < 0 or count >= len(self.rows):
+            return self
+        first = copy.copy(self)
+        first.rows, first.lengths = self.rows[:count], self.lengths[:count]
+        return first
+
+    def samples(self) -> list[dict[str, np.ndarray]]:
+        """Every row, built now, as a list (what DataLoader and Trainer take; see make_loader)."""
+        return [self[i] for i in range(len(self))]
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        docs = self.documents
+        parts = [docs.tokens[i] for i in self.rows[index]]
+        row = np.concatenate(parts) if len(parts) > 1 else parts[0]
+        n = len(row) - 1
+        loss_mask = np.zeros(n, dtype=np.int32)
+        segments = np.zeros(n, dtype=np.int32)
+        start = 0
+        for segment, i in enumerate(self.rows[index], 1):
+            length = len(docs.tokens[i])
+            # input position start+j predicts token j+1 of this document (j+1 < length)
+            first = start + max(docs.offsets[i], 1) - 1
+            loss_mask[first:start + length - 1] = 1
+            segments[start:start + length] = segment  # the slice stops at n by itself
+            start += length
+        sample = {"inputs": row[:-1], "targets": row[1:], "loss_mask": loss_mask}
+        if self.document_mask:
+            sample["segments"] = segments
+        return sample
+
+
+def collate(samples: Sequence[dict], multiple: int = PAD_MULTIPLE) -> dict[str, np.ndarray]:
+    """Pad rows to the longest one rounded up to ``multiple`` and stack them (padding: token 0,
+    loss_mask 0, segment 0).
+
+    Example: ``collate([ds[0], ds[1]])["inputs"].shape -> (2, 64)``.
+    """
+    longest = max(len(s["inputs"]) for s in samples)
+    width = -(-longest // multiple) * multiple
+    batch = {}
+    for key in samples[0]:
+        out = np.zeros((len(samples), width), dtype=np.int32)
+        for j, s in enumerate(samples):
+            out[j, : len(s[key])] = s[key]
+        batch[key] = out
+    return batch
+
+
+def make_loader(dataset: SequenceDataset, batch_size: int, seed: int = 0, shuffle: bool = True,
+                num_workers: int = 1, multiple: int = PAD_MULTIPLE, drop_last: bool = True) -> Any:
+    """A DataLoader over ``dataset``: batches of rows of similar token length, padded to ``multiple``.
+
+    Example: ``loader = make_loader(train_rows, batch_size=4, seed=0)``.
+    """
+    from functools import partial
+
+    from mlx_train.data import DataLoader, LengthBucketing
+
+    if len(dataset) < batch_size and drop_last:
+        raise DataError(f"the training set has {len(dataset)} rows, fewer than one batch of {batch_size}; "
+                        "lower --batch-size or add data")
+    return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, num_workers=num_workers, drop_last=drop_last,
+                      seed=seed, collate_fn=partial(collate, multiple=multiple),
+                      batching=LengthBucketing(lengths=dataset.lengths))
+
+
+def describe_documents(name: str, documents: Documents, rows: SequenceDataset | None = None) -> str:
+    """One line about a split: documents, tokens, truncation, packing."""
+    text = f"{name}: {len(documents)} documents, {int(documents.lengths.sum())} tokens"
+    if documents.truncated:
+        text += (f"; {documents.truncated} truncated to max_seq_length={documents.max_seq_length} tokens "
+                 "(raise --max-seq-length or split long documents to keep them whole)")
+    if rows is not None and rows.packed:
+        fill = documents.lengths.sum() / max(len(rows) * (documents.max_seq_length or 1), 1)
+        text += f"; packed into {len(rows)} rows ({fill:.0%} full)"
+    return text
+

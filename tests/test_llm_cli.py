@@ -1,0 +1,100 @@
+"""`mlx-train finetune`: mlx_lm.lora flags and YAML, a run directory, adapters mlx-lm loads,
+perplexity in the summary, --fuse, and clear errors."""
+
+import json
+import os
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import yaml
+
+pytest.importorskip("mlx_lm")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))
+
+import llm_tiny  # noqa: E402
+
+from mlx_train.cli.main import main  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    llm_tiny.write_model_dir(str(root / "base"), seed=5)
+    llm_tiny.write_data(str(root / "data"), "completion", n_train=12, n_valid=4)
+    return root
+
+
+def test_finetune_with_an_mlx_lm_yaml_writes_adapters_mlx_lm_loads(setup, tmp_path, capsys):
+    import mlx_lm
+
+    config = {"model": str(setup / "base"), "train": True, "data": str(setup / "data"), "fine_tune_type": "lora",
+              "num_layers": 2, "batch_size": 4, "iters": 4, "val_batches": -1, "learning_rate": 1e-3,
+              "steps_per_report": 2, "steps_per_eval": 2, "save_every": 2, "adapter_path": "adapters",
+              "max_seq_length": 256, "lora_parameters": {"rank": 4, "dropout": 0.0, "scale": 10.0},
+              "report_to": None, "optimizer": "adam"}
+    (tmp_path / "lora.yaml").write_text(yaml.safe_dump(config))
+    run = tmp_path / "run"
+    code = main(["finetune", "-c", str(tmp_path / "lora.yaml"), "--run-dir", str(run), "--mask-prompt",
+                 "--pack", "--fuse", str(tmp_path / "fused")])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "validation: loss" in out and "perplexity" in out
+    assert "finetune: 4 steps" in out
+    adapter_config = json.loads((run / "adapters" / "adapter_config.json").read_text())
+    assert adapter_config["fine_tune_type"] == "lora" and adapter_config["num_layers"] == 2
+    assert adapter_config["lora_parameters"] == {"rank": 4, "scale": 10.0, "dropout": 0.0, "keys": None}
+    assert os.listdir(run / "checkpoints") and (run / "metrics.jsonl").exists()
+    adapted, tokenizer = mlx_lm.load(str(setup / "base"), adapter_path=str(run / "adapters"))
+    fused, _ = mlx_lm.load(str(tmp_path / "fused"))
+    x = mx.array([tokenizer.encode("To be or not to be")])
+    np.testing.assert_allclose(np.array(fused(x)), np.array(adapted(x)), atol=1e-5)
+    base, _ = mlx_lm.load(str(setup / "base"))
+    assert not np.allclose(np.array(base(x)), np.array(adapted(x)), atol=1e-4), "the adapters changed nothing"
+
+
+def test_finetune_full_from_flags(setup, tmp_path, capsys):
+    code = main(["finetune", "--model", str(setup / "base"), "--data", str(setup / "data"), "--iters", "2",
+                 "--fine-tune-type", "full", "--num-layers", "1", "--batch-size", "4", "--learning-rate", "1e-3",
+                 "--adapter-path", str(tmp_path / "full")])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    weights = mx.load(str(tmp_path / "full" / "adapters.safetensors"))
+    assert weights and all(k.startswith("model.layers.1.") for k in weights)
+    assert json.loads((tmp_path / "full" / "adapter_config.json").read_text())["lora_parameters"] is None
+
+
+def test_finetune_errors_are_one_clear_line(setup, tmp_path, capsys):
+    (tmp_path / "bad.yaml").write_text("model: x\nlora_rank: 8\n")
+    assert main(["finetune", "-c", str(tmp_path / "bad.yaml")]) == 2
+    assert "unknown key 'lora_rank'" in capsys.readouterr().err
+    assert main(["finetune", "--data", str(setup / "data")]) == 2
+    assert "needs a base model and data" in capsys.readouterr().err
+    assert main(["finetune", "--model", str(setup / "base"), "--data", str(setup / "data"),
+                 "--num-layers", "9", "--iters", "1"]) == 2
+    assert "num_layers=9 but the model has 2 layers" in capsys.readouterr().err
+    assert main(["finetune", "--model", str(setup / "base"), "--data", str(setup / "data"), "--iters", "x"]) == 2
+    assert "invalid int value" in capsys.readouterr().err
+
+
+def test_checkpoints_hold_the_adapters_and_a_checked_base_reference(setup, tmp_path, capsys):
+    run = tmp_path / "run"
+    flags = ["finetune", "--model", str(setup / "base"), "--data", str(setup / "data"), "--iters", "2",
+             "--num-layers", "1", "--batch-size", "4", "--learning-rate", "1e-3", "--run-dir", str(run)]
+    assert main(flags) == 0, capsys.readouterr().out
+    step = sorted(p for p in os.listdir(run / "checkpoints") if p.startswith("step-"))[-1]
+    saved = mx.load(str(run / "checkpoints" / step / "model.safetensors"))
+    assert saved and all("lora_" in k for k in saved)  # the frozen base is not in the checkpoint
+    state = json.loads((run / "checkpoints" / step / "trainer_state.json").read_text())
+    assert state["model_scope"] == "trainable" and len(state["base_model"]["sha256"]) == 64
+    base_bytes = sum(os.path.getsize(setup / "base" / f) for f in os.listdir(setup / "base") if f.endswith(".safetensors"))
+    assert os.path.getsize(run / "checkpoints" / step / "model.safetensors") < base_bytes / 4
+
+    # the same run on another base: refused, naming both
+    other = tmp_path / "other"
+    llm_tiny.write_model_dir(str(other), seed=9)
+    code = main(["finetune", "--model", str(other), "--data", str(setup / "data"), "--iters", "3", "--num-layers", "1",
+                 "--batch-size", "4", "--learning-rate", "1e-3", "--run-dir", str(run), "--resume", "auto"])
+    err = capsys.readouterr().err
+    assert code == 4 and "was trained on base model" in err and "needs the same base" in err

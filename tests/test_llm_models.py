@@ -1,0 +1,139 @@
+"""Base models: a GGUF file (written here with llama.cpp's q/k permutation and tokenizer
+metadata) loads with the same logits and tokens as its source; mlx-lm directories round-trip;
+base-model fingerprints."""
+
+import json
+import os
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+pytest.importorskip("mlx_lm")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))
+
+import llm_tiny  # noqa: E402
+from mlx.utils import tree_flatten  # noqa: E402
+
+from mlx_train.errors import ConfigError  # noqa: E402
+from mlx_train.llm import base_reference, load_model, save_model  # noqa: E402
+from mlx_train.llm.gguf import gguf_weights, permute, unpermute  # noqa: E402
+
+_GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+               "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+               "post_attention_layernorm": "ffn_norm"}
+
+
+def write_gguf(path, model, config, raw_tokenizer):
+    """Write ``model`` as llama.cpp would: GGUF names, permuted q/k, metadata, BPE tokenizer."""
+    tensors = {}
+    for name, value in tree_flatten(model.parameters()):
+        if name == "model.embed_tokens.weight":
+            tensors["token_embd.weight"] = value
+        elif name == "model.norm.weight":
+            tensors["output_norm.weight"] = value
+        elif name == "lm_head.weight":
+            tensors["output.weight"] = value
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            module, leaf = rest.rsplit(".", 1)
+            if module == "self_attn.q_proj":
+                value = permute(value, config["num_attention_heads"])
+            elif module == "self_attn.k_proj":
+                value = permute(value, config["num_key_value_heads"])
+            tensors[f"blk.{layer}.{_GGUF_NAMES[module]}.{leaf}"] = value
+    spec = json.loads(raw_tokenizer.to_str())
+    vocab = sorted(spec["model"]["vocab"].items(), key=lambda kv: kv[1])
+    tokens = [t for t, _ in vocab]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    special = {t["content"] for t in spec["added_tokens"]}
+    u32 = lambda v: mx.array(v, dtype=mx.uint32)  # noqa: E731
+    metadata = {
+        "general.architecture": "llama",
+        "llama.embedding_length": u32(config["hidden_size"]), "llama.block_count": u32(config["num_hidden_layers"]),
+        "llama.feed_forward_length": u32(config["intermediate_size"]),
+        "llama.attention.head_count": u32(config["num_attention_heads"]),
+        "llama.attention.head_count_kv": u32(config["num_key_value_heads"]),
+        "llama.attention.layer_norm_rms_epsilon": mx.array(config["rms_norm_eps"], dtype=mx.float32),
+        "llama.rope.freq_base": mx.array(config["rope_theta"], dtype=mx.float32),
+        "llama.context_length": u32(512), "llama.vocab_size": u32(len(tokens)),
+        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.merges": merges,
+        "tokenizer.ggml.token_type": mx.array([3 if t in special else 1 for t in tokens], dtype=mx.int32),
+        "tokenizer.ggml.bos_token_id": u32(tokens.index("<|im_start|>")),
+        "tokenizer.ggml.eos_token_id": u32(tokens.index("<|im_end|>")),
+        "tokenizer.chat_template": llm_tiny.CHAT_TEMPLATE,
+    }
+    mx.save_gguf(path, tensors, metadata)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_gguf_loads_with_the_source_logits_and_tokens(tmp_path, tie):
+    raw = llm_tiny.raw_tokenizer()
+    source, config = llm_tiny.make_model(raw.get_vocab_size(), seed=3, tie=tie)
+    path = str(tmp_path / "tiny.gguf")
+    write_gguf(path, source, config, raw)
+    model, tokenizer, loaded_config = load_model(path)
+    assert loaded_config["tie_word_embeddings"] is tie
+    assert loaded_config["num_key_value_heads"] == 2 and loaded_config["rope_theta"] == 10000.0
+    text = "The capital of France is Paris, 1234 miles away."
+    ids = tokenizer.encode(text)
+    assert ids == raw.encode(text).ids
+    assert tokenizer.decode(ids) == text
+    assert tokenizer.eos_token_id == raw.token_to_id("<|im_end|>")
+    x = mx.array([ids])
+    np.testing.assert_allclose(np.array(model(x)), np.array(source(x)), atol=1e-5)
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_converted_gguf_is_an_mlx_lm_directory(tmp_path):
+    import mlx_lm
+
+    raw = llm_tiny.raw_tokenizer()
+    source, config = llm_tiny.make_model(raw.get_vocab_size(), seed=4)
+    write_gguf(str(tmp_path / "tiny.gguf"), source, config, raw)
+    model, tokenizer, loaded_config = load_model(str(tmp_path / "tiny.gguf"))
+    save_model(model, tokenizer, loaded_config, str(tmp_path / "dir"))
+    again, again_tokenizer = mlx_lm.load(str(tmp_path / "dir"))
+    x = mx.array([again_tokenizer.encode("She sells sea shells")])
+    np.testing.assert_allclose(np.array(again(x)), np.array(source(x)), atol=1e-5)
+
+
+def test_unpermute_inverts_permute_on_quantized_rows():
+    w = mx.random.normal((24, 64))
+    assert mx.array_equal(unpermute(permute(w, 3), 3), w)
+    q, scales, biases = mx.quantize(w, group_size=32, bits=4)
+    tensors = {"blk.0.attn_q.weight": permute(q, 3), "blk.0.attn_q.scales": permute(scales, 3),
+               "blk.0.attn_q.biases": permute(biases, 3)}
+    config = {"num_attention_heads": 3, "num_key_value_heads": 1}
+    weights, quantization = gguf_weights(tensors, config, quantized=False)
+    expected = mx.dequantize(q, scales, biases, group_size=32, bits=4)
+    assert quantization == {}
+    assert mx.array_equal(weights["model.layers.0.self_attn.q_proj.weight"], expected)
+    kept, quantization = gguf_weights(tensors, config, quantized=True)
+    assert quantization == {"group_size": 32, "bits": 4}
+    assert mx.array_equal(kept["model.layers.0.self_attn.q_proj.weight"], q)
+
+
+def test_bad_gguf_and_directories_get_clear_errors(tmp_path):
+    mx.save_gguf(str(tmp_path / "gpt.gguf"), {"x": mx.zeros(2)}, {"general.architecture": "gpt2"})
+    with pytest.raises(ConfigError, match="architecture is 'gpt2'; only llama-family"):
+        load_model(str(tmp_path / "gpt.gguf"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="has no config.json"):
+        load_model(str(tmp_path / "empty"))
+
+
+def test_base_reference_hashes_weights_and_caches(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLX_TRAIN_CACHE", str(tmp_path / "cache"))
+    llm_tiny.write_model_dir(str(tmp_path / "m"))
+    first = base_reference(str(tmp_path / "m"))
+    assert first["path"] == str(tmp_path / "m") and len(first["sha256"]) == 64
+    assert json.loads((tmp_path / "cache" / "model-hashes.json").read_text())
+    assert base_reference(str(tmp_path / "m")) == first
+    weights = mx.load(str(tmp_path / "m" / "model.safetensors"))
+    weights["model.norm.weight"] = weights["model.norm.weight"] + 1
+    mx.save_safetensors(str(tmp_path / "m" / "model.safetensors"), weights)
+    assert base_reference(str(tmp_path / "m"))["sha256"] != first["sha256"]
