@@ -61,6 +61,14 @@ def test_a_frozen_rank_is_caught_by_its_heartbeat_and_the_run_ends_as_if_uninter
     assert sorted(a) == sorted(b) and all(np.array_equal(a[k], b[k]) for k in a)  # bit for bit
 
 
+def test_a_rank_busy_for_longer_than_the_limit_is_not_taken_for_frozen(tmp_path):
+    # Its main thread computes for 8 s (as in a long validation); the monitor thread keeps beating.
+    policy = RecoveryPolicy.from_collective_timeout(0, 60.0, frozen_timeout=3.0)
+    busy = _run(tmp_path / "busy", "--busy-rank", "1", "--busy-step", "6", "--busy-seconds", "8", "--max-steps", "10",
+                policy=policy)
+    assert busy.restarts == [] and busy.attempts == 1 and busy.seconds > 8.0
+
+
 def test_the_heartbeat_timeout_flag_reaches_the_supervisor(monkeypatch, tmp_path):
     from mlx_train.launch import supervisor as supervisor_module
 
