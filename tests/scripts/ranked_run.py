@@ -5,8 +5,9 @@
 Faults are injected on the first attempt only (MLX_TRAIN_ATTEMPT unset or 0): ``--kill-rank``
 SIGKILLs that rank after step K, ``--stop-rank`` SIGSTOPs it (a frozen process), ``--perturb-rank``
 adds 1e-3 to its weights (ranks out of sync), ``--busy-rank`` keeps its main thread busy in Python
-for ``--busy-seconds`` (a long validation or checkpoint: alive, but not stepping). Rank 0 writes OUT_DIR/params.safetensors at the end;
-with --every-rank each rank writes OUT_DIR/params-rank<r>.safetensors.
+for ``--busy-seconds`` (a long validation or checkpoint: alive, but not stepping). Rank 0
+writes OUT_DIR/params.safetensors at the end; with --every-rank each rank writes
+OUT_DIR/params-rank<r>.safetensors.
 """
 
 import argparse
