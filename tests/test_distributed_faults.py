@@ -101,7 +101,7 @@ def test_an_unreachable_host_is_reported_with_the_ssh_error_and_not_retried(tmp_
     hosts.write_text(json.dumps([{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]},
                                  {"ssh": unreachable, "ips": ["127.0.0.1"]}]))
     run_dir = tmp_path / "unreachable"
-    message = (f"rank 1 could not be started on {re.escape(unreachable)}: ssh {re.escape(unreachable)} failed: "
+    message = (f"rank 1 cannot run on {re.escape(unreachable)}: ssh {re.escape(unreachable)} failed: "
                f"ssh: connect to host 127.0.0.1 port {port}: Connection refused; .*not restarting")
     with pytest.raises(DistributedError, match=message) as raised:
         _run(run_dir, policy=RecoveryPolicy(max_restarts=3), hostfile=str(hosts))

@@ -340,8 +340,8 @@ class Supervisor:
             except queue.Empty:
                 break
             cause = _exit_cause(rank, code, after_failure=bool(causes) or teardown)
-            if code == SSH_FAILED and self._never_started(rank):
-                cause = self._ssh_cause(rank) or cause
+            if code == SSH_FAILED and self._no_heartbeat_seen(rank):
+                cause = self._ssh_cause(rank)
             elif code and code > 0 and self._last_error:
                 final = cause.final or any(name in self._last_error for name in FINAL_ERRORS)
                 cause = Cause(f"{cause.text} after printing: {self._last_error}", cause.weight, final)
@@ -350,23 +350,25 @@ class Supervisor:
             if info.state == "failed":
                 _add(causes, self._failed(rank, info))
 
-    def _never_started(self, rank: int) -> bool:
-        """True when ``rank`` runs over ssh and wrote no heartbeat in this attempt."""
+    def _no_heartbeat_seen(self, rank: int) -> bool:
+        """True when ``rank`` runs over ssh and no heartbeat of it was seen in this attempt (it never
+        started, or its heartbeats are on its own host's disk)."""
         host = self.hostfile.hosts[rank] if 0 <= rank < len(self.hostfile.hosts) else None
         return host is not None and not host.is_local and rank not in self._beats \
             and not rundir.heartbeat_path(self.run_dir, rank).exists()
 
-    def _ssh_cause(self, rank: int) -> Cause | None:
+    def _ssh_cause(self, rank: int) -> Cause:
         """Why ssh to ``rank``'s host failed (``mlx.launch`` runs ssh with ``LogLevel=QUIET``, which
-        hides ssh's error, so one ``ssh host true`` is tried here to get it); None when ssh works now."""
+        hides ssh's error, so one ``ssh host true`` is tried here to get it). A host ssh cannot reach
+        now would fail the restart the same way: final."""
         from mlx_train.launch.network import check_host
 
         host = self.hostfile.hosts[rank]
         check = check_host(host, timeout=5.0)
         if check.ok:
-            return Cause(f"rank {rank} on {host.ssh} exited with code {SSH_FAILED} before it wrote a heartbeat "
-                         f"(ssh's code for a failed connection; ssh {host.ssh} works now)")
-        return Cause(f"rank {rank} could not be started on {host.ssh}: {check.detail}", final=True)
+            return Cause(f"rank {rank} on {host.ssh} exited with code {SSH_FAILED} (ssh's code when its connection "
+                         f"fails; ssh {host.ssh} works now)")
+        return Cause(f"rank {rank} cannot run on {host.ssh}: {check.detail}", final=True)
 
     def _failed(self, rank: int, info: rundir.HeartbeatRecord) -> Cause:
         kind = info.error_type or "error"
