@@ -57,12 +57,12 @@ def cluster_for(num_processes: int | None, hostfile: str | None, backend: str):
     elif num_processes is not None and num_processes != cluster.num_processes:
         entries = cluster.num_processes
         if num_processes % entries:
-            source = f"host file {hostfile}" if hostfile else f"the configured cluster ({cluster.path})"
+            source, change = (f"host file {hostfile}", "edit the host file") if hostfile else (
+                f"the configured cluster ({cluster.path})", "reconfigure with 'mlx-train configure --distributed'")
             raise ConfigError(
                 f"-n {num_processes} does not match {source}, which has {entries} entr{'ies' if entries != 1 else 'y'} "
                 f"(one per rank): -n is the total number of processes; leave -n out to use {entries}, give a "
-                f"multiple of {entries} to run several ranks per entry, or reconfigure with 'mlx-train configure "
-                f"--distributed'")
+                f"multiple of {entries} to run several ranks per entry, or {change}")
         cluster.hosts = [host for host in cluster.hosts for _ in range(num_processes // entries)]
     if backend != "auto":
         cluster.backend = backend
