@@ -47,7 +47,8 @@ from mlx_train.launch.launcher import free_port_base, launcher_path
 # Errors that a restart would hit again: not worth restarting for.
 FINAL_ERRORS = {"ConfigError", "UsageError", "DataError", "CheckpointError", "DeviceError", "OutOfMemoryError"}
 FINAL_EXIT_CODES = {2, 3, 4, 5, 6}
-SSH_FAILED = 255  # ssh's exit code when it cannot connect (or the remote command exited 255)
+# ssh's exit code when it cannot connect, and the shell's when ssh (or the remote command) is missing
+SSH_FAILED = {255, 127}
 _RANK_EXIT = re.compile(r"Node with rank (\d+) exited with code (-?\d+)")
 _RANK_KILLED = re.compile(r"Node with rank (\d+) was killed")
 _LOG = logging.getLogger("mlx_train.supervisor")
@@ -340,8 +341,8 @@ class Supervisor:
             except queue.Empty:
                 break
             cause = _exit_cause(rank, code, after_failure=bool(causes) or teardown)
-            if code == SSH_FAILED and self._no_heartbeat_seen(rank):
-                cause = self._ssh_cause(rank)
+            if code in SSH_FAILED and self._no_heartbeat_seen(rank):
+                cause = self._ssh_cause(rank, code)
             elif code and code > 0 and self._last_error:
                 final = cause.final or any(name in self._last_error for name in FINAL_ERRORS)
                 cause = Cause(f"{cause.text} after printing: {self._last_error}", cause.weight, final)
@@ -357,7 +358,7 @@ class Supervisor:
         return host is not None and not host.is_local and rank not in self._beats \
             and not rundir.heartbeat_path(self.run_dir, rank).exists()
 
-    def _ssh_cause(self, rank: int) -> Cause:
+    def _ssh_cause(self, rank: int, code: int) -> Cause:
         """Why ssh to ``rank``'s host failed (``mlx.launch`` runs ssh with ``LogLevel=QUIET``, which
         hides ssh's error, so one ``ssh host true`` is tried here to get it). A host ssh cannot reach
         now would fail the restart the same way: final."""
@@ -366,8 +367,8 @@ class Supervisor:
         host = self.hostfile.hosts[rank]
         check = check_host(host, timeout=5.0)
         if check.ok:
-            return Cause(f"rank {rank} on {host.ssh} exited with code {SSH_FAILED} (ssh's code when its connection "
-                         f"fails; ssh {host.ssh} works now)")
+            return Cause(f"rank {rank} on {host.ssh} exited with code {code} before a heartbeat of it was seen "
+                         f"(ssh {host.ssh} works now)")
         return Cause(f"rank {rank} cannot run on {host.ssh}: {check.detail}", final=True)
 
     def _failed(self, rank: int, info: rundir.HeartbeatRecord) -> Cause:
