@@ -262,6 +262,7 @@ def test_reset_stops_only_leftover_mlx_train_processes_and_names_them(home):
         assert any(f"stopped pid {healthy.pid}: rank 0 of run live-run" in line for line in lines), lines
         assert any(f"stopped pid {supervisor.pid}: supervisor of run live-run" in line for line in lines), lines
         assert unrelated.poll() is None
+        assert unknown.poll() is None  # another home's run (e.g. a test running beside this one) is not ours
     finally:
         for process in (orphan, healthy, unrelated, unknown, supervisor):
             process.kill()

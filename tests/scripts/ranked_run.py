@@ -4,13 +4,16 @@
 
 Faults are injected on the first attempt only (MLX_TRAIN_ATTEMPT unset or 0): ``--kill-rank``
 SIGKILLs that rank after step K, ``--stop-rank`` SIGSTOPs it (a frozen process), ``--perturb-rank``
-adds 1e-3 to its weights (ranks out of sync). Rank 0 writes OUT_DIR/params.safetensors at the end;
-with --every-rank each rank writes OUT_DIR/params-rank<r>.safetensors.
+adds 1e-3 to its weights (ranks out of sync), ``--busy-rank`` keeps its main thread busy in Python
+for ``--busy-seconds`` (a long validation or checkpoint: alive, but not stepping). Rank 0
+writes OUT_DIR/params.safetensors at the end; with --every-rank each rank writes
+OUT_DIR/params-rank<r>.safetensors.
 """
 
 import argparse
 import os
 import signal
+import time
 
 import mlx_train  # noqa: F401  (before mlx.core: loads the optimized BLAS)
 
@@ -44,6 +47,10 @@ class Faults(Callback):
             os.kill(os.getpid(), signal.SIGKILL)
         if a.stop_rank == rank and a.stop_step == step:
             os.kill(os.getpid(), signal.SIGSTOP)
+        if a.busy_rank == rank and a.busy_step == step:
+            end = time.monotonic() + a.busy_seconds
+            while time.monotonic() < end:
+                sum(range(10_000))
         if a.perturb_rank == rank and a.perturb_step == step:
             trainer.model.update(tree_map(lambda p: p + 1e-3, trainer.model.parameters()))
             mx.eval(trainer.model.parameters())
@@ -62,7 +69,8 @@ def main():
     parser.add_argument("--checksum-action", default="raise")
     parser.add_argument("--every-rank", action="store_true")
     parser.add_argument("--strategy", default="data_parallel")
-    for fault in ("kill", "stop", "perturb"):
+    parser.add_argument("--busy-seconds", type=float, default=0.0)
+    for fault in ("kill", "stop", "perturb", "busy"):
         parser.add_argument(f"--{fault}-rank", type=int, default=None)
         parser.add_argument(f"--{fault}-step", type=int, default=None)
     args = parser.parse_args()

@@ -28,7 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        "cluster, else this machine)")
     where.add_argument("--hostfile", metavar="FILE", help="an mlx.launch host file")
     parser.add_argument("-n", "--num-processes", type=int, default=None, metavar="N",
-                        help="processes per host; without a cluster or hosts, N processes on this machine (default 2)")
+                        help="with --hosts, processes per host; with a host file or the configured cluster, the total "
+                        "(its number of entries or a multiple); alone, N processes on this machine (default 2)")
     parser.add_argument("--backend", choices=CHOICES, default=None, help="backend to measure (default: the cluster's)")
     parser.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
                         help="give up on the probe after this long (default 60)")

@@ -4,8 +4,10 @@ Only processes of mlx-train runs are touched: those recorded in the registry (su
 ranks, matched by pid *and* start time) and those started by an mlx-train supervisor (their
 environment carries ``MLX_TRAIN_RUN_ID``). A process is a leftover when the supervisor recorded
 for its run is gone, when its launcher is gone (it was orphaned), or when it has recorded a
-failure; ``stop_running=True`` also stops runs that are still healthy. A run this machine's
-registry knows nothing about is left alone unless orphaned. Each stopped process is named.
+failure; ``stop_running=True`` also stops runs that are still healthy. A run this registry
+(``MLX_TRAIN_HOME``) knows nothing about is left alone unless orphaned, even with
+``stop_running``: it belongs to another home (another user's or another test's runs on the
+same machine). Each stopped process is named.
 
 Example::
 
@@ -72,6 +74,7 @@ def _candidates() -> dict[int, dict]:
 def find_leftovers(stop_running: bool = False) -> list[Leftover]:
     """The mlx-train processes that ``reset_distributed`` would stop (nothing is stopped here)."""
     dead_runs = _dead_supervisors()
+    known_runs = {e.get("run_id") for e in registry.entries() if e.get("run_id")}
     own = {os.getpid(), os.getppid()}
     leftovers = []
     for pid, info in sorted(_candidates().items()):
@@ -79,7 +82,7 @@ def find_leftovers(stop_running: bool = False) -> list[Leftover]:
             continue
         kind, run_id = info.get("kind"), info.get("run_id")
         what = _name(pid, info)
-        if stop_running:
+        if stop_running and (run_id in known_runs or "path" in info):  # "path": a registry entry
             why = "requested (--all)"
         elif kind == "supervisor":
             continue  # a live supervisor is a run in progress

@@ -1,13 +1,15 @@
 """The supervisor: launch a group with ``mlx.launch``, watch it, restart it from the last checkpoint.
 
 The group fails when a rank exits abnormally (``mlx.launch`` reports it, and then stops the
-others), when a rank records an error in its heartbeat file, or when a rank's heartbeat stops
-(a frozen process: nothing else would notice). The supervisor then stops the whole group within
-a bounded time (SIGTERM to the launcher's process group, SIGKILL after ``stop_grace`` seconds,
-and SIGKILL to any local rank still alive) and, up to ``max_restarts`` times, launches it again
-with ``MLX_TRAIN_RESUME=auto`` (and ``restart_args``) so that it continues from the newest
-complete checkpoint. Each restart is logged with its cause, on stderr and ``supervisor.log``
-(the ``mlx_train.supervisor`` logger) and in ``<run_dir>/distributed/restarts.jsonl``. A rank that fails with a configuration, data,
+others), when a rank records an error in its heartbeat file, when a rank's heartbeat stops (a
+frozen process, e.g. SIGSTOPped: its peers would only notice at their collective timeout), or
+when ssh cannot reach a host (reported with ssh's own error, and not restarted). The supervisor
+then stops the whole group within a bounded time (SIGTERM to the launcher's process group,
+SIGKILL after ``stop_grace`` seconds, and SIGKILL to any local rank still alive) and, up to
+``max_restarts`` times, launches it again with ``MLX_TRAIN_RESUME=auto`` (and ``restart_args``)
+so that it continues from the newest complete checkpoint. Each restart is logged with its cause,
+on stderr and ``supervisor.log`` (the ``mlx_train.supervisor`` logger) and in
+``<run_dir>/distributed/restarts.jsonl``. A rank that fails with a configuration, data,
 checkpoint, device or memory error is not restarted: it would fail the same way.
 
 Example::
@@ -45,6 +47,8 @@ from mlx_train.launch.launcher import free_port_base, launcher_path
 # Errors that a restart would hit again: not worth restarting for.
 FINAL_ERRORS = {"ConfigError", "UsageError", "DataError", "CheckpointError", "DeviceError", "OutOfMemoryError"}
 FINAL_EXIT_CODES = {2, 3, 4, 5, 6}
+# ssh's exit code when it cannot connect, and the shell's when ssh (or the remote command) is missing
+SSH_FAILED = {255, 127}
 _RANK_EXIT = re.compile(r"Node with rank (\d+) exited with code (-?\d+)")
 _RANK_KILLED = re.compile(r"Node with rank (\d+) was killed")
 _LOG = logging.getLogger("mlx_train.supervisor")
@@ -55,22 +59,36 @@ _ERROR_LINE = re.compile(r"^(mlx-train: error: |[\w.]*Error: )")  # the CLI's on
 class RecoveryPolicy:
     """When to give up on a group and how many times to start it again.
 
-    ``heartbeat_timeout``: seconds without a heartbeat before a rank counts as hung (keep it
-    above the ranks' ``collective_timeout`` so that their own, more precise error comes first);
+    ``frozen_timeout``: seconds a rank's steady heartbeat (written every ``interval`` by the
+    ``RankMonitor`` thread, also while the rank validates or saves a checkpoint) may stay
+    unchanged before the rank counts as frozen: only a stopped or wedged process stops it;
+    ``heartbeat_timeout``: the same for a heartbeat written between steps (a rank without a
+    monitor thread), which a long step or validation delays (keep it above the ranks'
+    ``collective_timeout`` so that their own, more precise error comes first);
     ``stop_grace``: seconds the launcher gets to stop the others itself before everything is
     killed; ``startup_timeout``: seconds for every rank to report once the first has.
+    Heartbeat ages are measured on the supervisor's clock (how long a file's ``time`` has not
+    changed), so clocks that differ between hosts do not matter.
     """
 
     max_restarts: int = 3
     heartbeat_timeout: float = 60.0
     stop_grace: float = 3.0
     startup_timeout: float = 120.0
+    frozen_timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not self.frozen_timeout > 0:
+            raise ConfigError(f"frozen_timeout must be > 0 seconds, got {self.frozen_timeout!r} "
+                              "(--heartbeat-timeout of mlx-train train --distributed)")
 
     @classmethod
-    def from_collective_timeout(cls, max_restarts: int, collective_timeout: float) -> RecoveryPolicy:
-        """A policy whose hang detection backs up ranks that use ``collective_timeout``."""
+    def from_collective_timeout(cls, max_restarts: int, collective_timeout: float,
+                                frozen_timeout: float = 30.0) -> RecoveryPolicy:
+        """A policy whose hang detection backs up ranks that use ``collective_timeout``; a frozen
+        rank (silent steady heartbeat) is caught after ``frozen_timeout`` seconds."""
         return cls(max_restarts=max_restarts, heartbeat_timeout=collective_timeout * 1.5 + 5.0,
-                   startup_timeout=max(120.0, collective_timeout))
+                   startup_timeout=max(120.0, collective_timeout), frozen_timeout=frozen_timeout)
 
 
 @dataclass(frozen=True)
@@ -128,6 +146,8 @@ class Supervisor:
         self.run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
         self._events: queue.Queue = queue.Queue()
         self._last_error: str | None = None  # the last error line the ranks printed
+        # rank -> (its heartbeat's ``time``, supervisor monotonic time when that value was first read)
+        self._beats: dict[int, tuple[float, float]] = {}
         # One local process runs without mlx.launch (whose one-host MLX_HOSTFILE is empty, which
         # mx.distributed.init() then fails to parse).
         self._direct = hostfile.num_processes == 1 and hostfile.is_local
@@ -158,8 +178,7 @@ class Supervisor:
                 if attempt == self.policy.max_restarts:
                     raise DistributedError(
                         f"the group failed {attempt + 1} time{'s' if attempt else ''} and max_restarts "
-                        f"({self.policy.max_restarts}) is used up; last failure: {cause.text}. Rank logs: "
-                        f"{self.run_dir / rundir.LOGS_DIR}; restarts: {self.state_dir / rundir.RESTARTS_FILE}"
+                        f"({self.policy.max_restarts}) is used up; last failure: {cause.text}{self._where_to_look()}"
                     )
                 result.restarts.append(self._record_restart(attempt + 1, cause))
         finally:
@@ -172,9 +191,17 @@ class Supervisor:
                 signal.signal(signal.SIGTERM, previous)
         return result
 
+    def _where_to_look(self) -> str:
+        """``. Rank logs: ...; restarts: ...`` for the files that exist (never a missing path)."""
+        found = [f"{name}: {path}" for name, path in (("Rank logs", self.run_dir / rundir.LOGS_DIR),
+                                                      ("restarts", self.state_dir / rundir.RESTARTS_FILE))
+                 if path.exists()]
+        return f". {'; '.join(found)}" if found else ""
+
     def _attempt(self, attempt: int) -> Cause | None:
         for stale in self.run_dir.glob(rundir.HEARTBEAT_GLOB):  # the last attempt's
             stale.unlink(missing_ok=True)
+        self._beats = {}
         process = subprocess.Popen(self._argv(attempt), env=self._env(attempt), stdin=subprocess.PIPE,
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
         readers = [threading.Thread(target=self._pump, args=(process.stdout, self.out, False), daemon=True),
@@ -205,10 +232,9 @@ class Supervisor:
             self._drain(causes)
             ranks = rundir.read_heartbeats(self.run_dir)
             for rank, info in sorted(ranks.items()):
-                wall = time.time()
-                if rundir.is_stale(info, wall, policy.heartbeat_timeout):
-                    _add(causes, Cause(f"rank {rank} stopped responding (no heartbeat for {wall - info.time:.1f} s; pid "
-                                       f"{info.pid} on {info.host}, {info.step} steps done)"))
+                frozen = self._frozen(rank, info, now)
+                if frozen is not None:
+                    _add(causes, frozen)
                     stop_at = now  # a frozen rank: nothing will end the group by itself
             if ranks and first_seen is None:
                 first_seen = now
@@ -225,6 +251,26 @@ class Supervisor:
                 self._stop(process)
                 return
             time.sleep(0.2)
+
+    def _frozen(self, rank: int, info: rundir.HeartbeatRecord, now: float) -> Cause | None:
+        """The cause when ``rank``'s heartbeat has not changed for longer than the staleness rule allows.
+
+        The age is how long this supervisor has seen the same ``time`` in the file (its own
+        monotonic clock), so a rank host's clock offset cannot make a live rank look frozen.
+        """
+        seen = self._beats.get(rank)
+        if seen is None or seen[0] != info.time:
+            self._beats[rank] = seen = (info.time, now)
+        age = now - seen[1]
+        steady = info.steady
+        minimum = self.policy.frozen_timeout if steady else self.policy.heartbeat_timeout
+        if not rundir.is_stale(info, float(info.time) + age, minimum):
+            return None
+        limit = rundir.stale_limit(info, minimum)
+        why = (f"its monitor thread writes it every {info.interval:g} s, even during validation and checkpoints, "
+               "so the process is stopped or wedged" if steady else "it is written between steps")
+        return Cause(f"rank {rank} is frozen: no heartbeat for {age:.1f} s (limit {limit:g} s; {why}; pid {info.pid} "
+                     f"on {info.host}, state {info.state}, {info.step} steps done)")
 
     def _stop(self, process: subprocess.Popen) -> None:
         """Stop the launcher and every local rank: SIGTERM, then SIGKILL after ``stop_grace`` seconds."""
@@ -295,13 +341,35 @@ class Supervisor:
             except queue.Empty:
                 break
             cause = _exit_cause(rank, code, after_failure=bool(causes) or teardown)
-            if code and code > 0 and self._last_error:
+            if code in SSH_FAILED and self._no_heartbeat_seen(rank):
+                cause = self._ssh_cause(rank, code)
+            elif code and code > 0 and self._last_error:
                 final = cause.final or any(name in self._last_error for name in FINAL_ERRORS)
                 cause = Cause(f"{cause.text} after printing: {self._last_error}", cause.weight, final)
             _add(causes, cause)
         for rank, info in rundir.read_heartbeats(self.run_dir).items():
             if info.state == "failed":
                 _add(causes, self._failed(rank, info))
+
+    def _no_heartbeat_seen(self, rank: int) -> bool:
+        """True when ``rank`` runs over ssh and no heartbeat of it was seen in this attempt (it never
+        started, or its heartbeats are on its own host's disk)."""
+        host = self.hostfile.hosts[rank] if 0 <= rank < len(self.hostfile.hosts) else None
+        return host is not None and not host.is_local and rank not in self._beats \
+            and not rundir.heartbeat_path(self.run_dir, rank).exists()
+
+    def _ssh_cause(self, rank: int, code: int) -> Cause:
+        """Why ssh to ``rank``'s host failed (``mlx.launch`` runs ssh with ``LogLevel=QUIET``, which
+        hides ssh's error, so one ``ssh host true`` is tried here to get it). A host ssh cannot reach
+        now would fail the restart the same way: final."""
+        from mlx_train.launch.network import check_host
+
+        host = self.hostfile.hosts[rank]
+        check = check_host(host, timeout=5.0)
+        if check.ok:
+            return Cause(f"rank {rank} on {host.ssh} exited with code {code} before a heartbeat of it was seen "
+                         f"(ssh {host.ssh} works now)")
+        return Cause(f"rank {rank} cannot run on {host.ssh}: {check.detail}", final=True)
 
     def _failed(self, rank: int, info: rundir.HeartbeatRecord) -> Cause:
         kind = info.error_type or "error"

@@ -4,7 +4,9 @@ The launching process resolves the configuration once and writes it to
 ``<run_dir>/distributed/launch-config.yaml``; every rank then runs
 ``python -m mlx_train train --config <that file>`` (a ``DistributedTrainer``, because the
 supervisor's environment says it is a rank). Hosts: ``--hostfile FILE``, else the configured
-cluster (``mlx-train configure --distributed``), else ``-n N`` processes on 127.0.0.1.
+cluster (``mlx-train configure --distributed``), else ``-n N`` processes on 127.0.0.1. ``-n`` is
+always the total number of processes: with a host file or cluster (one entry per rank) it must
+equal its number of entries or a multiple of it (each entry then runs that many ranks).
 
 Example::
 
@@ -19,6 +21,8 @@ from typing import Any
 
 from mlx_train import rundir
 
+DEFAULT_HEARTBEAT_TIMEOUT = 30.0  # seconds; the rank monitor writes every 0.5 s
+
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``train`` flags of distributed runs (``--max-restarts`` is a TrainConfig flag)."""
@@ -27,27 +31,39 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                         "--distributed), or on -n N local processes when none is configured, under a supervisor "
                         "that restarts the group from the last checkpoint when a rank dies or hangs")
     parser.add_argument("-n", "--num-processes", type=int, default=None, metavar="N",
-                        help="with --distributed: N processes on 127.0.0.1 when no cluster is configured "
-                        "(default 2), N processes per host with a cluster")
+                        help="with --distributed: the total number of processes; N on 127.0.0.1 when no cluster "
+                        "is configured (default 2); with a cluster or --hostfile, its number of entries (the "
+                        "default) or a multiple of it")
     parser.add_argument("--hostfile", default=None, metavar="FILE",
                         help="with --distributed: launch on the hosts of this mlx.launch host file instead of "
                         "the configured cluster")
+    parser.add_argument("--heartbeat-timeout", type=float, default=DEFAULT_HEARTBEAT_TIMEOUT, metavar="SECONDS",
+                        help="with --distributed: restart the group from the last checkpoint when a rank's heartbeat "
+                        "(written by a background thread, also during validation and checkpoints) stops for this "
+                        f"long, e.g. a frozen process (default {DEFAULT_HEARTBEAT_TIMEOUT:g})")
 
 
 def cluster_for(num_processes: int | None, hostfile: str | None, backend: str):
     """The ``Hostfile`` a distributed run launches on (see the module docstring)."""
     from mlx_train.distributed.config import load_cluster
     from mlx_train.distributed.hostfile import Hostfile
+    from mlx_train.errors import ConfigError
 
     if num_processes is not None and num_processes < 1:
-        from mlx_train.errors import ConfigError
-
         raise ConfigError(f"-n must be at least 1, got {num_processes}")
     cluster = Hostfile.read(hostfile) if hostfile else load_cluster()
     if cluster is None:
         cluster = Hostfile.local(num_processes or 2, backend)
-    elif num_processes and num_processes > 1:
-        cluster.hosts = [host for host in cluster.hosts for _ in range(num_processes)]
+    elif num_processes is not None and num_processes != cluster.num_processes:
+        entries = cluster.num_processes
+        if num_processes % entries:
+            source, change = (f"host file {hostfile}", "edit the host file") if hostfile else (
+                f"the configured cluster ({cluster.path})", "reconfigure with 'mlx-train configure --distributed'")
+            raise ConfigError(
+                f"-n {num_processes} does not match {source}, which has {entries} entr{'ies' if entries != 1 else 'y'} "
+                f"(one per rank): -n is the total number of processes; leave -n out to use {entries}, give a "
+                f"multiple of {entries} to run several ranks per entry, or {change}")
+        cluster.hosts = [host for host in cluster.hosts for _ in range(num_processes // entries)]
     if backend != "auto":
         cluster.backend = backend
     return cluster
@@ -73,7 +89,10 @@ def train_distributed(args: argparse.Namespace, config: Any, log=print) -> int:
     log(f"distributed run: {world} process{'es' if world != 1 else ''} x batch {config.batch_size} x accumulation "
         f"{config.gradient_accumulation} = global batch {world * config.batch_size * config.gradient_accumulation}; "
         f"run directory {run_dir}")
-    policy = RecoveryPolicy.from_collective_timeout(config.max_restarts, config.collective_timeout)
+    policy = RecoveryPolicy.from_collective_timeout(
+        config.max_restarts, config.collective_timeout,
+        frozen_timeout=DEFAULT_HEARTBEAT_TIMEOUT if getattr(args, "heartbeat_timeout", None) is None
+        else args.heartbeat_timeout)
     supervisor = Supervisor(command, hosts, run_dir, policy, config.checkpoint_dir, restart_args=["--resume", "auto"])
     result = supervisor.run()
     restarts = len(result.restarts)
