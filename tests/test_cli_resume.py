@@ -162,3 +162,36 @@ def test_half_precision_on_the_linux_cpu_warns_at_start(tmp_path, capsys, monkey
     with pytest.warns(UserWarning, match="precision bfloat16 on the Linux CPU is much slower than float32"):
         assert main(["train", "--precision", "bfloat16", "--max-steps", "1",
                      "--set", "model_options.hidden_dims=[8]", "--run-dir", str(tmp_path / "r")]) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum, code", [(15, 143), (2, 130)])
+def test_a_signal_mid_run_saves_prints_the_command_and_that_command_resumes(tmp_path, signum, code):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import mlx_train
+
+    src = str(Path(mlx_train.__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    run_dir = tmp_path / "cnn"
+    argv = [sys.executable, "-m", "mlx_train", "train", "--model", "cnn", "--seed", "42", "--max-steps", "100000",
+            "--set", "report_every=1", "--set", "num_workers=0", "--run-dir", str(run_dir)]
+    with subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) as process:
+        for line in process.stdout:
+            if line.startswith("step 2 "):  # training is under way: the signal handler is installed
+                process.send_signal(signum)
+                break
+        out, err = process.communicate(timeout=120)
+    assert process.returncode == code, err
+    command = f"mlx-train train --run-dir {run_dir} --resume"
+    assert f"to continue: {command}" in err and "Traceback" not in err + out
+    again = subprocess.run([sys.executable, "-m", "mlx_train", *command.split()[1:], "--max-steps", "40"],
+                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert again.returncode == 0, again.stderr
+    assert "resumed from" in again.stdout and "changed: max_steps 100000 -> 40" in again.stdout
+    saved = TrainConfig.from_yaml(run_dir / "config.yaml")
+    assert (saved.model, saved.seed, saved.max_steps) == ("cnn", 42, 40)

@@ -235,9 +235,9 @@ def main(args: argparse.Namespace) -> int:
     again = f"to continue: mlx-train train --run-dir {config.run_dir} --resume"
     try:
         run(config, resume=args.resume)
-    except TrainingInterrupted as stop:  # a checkpoint was saved: say how to go on, exit 128 + signal
-        print(f"mlx-train: {stop.message}\n{again}", file=sys.stderr)
-        return int(stop.code)
+    except TrainingInterrupted as stop:  # the Trainer saved a checkpoint and said so: say how to go on
+        print(again, file=sys.stderr)
+        return int(stop.code)  # 128 + signal, as schedulers expect
     except KeyboardInterrupt:
         print(again, file=sys.stderr)
         raise
