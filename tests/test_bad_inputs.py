@@ -150,6 +150,8 @@ CLI_ROWS: dict[str, Cli] = {
                                r"batch_size cannot change on resume"),
     "resume-change-optimizer": Cli(["train", "--run-dir", "{run}", "--resume", "--set", "optimizer=sgd"], 2,
                                    r"optimizer cannot change on resume"),
+    "resume-with-optimize-memory": Cli(["train", "--run-dir", "{run}", "--resume", "--optimize-memory"], 2,
+                                       r"--optimize-memory cannot go with --resume"),
     "resume-saved-config-broken": Cli(["train", "--run-dir", "{run}", "--resume"], 2,
                                       r"config\.yaml:\d+: unknown key 'epochz'",
                                       damage=_write("config.yaml", "training:\n  epochz: 3\n")),

@@ -203,6 +203,12 @@ def resolve_config(args: argparse.Namespace, log: Callable[[str], None] = print)
     Without --resume: defaults < --config < --set < flags. With --resume and a run that has a
     config.yaml: that saved configuration, changed only by the flags given (each change is logged;
     one a resume cannot make is refused).
+
+    Example::
+
+        from mlx_train.cli.main import build_parser
+        args = build_parser("train").parse_args(["train", "--run-dir", "runs/a", "--resume", "--epochs", "20"])
+        resolve_config(args).epochs     # 20; the model, dataset, seed ... are runs/a/config.yaml's
     """
     from mlx_train.config import TrainConfig
 
@@ -215,6 +221,10 @@ def resolve_config(args: argparse.Namespace, log: Callable[[str], None] = print)
         run_dir = choose_run_dir(config, args.resume)
         saved_path = run_dir / rundir.CONFIG_FILE
         if saved_path.is_file():
+            if args.optimize_memory:
+                raise ConfigError("--optimize-memory cannot go with --resume: its plan changes batch_size and "
+                                  "gradient_accumulation, which a resumed run keeps (out of memory, the Trainer "
+                                  "halves the micro-batch itself); resume without it, or start a new run with it")
             config, notes = resume_config(args, TrainConfig.from_yaml(saved_path), str(saved_path), str(run_dir))
             log(f"resuming {run_dir} with its saved configuration"
                 + (f", changed: {'; '.join(notes)}" if notes else ""))
