@@ -199,3 +199,36 @@ def test_python_dash_m_smoke(tmp_path):
     assert "| MLX " in done.stdout and "| BLAS " in done.stdout and "test: loss " in done.stdout
     assert (tmp_path / "run" / "config.yaml").is_file()
     assert any((tmp_path / "run" / "checkpoints").glob("step-*"))
+
+
+def _bash_blocks(text: str) -> list[str]:
+    blocks, current = [], None
+    for line in text.splitlines():
+        if current is None and line.strip() == "```bash":
+            current = []
+        elif current is not None and line.strip() == "```":
+            blocks.append("\n".join(current))
+            current = None
+        elif current is not None:
+            current.append(line)
+    return blocks
+
+
+def test_readme_set_up_works_on_a_fresh_debian_and_matches_ci(tmp_path):
+    """The set-up updates apt before installing, makes a virtual environment (Debian's Python refuses a
+    system-wide pip install), and its test command is the one .ci/run runs."""
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text(encoding="utf-8")
+    set_up = readme[readme.index("## Set-up"):readme.index("\n## ", readme.index("## Set-up") + 1)]
+    blocks = _bash_blocks(set_up)
+    assert any("apt-get update &&" in b and "libopenblas0-pthread" in b and "python3-venv" in b for b in blocks)
+    assert any("python3 -m venv .venv" in b and ". .venv/bin/activate" in b for b in blocks)
+    assert 'pip install -e ".[examples]" && mlx-train train' in blocks
+    assert 'pip install -e ".[dev]" && python -m pytest -q' in blocks
+    ci = (root / ".ci" / "run").read_text()
+    assert 'pip install -q -e ".[dev]"' in ci and "\npython -m pytest -q\n" in ci
+    yaml_block = readme[readme.index("```yaml", readme.index("## Configuration")):]
+    yaml_block = yaml_block[len("```yaml\n"):yaml_block.index("\n```", 7)]
+    sample = tmp_path / "sample.yaml"
+    sample.write_text(yaml_block)
+    assert TrainConfig.from_yaml(sample).precision == "float32"  # bfloat16 crawls on the Linux CPU

@@ -82,7 +82,7 @@ def test_plot_selected_metrics_and_errors(run_dir, tmp_path, capsys):
     assert main(["plot", str(run_dir), "-o", str(tmp_path / "x.nope")]) == 2
     assert "cannot write" in capsys.readouterr().err
     assert main(["plot", str(run_dir), "--metrics", "nothing_like_this"]) == 2
-    assert "no metrics to plot among nothing_like_this" in capsys.readouterr().err
+    assert "unknown metric nothing_like_this; " in capsys.readouterr().err
 
 
 def test_plot_without_matplotlib_names_the_extra(run_dir, monkeypatch):

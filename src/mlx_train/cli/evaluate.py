@@ -15,6 +15,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,12 @@ def resolve_checkpoint(path: str) -> str:
     return str(latest)
 
 
+def _evaluate_advice(message: str) -> str:
+    """A checkpoint error's advice for ``evaluate``, which has --checkpoint, not --resume."""
+    message = re.sub(r": resume with --resume (\S+)$", r": evaluate that one with --checkpoint \1", message)
+    return re.sub(r": start without --resume$", ": train the run further to get one", message)
+
+
 def evaluate_checkpoint(path: str, split: str = "test") -> dict[str, Any]:
     """Metrics of the checkpoint at ``path`` on ``split`` of the dataset it trained on.
 
@@ -80,7 +87,10 @@ def evaluate_checkpoint(path: str, split: str = "test") -> dict[str, Any]:
     from mlx_train.training import Trainer
 
     path = resolve_checkpoint(path)
-    arrays, state = load_checkpoint(path, groups=["model"])  # the optimizer state is not needed
+    try:
+        arrays, state = load_checkpoint(path, groups=["model"])  # the optimizer state is not needed
+    except CheckpointError as error:
+        raise CheckpointError(_evaluate_advice(str(error))) from error
     if not isinstance(state.get("config"), dict):
         raise CheckpointError(
             f"checkpoint {path} holds no training config in its trainer_state.json, so the model and "

@@ -66,9 +66,8 @@ class ArgumentParser(argparse.ArgumentParser):
             parser = getattr(self, "_subcommands", {}).get(getattr(namespace, "command", None), self)
             flags = [flag for action in parser._actions for flag in action.option_strings]
             unknown = next((e.split("=")[0] for e in extras if e.startswith("-")), "")
-            raise UsageError(
-                f"unrecognized arguments: {' '.join(extras)}{did_you_mean(unknown, flags)}", parser.prog
-            )
+            hint = getattr(parser, "unknown_flag_hint", did_you_mean)  # a subcommand may know better
+            raise UsageError(f"unrecognized arguments: {' '.join(extras)}{hint(unknown, flags)}", parser.prog)
         return namespace
 
 

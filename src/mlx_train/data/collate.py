@@ -61,6 +61,12 @@ def normalize_dtype(array: np.ndarray) -> np.ndarray:
             "got an array of Python objects (dtype=object), usually ragged nested lists; "
             "give equal-length numeric arrays, or token sequences as a list of samples"
         )
+    if array.dtype.kind in "USV":  # MLX has no string or raw-bytes arrays
+        raise DataError(
+            f"got {'text' if array.dtype.kind == 'U' else 'bytes'} values (dtype {array.dtype}, e.g. "
+            f"{array.flat[0]!r}) where numbers are needed; map labels to integer ids first, e.g. "
+            "classes, y = np.unique(labels, return_inverse=True)"
+        )
     return array
 
 

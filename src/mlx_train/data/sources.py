@@ -42,7 +42,10 @@ def _to_numpy(value: Any, name: str) -> np.ndarray:
     try:
         array = np.asarray(value)
     except ValueError:
-        array = np.asarray(value, dtype=object)
+        try:
+            array = np.asarray(value, dtype=object)
+        except ValueError:  # nested sequences numpy cannot even hold as objects
+            array = np.empty(0, dtype=object)
     if array.dtype == object:
         raise DataError(
             f"array {name} is ragged (its rows have different lengths) or holds Python objects; "
@@ -59,6 +62,9 @@ def _to_numpy(value: Any, name: str) -> np.ndarray:
         raise DataError(f"array {name}: {e}") from None
 
 
+_SPLIT_NAMES = {"train", "val", "valid", "validation", "test", "eval", "dev"}
+
+
 class ArraySource:
     """Equal-length arrays, batched by fancy-indexing each array once."""
 
@@ -66,6 +72,11 @@ class ArraySource:
 
     def __init__(self, arrays: tuple[Any, ...] | list[Any] | Mapping[str, Any]) -> None:
         if isinstance(arrays, Mapping):
+            splits = [k for k in arrays if str(k) in _SPLIT_NAMES]
+            if splits and all(isinstance(arrays[k], (tuple, list, Mapping)) for k in splits):
+                raise DataError(
+                    f"the dataset is a dict of splits ({', '.join(map(repr, arrays))}), not one dataset; pass "
+                    f"one split, e.g. trainer.train(data['{splits[0]}'], data.get('val'))")
             self.keys: list[str] | None = [str(k) for k in arrays]
             names = [f"'{k}'" for k in arrays]
             self.arrays = [_to_numpy(v, n) for v, n in zip(arrays.values(), names, strict=False)]

@@ -17,7 +17,7 @@ import math
 import os
 from typing import Any, Sequence
 
-from mlx_train.errors import ConfigError
+from mlx_train.errors import ConfigError, did_you_mean
 from mlx_train.monitor.run import RunReader, RunSnapshot, resolve_run_dir
 
 # (panel title, y label, [(series label, metrics key), ...]); val_* keys beyond val_loss are added.
@@ -67,6 +67,15 @@ def plot_run(run_dir: str | os.PathLike, output: str | os.PathLike | None = None
     """
     Figure, FigureCanvasAgg = _require_matplotlib()
     snap = RunReader(resolve_run_dir(run_dir)).read()
+    if keys:
+        plottable = sorted({key for _, _, series in PANELS for _, key in series}
+                           | {k for row in snap.val for k in row if k.startswith("val_") and k != "val_time"})
+        present = [key for key in plottable if snap.series(key)[0]]
+        unknown = [key for key in keys if key not in plottable]
+        if unknown:
+            raise ConfigError(f"unknown metric{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}"
+                              f"{did_you_mean(unknown[0], plottable)}; {run_dir} has "
+                              f"{', '.join(present) or 'no metrics yet'} (--metrics takes a comma-separated list)")
     panels = panels_for(snap, keys)
     if not panels:
         wanted = f" among {', '.join(keys)}" if keys else ""
