@@ -324,7 +324,7 @@ _LABEL_CASES = [  # (id, labels, message for an array dataset, message for a map
      r"class label 3 \(row \d+ in this batch\) is outside \[0, 3\): the model has 3 outputs"),
     ("negative", np.arange(64) % 3 - 1, r"class label -1 \(sample 0 of the dataset\) is outside \[0, 3\)",
      r"class label -1 \(row \d+ in this batch\) is outside \[0, 3\)"),
-    ("strings", np.array(["cat", "dog"] * 32), r"the labels are strings \(e.g. np.str_\('cat'\)\).*np.unique",
+    ("strings", np.array(["cat", "dog"] * 32), r"got text values \(dtype <U3, e.g. np.str_\('cat'\)\).*np.unique",
      r"field 1 of dataset sample \d+ holds str_ values, not numbers"),
 ]
 

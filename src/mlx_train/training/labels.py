@@ -92,13 +92,7 @@ class LabelCheck:
         return int(outputs.shape[-1]) if outputs.ndim >= 1 else None
 
     def _check(self, targets: np.ndarray, index: np.ndarray | None, where: str) -> None:
-        kind = targets.dtype.kind
-        if kind in "USO":
-            example = targets.reshape(-1)[0] if targets.size else ""
-            raise DataError(
-                f"the labels are {'strings' if kind in 'US' else 'Python objects'} (e.g. {example!r}); the default "
-                "loss needs integer class ids 0..C-1: map each class name to an integer (e.g. with "
-                "np.unique(labels, return_inverse=True)) or pass a loss_fn that reads them")
+        kind = targets.dtype.kind  # (text labels never get here: the DataLoader refuses them with advice)
         if kind not in "iu" or self.num_classes is None or targets.size == 0:
             return
         flat = targets.reshape(len(targets), -1) if targets.ndim > 1 else targets.reshape(-1, 1)
