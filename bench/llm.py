@@ -29,6 +29,9 @@ import tempfile
 import time
 
 import mlx_train  # noqa: F401  (loads the optimized BLAS before mlx.core)
+
+# isort: split
+
 import mlx.core as mx
 import mlx.optimizers as optim
 import numpy as np
@@ -236,7 +239,8 @@ def main() -> int:
     docs = tokenize(train_records, base.tokenizer, max_seq_length=2048)
     assert [list(t) for t in docs.tokens[:5]] == [lm_train[i][0] for i in range(5)], "tokenization differs"
     plain_rows = SequenceDataset(docs, 2048)
-    packed_rows = SequenceDataset(tokenize(train_records, base.tokenizer, max_seq_length=PACK_LENGTH), PACK_LENGTH, pack=True)
+    packed_rows = SequenceDataset(tokenize(train_records, base.tokenizer, max_seq_length=PACK_LENGTH), PACK_LENGTH,
+                                  pack=True)
     val_rows = (SequenceDataset(tokenize(val_records, base.tokenizer)).samples(), lm_val)
     print(f"model {os.path.basename(gguf)}; {len(docs)} train passages, {int(docs.lengths.sum())} tokens; "
           f"packed into {len(packed_rows)} rows of <= {PACK_LENGTH}; {args.rounds} rounds x {args.steps} steps")
@@ -246,8 +250,9 @@ def main() -> int:
         final = r == args.rounds - 1
         batches = mlx_lm_batches(lm_train, args.steps, seed=r)
         lm = progress("mlx-lm", run_mlx_lm(base, batches, val=lm_val if final else None))
-        mt = progress("mlx-train, mlx-lm's batches", run_mlx_train(base, [as_mlx_train(b) for b in batches], args.steps))
-        diff = max(abs(a - b) for a, b in zip(lm["losses"], mt["losses"]))
+        same = [as_mlx_train(b) for b in batches]
+        mt = progress("mlx-train, mlx-lm's batches", run_mlx_train(base, same, args.steps))
+        diff = max(abs(a - b) for a, b in zip(lm["losses"], mt["losses"], strict=False))
         losses_diff = max(losses_diff, diff)
         plain = progress("mlx-train unpacked", run_mlx_train(base, make_loader(plain_rows, BATCH, seed=r), args.steps))
         ckpt = tempfile.mkdtemp() if final else None
@@ -277,7 +282,8 @@ def main() -> int:
     print(f"| (a) identical batches: max per-step loss difference | | | {losses_diff:.1e} | <= 1e-5 |")
     print(f"| (b) own batching, unpacked: real tokens/s | {tps['own_lm']:.0f} | {tps['own_plain']:.0f} | "
           f"{tps['own_plain'] / tps['own_lm']:.2f}x | |")
-    print(f"| (b) own batching, packed ({PACK_LENGTH}): real tokens/s | {tps['own_lm']:.0f} | {tps['own_packed']:.0f} | "
+    print(f"| (b) own batching, packed ({PACK_LENGTH}): real tokens/s | {tps['own_lm']:.0f} | "
+          f"{tps['own_packed']:.0f} | "
           f"{tps['own_packed'] / tps['own_lm']:.2f}x | >= 1.3x |")
     print(f"| (c) peak memory, identical batches (GB) | {med('a_lm', lambda x: x['peak']) / 1e9:.2f} | "
           f"{med('a_mt', lambda x: x['peak']) / 1e9:.2f} | {peak_same:.2f} | <= 1.0 |")

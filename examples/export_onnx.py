@@ -12,7 +12,10 @@ From the command line, for a run of `mlx-train train`:
     mlx-train export --checkpoint runs/<run> --format onnx -o model.onnx
 """
 
-import mlx_train  # first: it loads an optimized BLAS before MLX starts (much faster on Linux)
+import mlx_train  # noqa: F401 — first: it loads an optimized BLAS before MLX starts (much faster on Linux)
+
+# isort: split
+
 
 import mlx.core as mx
 import mlx.optimizers as optim
@@ -20,8 +23,8 @@ import numpy as np
 import onnxruntime
 
 from mlx_train.builtin.datasets import load_dataset
-from mlx_train.export import export
 from mlx_train.builtin.models import SmallCNN
+from mlx_train.export import export
 from mlx_train.training import Trainer
 
 

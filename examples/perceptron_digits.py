@@ -8,7 +8,10 @@ Trainer, DataLoader and fit(). Needs scikit-learn for the digits (pip install
     python examples/perceptron_digits.py
 """
 
-import mlx_train  # first: it loads an optimized BLAS before MLX starts (much faster on Linux)
+import mlx_train  # noqa: F401 — first: it loads an optimized BLAS before MLX starts (much faster on Linux)
+
+# isort: split
+
 
 import mlx.core as mx
 import mlx.nn as nn

@@ -7,15 +7,18 @@ and evaluates. Needs scikit-learn for the digits (pip install 'mlx-train[example
     python examples/training_api.py
 """
 
-import mlx_train  # first: it loads an optimized BLAS before MLX starts (much faster on Linux)
+import mlx_train  # noqa: F401 — first: it loads an optimized BLAS before MLX starts (much faster on Linux)
+
+# isort: split
+
 
 import mlx.core as mx
 import mlx.optimizers as optim
 
 from mlx_train import DeviceConfig
 from mlx_train.builtin.datasets import load_dataset
-from mlx_train.errors import DeviceError, OutOfMemoryError
 from mlx_train.builtin.models import MLP
+from mlx_train.errors import DeviceError, OutOfMemoryError
 from mlx_train.training import DataLoader, EarlyStopping, ModelCheckpoint, Trainer
 
 
@@ -43,9 +46,9 @@ def main() -> dict:
         history = trainer.train(train_dataset=train_data, val_dataset=val_data, epochs=3,
                                 checkpoint_dir="checkpoints", callbacks=callbacks)
     except OutOfMemoryError:
-        raise SystemExit("Reduce batch size or enable gradient accumulation")
+        raise SystemExit("Reduce batch size or enable gradient accumulation") from None
     except DeviceError as error:
-        raise SystemExit(f"Device error occurred: {error}")
+        raise SystemExit(f"Device error occurred: {error}") from None
     print(f"history: {sorted(history)}")  # train_loss, val_loss, val_accuracy, learning_rate, ...
 
     # A new process would do this: rebuild the model and continue from the newest checkpoint.

@@ -11,7 +11,10 @@ Needs scikit-learn for the digits (pip install 'mlx-train[examples]').
     python examples/yaml_config.py
 """
 
-import mlx_train  # first: it loads an optimized BLAS before MLX starts (much faster on Linux)
+import mlx_train  # noqa: F401 — first: it loads an optimized BLAS before MLX starts (much faster on Linux)
+
+# isort: split
+
 
 from pathlib import Path
 

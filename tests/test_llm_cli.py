@@ -88,7 +88,8 @@ def test_checkpoints_hold_the_adapters_and_a_checked_base_reference(setup, tmp_p
     assert saved and all("lora_" in k for k in saved)  # the frozen base is not in the checkpoint
     state = json.loads((run / "checkpoints" / step / "trainer_state.json").read_text())
     assert state["model_scope"] == "trainable" and len(state["base_model"]["sha256"]) == 64
-    base_bytes = sum(os.path.getsize(setup / "base" / f) for f in os.listdir(setup / "base") if f.endswith(".safetensors"))
+    base_bytes = sum(os.path.getsize(setup / "base" / f) for f in os.listdir(setup / "base")
+                     if f.endswith(".safetensors"))
     assert os.path.getsize(run / "checkpoints" / step / "model.safetensors") < base_bytes / 4
 
     # the same run on another base: refused, naming both

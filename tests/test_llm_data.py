@@ -14,8 +14,15 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))
 import llm_tiny  # noqa: E402
 
 from mlx_train.errors import ConfigError, DataError  # noqa: E402
-from mlx_train.llm.data import (SequenceDataset, collate, encode_record, load_records, make_loader,  # noqa: E402
-                                pack_documents, tokenize)
+from mlx_train.llm.data import (  # noqa: E402
+    SequenceDataset,
+    collate,
+    encode_record,
+    load_records,
+    make_loader,
+    pack_documents,
+    tokenize,
+)
 
 
 @pytest.fixture(scope="module")

@@ -84,7 +84,8 @@ def test_gguf_loads_with_the_source_logits_and_tokens(tmp_path, tie):
     assert tokenizer.eos_token_id == raw.token_to_id("<|im_end|>")
     x = mx.array([ids])
     np.testing.assert_allclose(np.array(model(x)), np.array(source(x)), atol=1e-5)
-    chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                         tokenize=False)
     assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 

@@ -25,8 +25,9 @@ import hashlib
 import json
 import tempfile
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn

@@ -12,6 +12,9 @@ import os
 import signal
 
 import mlx_train  # noqa: F401  (before mlx.core: BLAS preload)
+
+# isort: split
+
 import mlx.core as mx
 from mlx.utils import tree_flatten
 

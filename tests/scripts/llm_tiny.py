@@ -7,6 +7,9 @@ import json
 import os
 
 import mlx_train  # noqa: F401  (before mlx.core: BLAS preload)
+
+# isort: split
+
 import mlx.core as mx
 
 SENTENCES = [

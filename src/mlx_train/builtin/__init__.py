@@ -15,7 +15,8 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from mlx_train.errors import ConfigError, did_you_mean
 

@@ -28,13 +28,14 @@ import functools
 import inspect
 import sysconfig
 import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 
-from mlx_train.errors import ConfigError, DataError, did_you_mean
 from mlx_train.builtin import check_options
+from mlx_train.errors import ConfigError, DataError, did_you_mean
 
 __all__ = ["load_dataset", "available_datasets", "stdlib_corpus", "STDLIB_MODULES"]
 
@@ -57,7 +58,7 @@ def _stratified_split(labels: np.ndarray, fractions: tuple[float, ...], seed: in
     for label in np.unique(labels):
         members = rng.permutation(np.flatnonzero(labels == label))
         cuts = np.round(bounds * len(members)).astype(int)
-        for part, chunk in zip(parts, np.split(members, cuts)):
+        for part, chunk in zip(parts, np.split(members, cuts), strict=False):
             part.append(chunk)
     return [rng.permutation(np.concatenate(part)) for part in parts]
 

@@ -16,8 +16,9 @@ Example::
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -64,7 +65,7 @@ class MLP(nn.Module):
         sizes = [in_dims, *hidden_dims, num_classes]
         if any(int(s) <= 0 for s in sizes):
             raise ConfigError(f"MLP layer sizes must be positive, got {sizes}")
-        self.layers = [nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:])]
+        self.layers = [nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:], strict=False)]
         self.dropout = _dropout(dropout)
 
     def __call__(self, x: mx.array) -> mx.array:
@@ -105,7 +106,7 @@ class SmallCNN(nn.Module):
             )
         self.image_shape = (height, width, in_channels)
         sizes = [in_channels, *channels]
-        self.convs = [nn.Conv2d(a, b, kernel_size=3, padding=1) for a, b in zip(sizes[:-1], sizes[1:])]
+        self.convs = [nn.Conv2d(a, b, kernel_size=3, padding=1) for a, b in zip(sizes[:-1], sizes[1:], strict=False)]
         self.pool = nn.MaxPool2d(kernel_size=2, stride=2)
         flat = (height // shrink) * (width // shrink) * sizes[-1]
         self.hidden = nn.Linear(flat, hidden_dims)

@@ -19,7 +19,6 @@ import argparse
 from mlx_train.errors import DistributedError
 
 
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from mlx_train.distributed.backends import CHOICES
 
@@ -39,8 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from mlx_train.distributed.hostfile import Hostfile
-    from mlx_train.launch.train import cluster_for
     from mlx_train.launch.network import check_network
+    from mlx_train.launch.train import cluster_for
 
     if args.hosts:
         hostfile = Hostfile.from_hosts(args.hosts.split(","), repeat=args.num_processes or 1)

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from mlx_train.errors import ConfigError, DistributedError
 

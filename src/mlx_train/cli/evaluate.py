@@ -80,10 +80,10 @@ def evaluate_checkpoint(path: str, split: str = "test") -> dict[str, Any]:
     """
     import mlx.core as mx
 
-    from mlx_train.checkpointing import load_checkpoint
-    from mlx_train.config import TrainConfig
     from mlx_train.builtin.datasets import load_dataset
     from mlx_train.builtin.models import build_model
+    from mlx_train.checkpointing import load_checkpoint
+    from mlx_train.config import TrainConfig
     from mlx_train.training import Trainer
 
     path = resolve_checkpoint(path)

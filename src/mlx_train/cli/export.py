@@ -49,10 +49,10 @@ def rebuild_model(path: str) -> tuple[Any, Any, dict]:
     """
     import mlx.core as mx
 
-    from mlx_train.checkpointing import load_checkpoint
-    from mlx_train.config import TrainConfig
     from mlx_train.builtin.datasets import load_dataset
     from mlx_train.builtin.models import build_model
+    from mlx_train.checkpointing import load_checkpoint
+    from mlx_train.config import TrainConfig
 
     arrays, state = load_checkpoint(path, groups=["model"])
     if not isinstance(state.get("config"), dict):

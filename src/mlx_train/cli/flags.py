@@ -11,7 +11,8 @@ Example::
 from __future__ import annotations
 
 import argparse
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import yaml
 

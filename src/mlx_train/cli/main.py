@@ -19,7 +19,7 @@ import importlib
 import sys
 import traceback
 import warnings
-from typing import Sequence
+from collections.abc import Sequence
 
 from mlx_train.errors import ConfigError, MLXTrainError, did_you_mean
 

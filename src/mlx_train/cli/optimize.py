@@ -19,7 +19,8 @@ Example::
 from __future__ import annotations
 
 import argparse
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 EPILOG = """examples:
   mlx-train optimize                                  # mlp on digits, measured
@@ -66,8 +67,8 @@ def plan_for_config(config: Any, num_devices: int = 1, device_memory: int | str 
     import mlx.core as mx
 
     from mlx_train.builtin.datasets import load_dataset
-    from mlx_train.memory import MemoryOptimizer, plan_memory
     from mlx_train.builtin.models import build_model
+    from mlx_train.memory import MemoryOptimizer, plan_memory
     from mlx_train.optim import build_optimizer
     from mlx_train.training.state import rng_key, set_rng_key
 

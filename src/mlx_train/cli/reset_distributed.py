@@ -19,7 +19,6 @@ import subprocess
 import sys
 
 
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--all", dest="stop_running", action="store_true",
                         help="also stop distributed runs that are still running (their supervisors and ranks)")

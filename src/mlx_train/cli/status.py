@@ -40,7 +40,8 @@ def device_lines() -> list[str]:
     from mlx_train.device import DeviceConfig, available_backends, system_memory
 
     backends = available_backends()
-    lines = [f"MLX {mx.__version__}; backends: " + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in backends.items())]
+    listed = ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in backends.items())
+    lines = [f"MLX {mx.__version__}; backends: {listed}"]
     try:
         lines.append(f"default device: {DeviceConfig().describe()}")
     except Exception as error:  # noqa: BLE001 - a status command reports, it does not fail
@@ -80,7 +81,8 @@ def run_rows(root: str = "runs", include_all: bool = False, stale_after: float =
     """One dict per run under ``root`` (newest activity last): only runs in progress (a rank still
     running, stale or not) unless ``include_all``.
 
-    Keys: ``run`` (its path), ``name`` (relative to ``root``), ``state``, ``step``, ``total_steps``, ``steps_per_second``, ``samples_per_second``,
+    Keys: ``run`` (its path), ``name`` (relative to ``root``), ``state``, ``step``, ``total_steps``,
+    ``steps_per_second``, ``samples_per_second``,
     ``heartbeat_age`` (seconds, the oldest rank's), ``ranks``, ``flagged`` (ranks stale or gone).
     """
     from mlx_train.monitor.run import RunReader, find_runs
@@ -93,7 +95,8 @@ def run_rows(root: str = "runs", include_all: bool = False, stale_after: float =
             continue
         latest = snap.latest
         rows.append({
-            "run": str(path), "name": os.path.relpath(path, root), "state": snap.state, "step": snap.step, "total_steps": snap.total_steps,
+            "run": str(path), "name": os.path.relpath(path, root), "state": snap.state, "step": snap.step,
+            "total_steps": snap.total_steps,
             "steps_per_second": snap.steps_per_second, "samples_per_second": latest.get("samples_per_second"),
             "heartbeat_age": max((r.age for r in snap.ranks), default=None), "ranks": len(snap.ranks),
             "flagged": [r.rank for r in snap.ranks if r.flagged],

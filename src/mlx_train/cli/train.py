@@ -19,8 +19,9 @@ import argparse
 import os
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from mlx_train import rundir
 from mlx_train.cli.flags import FLAG_ALIASES, FLAGS, _flag_type, build_config, resume_config
@@ -42,9 +43,8 @@ change only what a resume can change (epochs, max_steps, lr without a schedule, 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``train`` flags; their help is TrainConfig's field help."""
-    from mlx_train.config import TrainConfig
-
     from mlx_train.builtin import DATASETS, MODELS  # names only: listing them loads no model code
+    from mlx_train.config import TrainConfig
 
     notes = {  # what the field help cannot know: the CLI's own choices and defaults
         "model": f"; built-in: {', '.join(MODELS)}",

@@ -13,8 +13,8 @@ Example::
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 from mlx_train.config import BACKEND_CHOICES as CHOICES
 from mlx_train.config import BACKENDS

@@ -14,9 +14,10 @@ Example::
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from mlx_train.config import TrainConfig, option, same_as
 from mlx_train.config.options import check_fields, options

@@ -22,8 +22,9 @@ import ipaddress
 import json
 import os
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from mlx_train.distributed.backends import CHOICES
 from mlx_train.errors import ConfigError, did_you_mean
@@ -250,7 +251,8 @@ def _host_entry(entry: Any, index: int, path: str) -> Host:
                           f"this machine); add it, e.g. {{\"ssh\": \"mac2\", \"ips\": [\"10.0.0.2\"]}}")
     ips = entry.get("ips", [])
     if not isinstance(ips, list) or not all(isinstance(ip, str) for ip in ips):
-        raise ConfigError(f"{where} (ssh {ssh!r}): \"ips\" must be a list of IP strings like [\"10.0.0.2\"], got {ips!r}")
+        raise ConfigError(f"{where} (ssh {ssh!r}): \"ips\" must be a list of IP strings like [\"10.0.0.2\"], "
+                          f"got {ips!r}")
     for ip in ips:
         if not is_ip(ip):
             raise ConfigError(f"{where} (ssh {ssh!r}): {ip!r} in \"ips\" is not an IP address; the ring backend "

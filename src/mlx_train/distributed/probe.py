@@ -37,9 +37,9 @@ def _ping_pong(group, a: int, b: int, x, repeats: int) -> float:
 
 def probe(out: str, message_bytes: int) -> None:
     """Measure every neighbouring pair and the all-reduce; rank 0 writes the results to ``out``."""
-    import mlx_train  # noqa: F401  (the optimized BLAS first)
     import mlx.core as mx
 
+    import mlx_train  # noqa: F401  (the optimized BLAS first)
     from mlx_train.distributed.comm import time_all_sum
 
     group = mx.distributed.init()
@@ -61,7 +61,8 @@ def probe(out: str, message_bytes: int) -> None:
     if rank == 0:
         rows = table.tolist()
         result = {"world_size": world,
-                  "links": [{"ranks": list(pair), "latency_s": row[0], "bandwidth": row[1]} for pair, row in zip(pairs, rows)],
+                  "links": [{"ranks": list(pair), "latency_s": row[0], "bandwidth": row[1]}
+                            for pair, row in zip(pairs, rows, strict=False)],
                   "all_reduce": {"latency_s": timing.latency_s, "bandwidth": timing.bandwidth}}
         Path(out).write_text(json.dumps(result))
 

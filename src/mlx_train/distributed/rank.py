@@ -31,9 +31,10 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator, TextIO
+from typing import Any, TextIO
 
 from mlx_train import rundir
 from mlx_train.errors import DistributedError
@@ -143,7 +144,7 @@ class RankMonitor(Callback):
         self._writer = rundir.HeartbeatWriter.of(self.directory, rank) if self.directory is not None else None
 
     # ------------------------------------------------------------------ lifecycle
-    def start(self) -> "RankMonitor":
+    def start(self) -> RankMonitor:
         """Write the first heartbeat and start the background thread (idempotent)."""
         if self._thread is not None:
             return self

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import itertools
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -50,7 +51,7 @@ def fused_average(group: Any, before_update: Callable[[], None] | None = None) -
         joined = mx.concatenate([g.reshape(-1) for _, g in flat] + [n_items.reshape(1).astype(dtype)])
         joined = mx.distributed.all_sum(joined, group=group) / world
         parts = mx.split(joined, list(itertools.accumulate(g.size for _, g in flat)))
-        averaged = [(k, part.reshape(g.shape)) for (k, g), part in zip(flat, parts)]
+        averaged = [(k, part.reshape(g.shape)) for (k, g), part in zip(flat, parts, strict=False)]
         return tree_unflatten(averaged), parts[-1].reshape(()).astype(n_items.dtype)
 
     return Reduction(reduce, before_update=before_update)

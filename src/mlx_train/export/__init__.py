@@ -43,7 +43,8 @@ def _format_of(path: str, format: str | None) -> str:
     if format is None:
         format = Path(path).suffix.lstrip(".")
         if format not in FORMATS:
-            raise ExportError(f"cannot tell the export format from '{path}': pass a format (--format, or format= in Python): one of "
+            raise ExportError(f"cannot tell the export format from '{path}': pass a format (--format, or format= in "
+                              "Python): one of "
                               f"{', '.join(FORMATS)}, or use a .onnx / .mlxfn / .safetensors suffix")
     if format not in FORMATS:
         raise ExportError(f"unknown export format '{format}'; formats: {', '.join(FORMATS)}")
@@ -103,7 +104,7 @@ def verify_onnx(path: str, fn: Any, examples: Sequence[mx.array], batches: Seque
         got = session.run(None, feeds)
         if len(got) != len(expected):
             raise ExportError(f"{path} has {len(got)} outputs, the model {len(expected)}")
-        for i, (mine, theirs) in enumerate(zip(expected, got)):
+        for i, (mine, theirs) in enumerate(zip(expected, got, strict=False)):
             if tuple(mine.shape) != tuple(theirs.shape):
                 raise ExportError(f"{path}: output {i} has shape {tuple(theirs.shape)} in onnxruntime but "
                                   f"{tuple(mine.shape)} in MLX at batch {batch}")
@@ -235,7 +236,7 @@ def _verify_mlxfn(path: str, fn: Any, examples: Sequence[mx.array], batch_sizes:
     worst = 0.0
     for seed, batch in enumerate(batches):
         inputs = random_inputs(examples, batch, seed=seed + 1)
-        for mine, theirs in zip(_as_tuple(fn(*inputs)), _as_tuple(imported(*inputs))):
+        for mine, theirs in zip(_as_tuple(fn(*inputs)), _as_tuple(imported(*inputs)), strict=False):
             if mine.shape != theirs.shape:
                 raise ExportError(f"{path}: the reloaded function returns shape {tuple(theirs.shape)} at batch "
                                   f"{batch}, MLX {tuple(mine.shape)}")

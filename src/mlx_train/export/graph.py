@@ -122,7 +122,7 @@ def trace_pair(fn: Callable[..., Any], inputs: Sequence[mx.array],
     ops1 = [p.name for p in first.primitives]
     ops2 = [p.name for p in second.primitives]
     if ops1 != ops2 or set(first.constants) != set(second.constants):
-        at = next((i for i, (a, b) in enumerate(zip(ops1, ops2)) if a != b), min(len(ops1), len(ops2)))
+        at = next((i for i, (a, b) in enumerate(zip(ops1, ops2, strict=False)) if a != b), min(len(ops1), len(ops2)))
         raise ExportError(
             f"the traced graph changes with the batch size (operation {at}: "
             f"{ops1[at] if at < len(ops1) else 'end'} at batch {batch}, "

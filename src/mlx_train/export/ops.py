@@ -92,7 +92,8 @@ class Builder:
         first = [int(v) for v in first]
         if second is None or list(second) == first:
             return self.const(first, np.int64, "shape")
-        slope = np.array([int(b) - int(a) for a, b in zip(first, second)], np.int64)  # batch sizes differ by 1
+        # the two traces' batch sizes differ by 1
+        slope = np.array([int(b) - int(a) for a, b in zip(first, second, strict=False)], np.int64)
         offset = np.array(first, np.int64) - slope * self.batch
         scaled = self.node("Mul", [self.batch_size(), self.const(slope, hint="slope")])
         return self.node("Add", [scaled, self.const(offset, hint="offset")])

@@ -149,7 +149,8 @@ def reset_distributed(stop_running: bool = False, clear_config: bool = False, gr
     for entry in registry.entries():
         if not entry["alive"]:
             registry.unregister(Path(entry["path"]))
-            who = f"{entry.get('kind')} pid {entry.get('pid')}" + (f" of run {entry['run_id']}" if entry.get("run_id") else "")
+            run = f" of run {entry['run_id']}" if entry.get("run_id") else ""
+            who = f"{entry.get('kind')} pid {entry.get('pid')}{run}"
             lines.append(f"removed the stale record of {who} ({entry['path']})")
     lines += _clear_config(clear_config)
     if not lines:

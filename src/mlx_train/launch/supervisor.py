@@ -32,9 +32,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence, TextIO
+from typing import TextIO
 
 from mlx_train import processes, rundir
 from mlx_train.distributed import rank as rank_runtime
@@ -298,7 +299,8 @@ class Supervisor:
                 except OSError:
                     pass
         deadline = time.monotonic() + 5.0
-        while time.monotonic() < deadline and (processes.group_alive(process.pid) or any(map(processes.alive, pids[1:]))):
+        while time.monotonic() < deadline and (processes.group_alive(process.pid)
+                                               or any(map(processes.alive, pids[1:]))):
             time.sleep(0.05)
         for entry in registry.entries():  # ranks killed before they could remove their entry
             if entry.get("run_id") == self.run_id and entry.get("kind") == "rank" and not entry["alive"]:

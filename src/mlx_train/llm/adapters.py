@@ -70,7 +70,7 @@ class AdapterConfig:
                 "lora_parameters": self.lora_parameters()}
 
     @classmethod
-    def from_mlx_lm(cls, config: dict, where: str = "adapter config") -> "AdapterConfig":
+    def from_mlx_lm(cls, config: dict, where: str = "adapter config") -> AdapterConfig:
         """Read mlx-lm's ``adapter_config.json`` (or an mlx_lm.lora YAML) dict."""
         lora = dict(config.get("lora_parameters") or {})
         if "alpha" in lora and "scale" not in lora:

@@ -26,8 +26,9 @@ import bisect
 import copy
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -230,9 +231,9 @@ class SequenceDataset:
     def trained_tokens(self) -> int:
         """Targets that count in the loss over the whole dataset."""
         docs = self.documents
-        return int(sum(len(t) - max(o, 1) for t, o in zip(docs.tokens, docs.offsets)))
+        return int(sum(len(t) - max(o, 1) for t, o in zip(docs.tokens, docs.offsets, strict=False)))
 
-    def head(self, count: int) -> "SequenceDataset":
+    def head(self, count: int) -> SequenceDataset:
         """The first ``count`` rows (all when ``count`` < 0), e.g. to validate on a few batches."""
         if count < 0 or count >= len(self.rows):
             return self

@@ -35,7 +35,8 @@ class FineTuneConfig:
     """Every fine-tuning knob, with mlx_lm.lora's names and defaults (plus epochs, pack, resume,
     run_dir, quantized)."""
 
-    model: str | None = _f(None, "Base model: an mlx-lm/Hugging Face directory, a Hugging Face repo id or a .gguf file.")
+    model: str | None = _f(None, "Base model: an mlx-lm/Hugging Face directory, a Hugging Face repo id or a "
+                                 ".gguf file.")
     data: str | None = _f(None, "Directory with train.jsonl/valid.jsonl/test.jsonl, or a Hugging Face dataset name.")
     fine_tune_type: str = _f("lora", "lora, dora or full.")
     num_layers: int = _f(16, "Blocks to fine-tune, counted from the last (-1: all).")
@@ -71,7 +72,7 @@ class FineTuneConfig:
                "trust_remote_code", "wandb")
 
     @classmethod
-    def from_dict(cls, values: dict, where: str = "config") -> "FineTuneConfig":
+    def from_dict(cls, values: dict, where: str = "config") -> FineTuneConfig:
         """Build from a dict (e.g. an mlx_lm.lora YAML); unknown keys are an error."""
         names = [f.name for f in dataclasses.fields(cls)]
         unknown = [k for k in values if k not in names and k not in cls.IGNORED]
@@ -81,7 +82,7 @@ class FineTuneConfig:
         return cls(**{k: v for k, v in values.items() if k in names})
 
     @classmethod
-    def from_yaml(cls, path: str) -> "FineTuneConfig":
+    def from_yaml(cls, path: str) -> FineTuneConfig:
         """Read an mlx_lm.lora-style YAML file."""
         import yaml
 
@@ -196,7 +197,8 @@ def prepare(cfg: FineTuneConfig, log: Any = print) -> dict[str, Any]:
     for name in ("train", "valid", "test"):
         if not records[name]:
             continue
-        docs = data.tokenize(records[name], tokenizer, cfg.mask_prompt, cfg.max_seq_length, where=f"{cfg.data}/{name}.jsonl")
+        docs = data.tokenize(records[name], tokenizer, cfg.mask_prompt, cfg.max_seq_length,
+                             where=f"{cfg.data}/{name}.jsonl")
         rows = data.SequenceDataset(docs, cfg.max_seq_length, pack=cfg.pack and name == "train",
                                     document_mask=document_mask)
         log(data.describe_documents(name, docs, rows))

@@ -130,10 +130,14 @@ def gguf_weights(tensors: dict[str, mx.array], config: dict, quantized: bool) ->
         if quantized:
             bits_of[stem] = bits
             continue
-        weights[f"{stem}.weight"] = mx.dequantize(weight, scales, biases, group_size=GROUP_SIZE, bits=bits).astype(mx.float32)
+        dense = mx.dequantize(weight, scales, biases, group_size=GROUP_SIZE, bits=bits)
+        weights[f"{stem}.weight"] = dense.astype(mx.float32)
         del weights[name], weights[f"{stem}.biases"]
-    weights = {k: (v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating) and not k.endswith((".scales", ".biases")) else v)
-               for k, v in weights.items()}
+    def widened(key: str, value: mx.array) -> mx.array:
+        keep = not mx.issubdtype(value.dtype, mx.floating) or key.endswith((".scales", ".biases"))
+        return value if keep else value.astype(mx.float32)
+
+    weights = {k: widened(k, v) for k, v in weights.items()}
     if not bits_of:
         return weights, {}
     common = max(set(bits_of.values()), key=list(bits_of.values()).count)

@@ -16,7 +16,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_train.errors import ConfigError
@@ -77,7 +76,8 @@ def save_model(model: nn.Module, tokenizer: Any, config: dict, directory: str) -
 
     Example: ``save_model(model, tokenizer, config, "fused")``.
     """
-    from mlx_lm.utils import save_config, save_model as mlx_lm_save_model
+    from mlx_lm.utils import save_config
+    from mlx_lm.utils import save_model as mlx_lm_save_model
 
     os.makedirs(directory, exist_ok=True)
     mlx_lm_save_model(directory, model)

@@ -20,8 +20,9 @@ from __future__ import annotations
 import copy
 import gc
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -139,7 +140,7 @@ class _Runner:
         """(peak bytes of one step, counting the weights, optimizer state and batch; seconds per step)."""
         mx.eval(batch)
         self.loop.running = self.steps.zero_running()
-        metrics = self.loop.running = self.steps(self.loop, batch)  # compiles for this shape
+        self.loop.running = self.steps(self.loop, batch)  # compiles for this shape
         gc.collect()
         mx.clear_cache()
         # Everything alive now (the caller's arrays, the saved weights) is left out, then the step's
@@ -150,7 +151,7 @@ class _Runner:
         for _ in range(steps):
             mx.reset_peak_memory()
             start = time.perf_counter()
-            metrics = self.loop.running = self.steps(self.loop, batch)
+            self.loop.running = self.steps(self.loop, batch)
             times.append(time.perf_counter() - start)
             peaks.append(mx.get_peak_memory())
         return max(peaks) - baseline + held, min(times)
@@ -200,7 +201,7 @@ def _steady(points: list[tuple[int, float]]) -> bool:
     if len(points) < 4 or points[-1][0] < 16:
         return False
     last = points[-4:]
-    slopes = [(p1 - p0) / (b1 - b0) for (b0, p0), (b1, p1) in zip(last, last[1:])]
+    slopes = [(p1 - p0) / (b1 - b0) for (b0, p0), (b1, p1) in zip(last, last[1:], strict=False)]
     return slopes[-1] > 0 and all(abs(s - slopes[-1]) <= 0.1 * slopes[-1] for s in slopes) \
         and last[-1][1] >= 1.5 * points[0][1]
 

@@ -11,8 +11,9 @@ Example::
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from mlx_train.device import format_bytes, parse_bytes
 from mlx_train.errors import ConfigError

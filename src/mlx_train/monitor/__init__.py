@@ -10,7 +10,13 @@ Example::
 from mlx_train.monitor.chart import Series, line_chart
 from mlx_train.monitor.dashboard import render
 from mlx_train.monitor.run import (
-    RankStatus, RunReader, RunSnapshot, find_runs, latest_run, rank_status, resolve_run_dir,
+    RankStatus,
+    RunReader,
+    RunSnapshot,
+    find_runs,
+    latest_run,
+    rank_status,
+    resolve_run_dir,
 )
 
 __all__ = ["RankStatus", "RunReader", "RunSnapshot", "Series", "find_runs", "latest_run", "line_chart",

@@ -12,8 +12,8 @@ Example::
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from rich.text import Text
 
@@ -46,7 +46,7 @@ def format_number(value: float) -> str:
 
 def _points(series: Series, log_y: bool) -> list[tuple[float, float]]:
     points = []
-    for x, y in zip(series.xs, series.ys):
+    for x, y in zip(series.xs, series.ys, strict=False):
         if not (math.isfinite(x) and math.isfinite(y)) or (log_y and y <= 0):
             continue
         points.append((float(x), math.log10(y) if log_y else float(y)))
@@ -107,7 +107,7 @@ def line_chart(series: Sequence[Series], width: int, height: int, log_y: bool = 
         pixels = [(round((x - x_min) / x_span * (px_w - 1)), round((y_max - y) / (y_max - y_min) * (px_h - 1)))
                   for x, y in _thin(points, px_w * 2)]
         path = pixels[:1]
-        for a, b in zip(pixels, pixels[1:]):
+        for a, b in zip(pixels, pixels[1:], strict=False):
             path.extend(_segment(*a, *b)[1:])
         for px, py in path:
             cell = (py // 4, px // 2)

@@ -24,8 +24,9 @@ from rich.text import Text
 from mlx_train.monitor.chart import Series, format_number, line_chart
 from mlx_train.monitor.run import TIMING_PARTS, RunSnapshot
 
-STATE_STYLES = {"running": "bold green", "finished": "bold blue", "stale": "bold white on red", "stopped": "bold white on red",
-                "failed": "bold white on red", "interrupted": "bold yellow", "unknown": "dim"}
+STATE_STYLES = {"running": "bold green", "finished": "bold blue", "stale": "bold white on red",
+                "stopped": "bold white on red", "failed": "bold white on red", "interrupted": "bold yellow",
+                "unknown": "dim"}
 PART_NAMES = {"time_data": "waiting for data", "time_compute": "compute", "time_comm": "communication",
               "time_checkpoint": "checkpointing", "time_other": "other (callbacks, logging)"}
 
@@ -221,7 +222,8 @@ def _performance(snap: RunSnapshot, width: int) -> RenderableType:
             ranks.add_column(name, justify="right")
         for rank in per_rank:
             t = rank.heartbeat["timing"]
-            ranks.add_row(str(rank.rank), *(format_seconds(float(t.get(k, 0.0))) for k in ("step_time",) + TIMING_PARTS))
+            times = (format_seconds(float(t.get(k, 0.0))) for k in ("step_time",) + TIMING_PARTS)
+            ranks.add_row(str(rank.rank), *times)
         rows.append(ranks)
     n = min(len([r for r in snap.train if "step_time" in r]), 5)
     return Panel(Group(*rows), title=f"where step time goes (mean of the last {n} reports)", box=box.ROUNDED,

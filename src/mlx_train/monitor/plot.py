@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from mlx_train.errors import ConfigError, did_you_mean
 from mlx_train.monitor.run import RunReader, RunSnapshot, resolve_run_dir
