@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -17,35 +16,34 @@ import mlx.optimizers as optim
 
 from mlx_train import rundir
 from mlx_train.checkpointing.manager import CheckpointManager, CheckpointWarning
-from mlx_train.config import TrainConfig, parse_every
+from mlx_train.config import TrainConfig
 from mlx_train.data import DataLoader
 from mlx_train.errors import (
     CheckpointError,
     ConfigError,
-    DataError,
     MLXTrainError,
     NonFiniteError,
-    OutOfMemoryError,
     TrainingInterrupted,
 )
 from mlx_train.training.callbacks import CallbackList, EarlyStopping, ModelCheckpoint
+from mlx_train.training.evaluation import Evaluator
 from mlx_train.training.heartbeat import Heartbeat
 from mlx_train.training.interrupt import StopSignals
 from mlx_train.training.labels import LabelCheck
 from mlx_train.training.loggers import MetricsLogger, ProgressBar
-from mlx_train.training.losses import Loss, split_parts
+from mlx_train.training.losses import Loss
 from mlx_train.training.meter import Meter
-from mlx_train.training.oom import MemoryGuard, MemoryPolicy, any_rank, is_out_of_memory
-from mlx_train.training.state import RUNNING_KEYS, LoopState
-from mlx_train.training.step import (
-    Reduction,
-    StepOptions,
-    TrainStep,
-    build_eval_step,
-    build_step,
-    describe_shapes,
-    split_batch,
+from mlx_train.training.oom import MemoryGuard, MemoryPolicy, any_rank
+from mlx_train.training.resume import resume_candidates, run_locks
+from mlx_train.training.schedule import (
+    Cadences,
+    at_epoch_end,
+    batch_place,
+    nonfinite_inputs,
+    total_steps,
 )
+from mlx_train.training.state import RUNNING_KEYS, LoopState
+from mlx_train.training.step import Reduction, StepOptions, TrainStep, build_step
 
 
 class Trainer:
@@ -107,12 +105,11 @@ class Trainer:
         self._optimizer_ready = False
         self._seeded = False
         self._checkpointed_blocks = False
-        self._eval_step: Callable[..., Any] | None = None
         self._saved_step: int | None = None
         self._poisoned = False
         self._signals: StopSignals | None = None
         self._voted_stop = False
-        self._eval_parts = 1  # parts each evaluation batch is split into (more after running out of memory)
+        self.evaluator = Evaluator(model, self.loss, self.config.precision, self.config.compile, self.log)
 
     # -- the loop state, by name ----------------------------------------------------------
 
@@ -193,16 +190,7 @@ class Trainer:
 
     def predict(self, dataset: Any) -> mx.array:
         """Model outputs for every sample, in dataset order."""
-        loader = dataset if isinstance(dataset, DataLoader) else self._eval_loader(dataset)
-        self.model.eval()
-        outputs: list[mx.array] = []
-        try:
-            for batch in loader:
-                outputs += self._recovering("prediction", batch,
-                                            lambda part, acc: acc + [self.model(split_parts(part).inputs)], [])
-        finally:
-            self.model.train()
-        return mx.concatenate(outputs, axis=0)
+        return self.evaluator.predict(dataset if isinstance(dataset, DataLoader) else self._eval_loader(dataset))
 
     def log(self, message: str) -> None:
         """Print a message from the training run (rank 0 only when distributed); with a
@@ -220,12 +208,12 @@ class Trainer:
         self._shard(loader, val_loader)
         callbacks = CallbackList(self._default_callbacks() + list(callbacks))
         checkpoints = self._checkpoints(checkpoint_dir or cfg.checkpoint_dir)
-        with self._locks(checkpoints), StopSignals(self.log, lambda: state.step) as signals:
+        with run_locks(checkpoints, cfg.run_dir, self.is_main), StopSignals(self.log, lambda: state.step) as signals:
             self._signals, self._voted_stop = signals, False
             self._start(checkpoints, resume, loader, callbacks)
             step = self.memory_guard = self._guard(callbacks)
-            every = _Cadences(cfg)
-            self.total_steps = _total_steps(loader, epochs, cfg.max_steps)
+            every = Cadences(cfg)
+            self.total_steps = total_steps(loader, epochs, cfg.max_steps)
             meter = Meter(state, self.group.size() if self.group is not None else 1)
             meter.comm_seconds = self.comm_seconds
             per_batch = callbacks.has("on_batch_end")
@@ -250,7 +238,7 @@ class Trainer:
                             self._validate(val_loader, callbacks, meter)
                         # A save due on an epoch's last step waits for the epoch's end: the checkpoint then
                         # holds its validation, history and callback decisions, and a resume does not redo them.
-                        if every.save.by_step(state.step) and checkpoints and not _at_epoch_end(loader):
+                        if every.save.by_step(state.step) and checkpoints and not at_epoch_end(loader):
                             self._save(checkpoints, loader, callbacks, meter)
                         if checkpoints:
                             checkpoints.raise_failed_save()
@@ -307,7 +295,7 @@ class Trainer:
         callbacks.call("on_epoch_start", self, state.epoch)
 
     def _end_epoch(self, val_loader: Iterable[Any] | None, callbacks: CallbackList, meter: Meter,
-                   every: _Cadences) -> None:
+                   every: Cadences) -> None:
         state = self.state
         if not every.report.by_step(state.step) and meter.pending:
             self._report(callbacks, meter)
@@ -372,7 +360,7 @@ class Trainer:
         if not self._optimizer_ready:
             self.optimizer.init(self.model.trainable_parameters())
             self._optimizer_ready = True
-        candidates = self._resume_candidates(checkpoints, resume)
+        candidates = resume_candidates(checkpoints, resume, self.log)
         for i, path in enumerate(candidates):
             try:
                 self._restore(path, loader, callbacks)
@@ -399,26 +387,6 @@ class Trainer:
         arrays, saved = load_checkpoint(path)
         self.state.restore(path, arrays, saved, self.model, self.optimizer, loader, callbacks,
                            rank=self.group.rank() if self.group is not None else 0)
-
-    @contextlib.contextmanager
-    def _locks(self, checkpoints: CheckpointManager | None) -> Iterator[None]:
-        """One run per checkpoint and run directory (rank 0 holds the locks); proves they are writable."""
-        from mlx_train.checkpointing.lock import RunLock
-
-        locks = []
-        if self.is_main:
-            if checkpoints is not None:
-                locks.append(RunLock(checkpoints.directory, "checkpoint_dir"))
-            run_dir = self.config.run_dir
-            if run_dir and (checkpoints is None or os.path.abspath(run_dir) != os.path.abspath(checkpoints.directory)):
-                locks.append(RunLock(run_dir, "run_dir"))
-        try:
-            for lock in locks:
-                lock.acquire()
-            yield
-        finally:
-            for lock in locks:
-                lock.release()
 
     def _guard(self, callbacks: CallbackList) -> MemoryGuard:
         """The memory guard around the step function, with the micro-batch settings of the loop state."""
@@ -488,8 +456,8 @@ class Trainer:
         if flag is None or not flag.item():
             return
         policy, step = self.config.nonfinite, self.state.step
-        where = f"step {step} (epoch {self.state.epoch + 1}{_batch_place(loader)})"
-        culprit = _nonfinite_inputs(batch)
+        where = f"step {step} (epoch {self.state.epoch + 1}{batch_place(loader)})"
+        culprit = nonfinite_inputs(batch)
         if policy == "skip":
             self.state.running["nonfinite"] = mx.array(0.0)
             self.log(f"non-finite loss or gradient at {where}{culprit}: the update was skipped (nonfinite='skip')")
@@ -508,7 +476,7 @@ class Trainer:
     def _epoch_complete(self, loader: Iterable[Any]) -> bool:
         if not isinstance(loader, DataLoader):
             return not self._done()
-        if _at_epoch_end(loader) and loader.epoch == self.state.epoch:
+        if at_epoch_end(loader) and loader.epoch == self.state.epoch:
             loader.set_epoch(self.state.epoch + 1)  # stopped right on the last batch: the epoch is done
         return loader.epoch > self.state.epoch
 
@@ -524,69 +492,16 @@ class Trainer:
 
     def _evaluate_loader(self, loader: Iterable[Any], max_batches: int | None = None) -> dict[str, float]:
         start = time.perf_counter()
-        if self._eval_step is None:
-            self._eval_step = build_eval_step(self.model, self.loss, self.config.precision, self.config.compile)
         guard, cfg = self.memory_guard, self.config
         if guard is not None and guard.events and guard.batch_size:  # training settled on a smaller micro-batch
-            self._eval_parts = max(self._eval_parts, -(-(cfg.eval_batch_size or cfg.batch_size) // guard.batch_size))
-        sums = {"loss_sum": mx.array(0.0), "items": mx.array(0.0)}
-        labels = LabelCheck.for_run(self.loss, self.model, loader)
-        self.model.eval()
-        try:
-            for index, batch in enumerate(loader):
-                if max_batches is not None and index >= max_batches:
-                    if isinstance(loader, DataLoader):
-                        loader.set_epoch(loader.epoch + 1)  # the next validation starts from its first batch
-                    break
-                if labels is not None:
-                    labels.batch(batch)
-                # _eval_step was built above: never None here.
-                sums = self._recovering("evaluation", batch,
-                                        lambda part, acc: self._eval_step(part, acc), sums)  # type: ignore[misc]
-        finally:
-            self.model.train()
-        values = self._reduce(sums)
+            needed = -(-(cfg.eval_batch_size or cfg.batch_size) // guard.batch_size)
+            self.evaluator.parts = max(self.evaluator.parts, needed)
+        values = self._reduce(self.evaluator.sums(loader, max_batches))
         out = {"val_loss": values["loss_sum"] / max(values["items"], 1.0)}
         if "correct" in values:
             out["val_accuracy"] = values["correct"] / max(values["counted"], 1.0)
         out["val_time"] = time.perf_counter() - start
         return out
-
-    def _recovering(self, what: str, batch: Any, run: Callable[[Any, Any], Any], acc: Any) -> Any:
-        """``run`` over ``batch`` in parts, as many as memory needs: on out-of-memory the state is put back
-        and the batch split in two (the split is remembered); at one sample per part an OutOfMemoryError
-        says what to do. Any failure leaves the model's parameters and MLX's random state usable."""
-        from mlx_train.training.oom import _slots
-        from mlx_train.training.state import set_rng_key
-
-        while True:
-            slots = _slots([self.model.state], [])
-            saved, key = [c[k] for c, k in slots], mx.random.state[0]  # type: ignore[index]  # a list
-            parts = split_batch(batch, min(self._eval_parts, _rows(batch)))
-            try:
-                result = acc
-                for part in parts:
-                    result = run(part, result)
-                    mx.eval(result)
-                return result
-            except BaseException as error:
-                for (container, name), value in zip(slots, saved, strict=False):
-                    container[name] = value
-                set_rng_key(key.tolist())
-                if isinstance(error, ValueError) and not isinstance(error, MLXTrainError):
-                    raise DataError(f"the model failed on a {what} batch of shapes {describe_shapes(batch)}: {error}. "
-                                    "Check that this dataset's arrays match what the model was trained on (feature "
-                                    "size, dtype, sequence layout)") from error
-                if not isinstance(error, Exception) or isinstance(error, MLXTrainError) or not is_out_of_memory(error):
-                    raise
-                if len(parts) >= _rows(batch):
-                    raise OutOfMemoryError(
-                        f"out of memory during {what}: {error} (even with each batch split down to one sample). The "
-                        "model is unchanged and usable. To fix: set a smaller eval_batch_size with shorter sequences, "
-                        "precision='bfloat16', or use a machine with more memory") from error
-                mx.clear_cache()
-                self._eval_parts = len(parts) * 2
-                self.log(f"out of memory during {what}; splitting each batch into {self._eval_parts} parts")
 
     def _totals(self) -> dict[str, float]:
         """The epoch's loss sum and item count, summed over ranks (report time only)."""
@@ -628,28 +543,6 @@ class Trainer:
         return CheckpointManager(directory, keep_last=cfg.keep_last, keep_best=cfg.keep_best,
                                  monitor=cfg.monitor, mode=cfg.monitor_direction())
 
-    def _resume_candidates(self, checkpoints: CheckpointManager | None, resume: str | None) -> list[str]:
-        """Checkpoints to try, newest first: one for an explicit path; for "auto" every complete one."""
-        if not resume:
-            return []
-        if resume != "auto":
-            # A path resolves to a checked path (or raises), never None.
-            return [checkpoints.resolve(resume) if checkpoints is not None else resume]  # type: ignore[list-item]
-        if checkpoints is None:
-            raise ConfigError("resume='auto' needs a checkpoint_dir to look in; pass checkpoint_dir=... or a "
-                              "checkpoint path")
-        newest = checkpoints.resolve("auto")
-        if newest is None:
-            if checkpoints.has_step_directories():
-                raise CheckpointError(
-                    f"every checkpoint in {checkpoints.directory} is incomplete or damaged (see the warnings above), "
-                    "so there is nothing to resume from. To start fresh, use a new checkpoint_dir or remove those "
-                    "checkpoints; nothing was deleted")
-            self.log(f"no checkpoint in {checkpoints.directory} yet; starting from scratch")
-            return []
-        older = [info.path for info in reversed(checkpoints.checkpoints()) if info.path != newest]
-        return [newest] + older
-
     def _device_memory(self) -> int | None:
         from mlx_train.device import DeviceConfig
 
@@ -676,78 +569,5 @@ def _check_model(model: Any) -> None:
             "subclass whose __call__ computes the outputs (its parameters are then found and trained)")
 
 
-class _Cadence:
-    """One cadence (``Every``) as two cheap checks for the loop."""
-
-    def __init__(self, every: Any) -> None:
-        self.step_n = every.n if every.unit == "step" else 0
-        self.epoch_n = every.n if every.unit == "epoch" else 0
-
-    def by_step(self, step: int) -> bool:
-        return bool(self.step_n) and step % self.step_n == 0
-
-    def by_epoch(self, epochs_done: int) -> bool:
-        return bool(self.epoch_n) and epochs_done % self.epoch_n == 0
-
-
-class _Cadences:
-    def __init__(self, cfg: TrainConfig) -> None:
-        self.report = _Cadence(parse_every(cfg.report_every))
-        self.validate = _Cadence(parse_every(cfg.eval_every))
-        self.save = _Cadence(parse_every(cfg.checkpoint_every))
-
-
 def _epoch_of(loader: Any, state: LoopState) -> int:
     return loader.epoch if hasattr(loader, "epoch") else state.epoch
-
-
-def _length(loader: Any) -> int | None:
-    try:
-        return len(loader)
-    except TypeError:
-        return None
-
-
-def _at_epoch_end(loader: Any) -> bool:
-    """The loader has handed out its epoch's last batch (known-length DataLoaders only)."""
-    if not isinstance(loader, DataLoader):
-        return False
-    length = _length(loader)
-    return length is not None and loader.position >= length
-
-
-def _total_steps(loader: Any, epochs: int, max_steps: int | None) -> int | None:
-    per_epoch = _length(loader)
-    candidates = [x for x in (max_steps, per_epoch * epochs if per_epoch else None) if x]
-    return min(candidates) if candidates else None
-
-
-def _batch_place(loader: Any) -> str:
-    """", batch 4 of 10" for a DataLoader (the batch just trained), else ""."""
-    length = _length(loader) if isinstance(loader, DataLoader) else None
-    if length is None:
-        return ""
-    return f", batch {loader.position} of {length}"
-
-
-def _nonfinite_inputs(batch: Any) -> str:
-    """Which samples of a batch hold NaN/Inf values (only computed on the error path)."""
-    import numpy as np
-
-    arrays = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (tuple, list)) else [batch]
-    bad: set[int] = set()
-    for array in arrays:
-        values = np.asarray(array)
-        if values.dtype.kind == "f" and values.ndim >= 1:
-            rows = ~np.isfinite(values.reshape(values.shape[0], -1)).all(axis=1)
-            bad.update(int(i) for i in np.nonzero(rows)[0])
-    if not bad:
-        return ""
-    listed = ", ".join(str(i) for i in sorted(bad)[:5])
-    return f"; the batch's samples at positions {listed}{' ...' if len(bad) > 5 else ''} hold NaN/Inf values"
-
-
-def _rows(batch: Any) -> int:
-    first = next(iter(batch.values())) if isinstance(batch, dict) else batch[0] if isinstance(batch, (tuple, list)) \
-        else batch
-    return int(first.shape[0])
