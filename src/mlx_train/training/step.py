@@ -103,13 +103,17 @@ class TrainStep:
         wrap = partial(mx.compile, inputs=self.state, outputs=self.state) if options.compile else (lambda f: f)
         self._compiled = {(update, weighted): wrap(partial(self._micro, update=update, weighted=weighted))
                           for update in (False, True) for weighted in (False, True)}
+        # Guarded steps undo a non-finite update (float16 overflow, nonfinite="skip") and count such steps.
+        self._guarded = self.dynamic_scaling or options.nonfinite == "skip"
         # One micro-batch on one process: the gradient of the mean is used as is (fewer operations).
         self._single = options.accumulation == 1 and reduction is None
 
     def zero_running(self) -> dict[str, mx.array]:
-        """Fresh on-device sums for an epoch's reported training metrics (``nonfinite`` counts steps whose
-        loss or gradient was NaN/Inf)."""
-        running = {"loss_sum": mx.array(0.0), "items": mx.array(0.0), "nonfinite": mx.array(0.0)}
+        """Fresh on-device sums for an epoch's reported training metrics (``nonfinite``, in guarded steps,
+        counts the steps whose loss or gradient was NaN/Inf and were undone)."""
+        running = {"loss_sum": mx.array(0.0), "items": mx.array(0.0)}
+        if self._guarded:
+            running["nonfinite"] = mx.array(0.0)
         if self.options.max_grad_norm is not None:
             running["grad_norm"] = mx.array(0.0)
         return running
@@ -161,6 +165,21 @@ class TrainStep:
         else:
             n_total = n
         running = dict(running)
+        if not self._guarded:
+            # Unguarded ("raise"/"stop", float32/bfloat16): a NaN/Inf loss makes loss_sum non-finite, which the
+            # loop reads after the step; no extra operation in the step. A gradient that turns non-finite under
+            # a finite loss (without clipping) makes the weights non-finite, which the next step's loss shows.
+            running["loss_sum"] = running["loss_sum"] + value * n
+            running["items"] = running["items"] + n
+            if not update:
+                running["pending_items"] = n_total
+                return grads, running
+            running.pop("pending_items", None)
+            norm, _ = self._apply(grads, n_total if weighted else None, None)
+            if norm is not None:
+                running["grad_norm"] = norm
+                running["loss_sum"] = mx.where(mx.isfinite(norm), running["loss_sum"], mx.nan)  # flag it too
+            return None, running
         finite = mx.isfinite(value)
         if grad_sum is not None:
             finite = finite & running["pending_finite"]
@@ -172,15 +191,19 @@ class TrainStep:
             return grads, running
         running.pop("pending_items", None)
         running.pop("pending_finite", None)
-        norm, finite = self._apply(grads, n_total if weighted else None, finite)
-        running["nonfinite"] = running["nonfinite"] + (~finite).astype(mx.float32)
+        norm, grads_finite = self._apply(grads, n_total if weighted else None, finite)
+        # float16 gradients overflow by design while the scale settles: only a non-finite loss is flagged then
+        flagged = ~finite if self.dynamic_scaling else ~(finite & grads_finite)
+        running["nonfinite"] = running["nonfinite"] + flagged.astype(mx.float32)
         if norm is not None:
             running["grad_norm"] = norm
         return None, running
 
-    def _apply(self, grads: Any, n_total: mx.array | None, finite: mx.array) -> tuple[mx.array | None, mx.array]:
-        """Reduce, scale, clip and apply the gradients; returns (norm or None, whether loss and gradients
-        were finite)."""
+    def _apply(self, grads: Any, n_total: mx.array | None,
+               finite: mx.array | None) -> tuple[mx.array | None, mx.array]:
+        """Reduce, scale, clip and apply the gradients; returns (clip norm or None, gradients finite). With
+        ``finite`` (guarded steps) a step whose loss or gradients are not finite leaves weights and optimizer
+        as they were; unguarded steps do not check the gradients (the second value is then True)."""
         if self.reduction is not None:
             grads, n_total = self.reduction.reduce(grads, n_total)
         scale = self.loss_scale["scale"] if self.dynamic_scaling else None
@@ -188,16 +211,15 @@ class TrainStep:
             divisor = (n_total if n_total is not None else 1.0) * (scale if scale is not None else 1.0)
             grads = tree_map(lambda g: g / divisor, grads)
         grads, norm = self._clip(grads)
-        # With a norm at hand it tells finiteness for free; otherwise one reduction over the gradients.
-        grads_finite = mx.isfinite(norm) if norm is not None else _all_finite(grads)
-        if self.dynamic_scaling or self.options.nonfinite == "skip":
-            self._update_if_finite(grads, finite & grads_finite)
-        else:
+        grads_finite = mx.array(True)
+        if finite is None:
             self.optimizer.update(self.model, grads)
+        else:
+            grads_finite = mx.isfinite(norm) if norm is not None else _all_finite(grads)
+            self._update_if_finite(grads, finite & grads_finite)
         for extension in self.extensions:
             extension.in_step(self.model, self.optimizer)
-        # float16 gradients overflow by design while the loss scale settles: only a non-finite loss counts then.
-        return norm, finite if self.dynamic_scaling else finite & grads_finite
+        return norm, grads_finite
 
     def _clip(self, grads: Any) -> tuple[Any, mx.array | None]:
         if self.reduction is not None and self.reduction.clip is not None:

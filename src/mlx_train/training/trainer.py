@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import time
@@ -452,8 +453,10 @@ class Trainer:
 
     def _check_finite(self, batch: Any, loader: Iterable[Any]) -> None:
         """Act on a NaN/Inf loss or gradient flagged inside the step (a value the step already computed)."""
-        flag = self.state.running.get("nonfinite")
-        if flag is None or not flag.item():
+        running = self.state.running
+        flag = running.get("nonfinite")  # guarded steps count; otherwise a NaN/Inf makes loss_sum non-finite
+        loss_sum = running["loss_sum"].item()
+        if (flag is not None and not flag.item()) or (flag is None and math.isfinite(loss_sum)):  # type: ignore[arg-type]
             return
         policy, step = self.config.nonfinite, self.state.step
         where = f"step {step} (epoch {self.state.epoch + 1}{batch_place(loader)})"
