@@ -370,3 +370,25 @@ def test_a_torn_last_metrics_line_does_not_stop_a_resume(tmp_path):
     trainer.train((x, y), epochs=1, checkpoint_dir=str(ck), resume="auto")
     rows = _rows(run_dir)
     assert [r["step"] for r in rows if r["kind"] == "train"] == [1, 2, 3, 4, 5, 6]
+
+
+def test_the_lock_of_an_ended_but_unreaped_holder_is_taken_over(tmp_path):
+    import socket
+    import time as _time
+
+    from mlx_train import processes
+
+    holder = subprocess.Popen([sys.executable, "-c", "pass"])  # ends at once; not reaped until wait()
+    try:
+        deadline = _time.monotonic() + 30
+        while processes.alive(holder.pid) and _time.monotonic() < deadline:
+            _time.sleep(0.05)  # until it has exited (a zombie: its pid still exists)
+        assert os.path.exists(f"/proc/{holder.pid}") or sys.platform != "linux"
+        (tmp_path / "ck").mkdir()
+        (tmp_path / "ck" / LOCK_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": holder.pid,
+                                                             "started": 0}))
+        with pytest.warns(UserWarning, match="no longer running; taking the lock over"):
+            Trainer(_mlp(), optim.SGD(0.1), batch_size=8, num_workers=0).train(
+                (np.zeros((16, 4), np.float32), np.zeros(16, np.int32)), epochs=1, checkpoint_dir=str(tmp_path / "ck"))
+    finally:
+        holder.wait()

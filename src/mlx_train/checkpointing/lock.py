@@ -21,24 +21,15 @@ import time
 import warnings
 from typing import Any
 
+from mlx_train import processes
 from mlx_train.errors import CheckpointError
 
 LOCK_FILE = ".mlx-train.lock"
 
 
-def _alive(pid: int) -> bool:
-    try:
-        import psutil
-
-        return bool(psutil.pid_exists(pid))
-    except ImportError:  # psutil is a dependency; this keeps a broken install usable
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
+def _alive(pid: int, process_started: float | None) -> bool:
+    """The holder still runs: not ended, not a zombie left unreaped, not another process with its pid."""
+    return processes.alive(pid, process_started)
 
 
 class RunLock:
@@ -59,7 +50,8 @@ class RunLock:
                                   "choose a directory you can write to") from error
         if not os.path.isdir(self.directory):
             raise CheckpointError(f"{self.what} {self.directory} is a file, not a directory; choose another path")
-        me = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
+        me = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(),
+              "process_started": processes.start_time(os.getpid())}
         for _ in range(3):
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -79,7 +71,10 @@ class RunLock:
     def _take_over_if_stale(self) -> None:
         holder = self._holder()
         host, pid = holder.get("host"), holder.get("pid")
-        if host == socket.gethostname() and isinstance(pid, int) and pid != os.getpid() and not _alive(pid):
+        started = holder.get("process_started")
+        process_started = float(started) if isinstance(started, (int, float)) else None
+        if host == socket.gethostname() and isinstance(pid, int) and pid != os.getpid() \
+                and not _alive(pid, process_started):
             warnings.warn(f"{self.what} {self.directory} was locked by pid {pid} on {host}, which is no longer "
                           "running; taking the lock over", stacklevel=4)
             self._remove()
