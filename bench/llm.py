@@ -37,7 +37,9 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten
 
-SHAKESPEARE = "/work/shared/data/tinyshakespeare.txt"
+# The shared data folder beside the repository, when present (a user's clone has none: text is made up then).
+SHAKESPEARE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data",
+                           "tinyshakespeare.txt")
 LORA = {"rank": 8, "scale": 20.0, "dropout": 0.0}
 BATCH, LAYERS, LR, PACK_LENGTH = 4, 8, 1e-4, 512
 
