@@ -70,6 +70,41 @@ def _evaluate_advice(message: str) -> str:
     return re.sub(r": start without --resume$", ": train the run further to get one", message)
 
 
+def rebuild_from_checkpoint(path: str, python_instead: str) -> tuple[Any, dict[str, Any], Any]:
+    """(config, dataset splits, model with the checkpoint's weights) of a checkpoint written by
+    ``mlx-train train``. ``python_instead`` says how to do without a saved config.
+
+    Example::
+
+        config, data, model = rebuild_from_checkpoint("runs/a/checkpoints/step-00000390", "use Trainer.evaluate")
+    """
+    import mlx.core as mx
+
+    from mlx_train.builtin.datasets import load_dataset
+    from mlx_train.builtin.models import build_model
+    from mlx_train.checkpointing import load_checkpoint
+    from mlx_train.config import TrainConfig
+    from mlx_train.training.state import load_weights
+
+    arrays, state = load_checkpoint(path, groups=["model"])  # the optimizer state is not needed
+    if not isinstance(state.get("config"), dict):
+        raise CheckpointError(
+            f"checkpoint {path} holds no training config in its trainer_state.json, so the model and "
+            f"dataset cannot be rebuilt; {python_instead}"
+        )
+    config = TrainConfig.from_dict(state["config"], source=f"{path}/trainer_state.json")
+    data = load_dataset(config.dataset, seed=config.seed, **config.dataset_options)
+    mx.random.seed(config.seed)
+    model = build_model(config.model, data["info"], **config.model_options)
+    try:
+        load_weights(model, path, dict(arrays["model"]))
+    except CheckpointError as error:
+        raise CheckpointError(
+            f"the weights in {path} do not fit model '{config.model}' built from its config: {error}"
+        ) from error
+    return config, data, model
+
+
 def evaluate_checkpoint(path: str, split: str = "test") -> dict[str, Any]:
     """Metrics of the checkpoint at ``path`` on ``split`` of the dataset it trained on.
 
@@ -78,34 +113,14 @@ def evaluate_checkpoint(path: str, split: str = "test") -> dict[str, Any]:
         evaluate_checkpoint("runs/a/checkpoints/step-00000390", split="val")
         # {"loss": 0.09, "accuracy": 0.97}
     """
-    import mlx.core as mx
-
-    from mlx_train.builtin.datasets import load_dataset
-    from mlx_train.builtin.models import build_model
-    from mlx_train.checkpointing import load_checkpoint
-    from mlx_train.config import TrainConfig
     from mlx_train.training import Trainer
 
     path = resolve_checkpoint(path)
     try:
-        arrays, state = load_checkpoint(path, groups=["model"])  # the optimizer state is not needed
+        config, data, model = rebuild_from_checkpoint(
+            path, "evaluate it from Python with Trainer.evaluate instead")
     except CheckpointError as error:
         raise CheckpointError(_evaluate_advice(str(error))) from error
-    if not isinstance(state.get("config"), dict):
-        raise CheckpointError(
-            f"checkpoint {path} holds no training config in its trainer_state.json, so the model and "
-            "dataset cannot be rebuilt; evaluate it from Python with Trainer.evaluate instead"
-        )
-    config = TrainConfig.from_dict(state["config"], source=f"{path}/trainer_state.json")
-    data = load_dataset(config.dataset, seed=config.seed, **config.dataset_options)
-    mx.random.seed(config.seed)
-    model = build_model(config.model, data["info"], **config.model_options)
-    try:
-        model.load_weights(list(arrays["model"].items()))
-    except ValueError as error:
-        raise CheckpointError(
-            f"the weights in {path} do not fit model '{config.model}' built from its config: {error}"
-        ) from error
     return Trainer(model, config=config).evaluate(data[split])
 
 

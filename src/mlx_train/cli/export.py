@@ -49,26 +49,10 @@ def rebuild_model(path: str) -> tuple[Any, Any, dict]:
     """
     import mlx.core as mx
 
-    from mlx_train.builtin.datasets import load_dataset
-    from mlx_train.builtin.models import build_model
-    from mlx_train.checkpointing import load_checkpoint
-    from mlx_train.config import TrainConfig
+    from mlx_train.cli.evaluate import rebuild_from_checkpoint
 
-    arrays, state = load_checkpoint(path, groups=["model"])
-    if not isinstance(state.get("config"), dict):
-        raise CheckpointError(
-            f"checkpoint {path} holds no training config in its trainer_state.json, so its model cannot be "
-            "rebuilt; export it from Python with mlx_train.export.export(model, example_inputs, path)"
-        )
-    config = TrainConfig.from_dict(state["config"], source=f"{path}/trainer_state.json")
-    data = load_dataset(config.dataset, seed=config.seed, **config.dataset_options)
-    model = build_model(config.model, data["info"], **config.model_options)
-    try:
-        model.load_weights(list(arrays["model"].items()))
-    except ValueError as error:
-        raise CheckpointError(
-            f"the weights in {path} do not fit model '{config.model}' built from its config: {error}"
-        ) from error
+    config, data, model = rebuild_from_checkpoint(
+        path, "export it from Python with mlx_train.export.export(model, example_inputs, path)")
     test = data["test"]
     inputs = test[0] if isinstance(test, tuple) else test.get("tokens") if isinstance(test, dict) else None
     if inputs is None:

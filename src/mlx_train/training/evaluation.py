@@ -25,7 +25,7 @@ from mlx_train.data import DataLoader
 from mlx_train.errors import DataError, MLXTrainError, OutOfMemoryError
 from mlx_train.training.labels import LabelCheck
 from mlx_train.training.losses import Loss, split_parts
-from mlx_train.training.oom import _slots, is_out_of_memory
+from mlx_train.training.oom import array_slots, is_out_of_memory
 from mlx_train.training.state import set_rng_key
 from mlx_train.training.step import build_eval_step, describe_shapes, split_batch
 
@@ -75,7 +75,7 @@ class Evaluator:
 
     def _recovering(self, what: str, batch: Any, run: Callable[[Any, Any], Any], acc: Any) -> Any:
         while True:
-            slots = _slots([self.model.state], [])
+            slots = array_slots([self.model.state], [])
             saved, key = [c[k] for c, k in slots], mx.random.state[0]  # type: ignore[index]  # a list
             parts = split_batch(batch, min(self.parts, _rows(batch)))
             try:

@@ -116,7 +116,7 @@ def _shape(batch: Any) -> tuple[Any, ...]:
     return cast("tuple[Any, ...]", (next(iter(batch.values())) if isinstance(batch, dict) else batch[0]).shape)
 
 
-def _slots(tree: Any, out: list[Any]) -> list[Any]:
+def array_slots(tree: Any, out: list[Any]) -> list[Any]:
     """``(container, key)`` of every array in the step state, in a fixed order (``mx.random.state`` is
     not a list: its key is saved apart)."""
     items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, list) else ()
@@ -124,7 +124,7 @@ def _slots(tree: Any, out: list[Any]) -> list[Any]:
         if isinstance(value, mx.array):
             out.append((tree, key))
         elif isinstance(value, (dict, list)):
-            _slots(value, out)
+            array_slots(value, out)
     return out
 
 
@@ -279,7 +279,7 @@ class MemoryGuard:
     def _bind(self) -> None:
         """(Re)build the step function for the current settings."""
         self.step = self.build(self.accumulation, self.checkpointing)
-        self._slots = _slots(self.step.state, [])
+        self._slots = array_slots(self.step.state, [])
         self._runs: dict[tuple[Any, ...], int] = {}  # completed steps per batch shape, with these settings
         for hook in self.hooks:
             hook(self.step)
@@ -295,7 +295,7 @@ class MemoryGuard:
 
     def _restore(self, saved: list[Any], key: mx.array, strict: bool = True) -> None:
         """Put back the state arrays of before the step: nothing of the failed step stays applied."""
-        current = _slots(self.step.state, [])
+        current = array_slots(self.step.state, [])
         same = len(current) == len(self._slots) and all(
             a[0] is b[0] and a[1] == b[1] for a, b in zip(current, self._slots, strict=False))
         if not same and not strict:
