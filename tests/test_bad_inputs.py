@@ -69,6 +69,13 @@ def _edit_state(change: Callable[[dict], None]) -> Callable[[Path], None]:
     return damage
 
 
+def _both(*damages: Callable[[Path], None]) -> Callable[[Path], None]:
+    def damage(run: Path) -> None:
+        for one in damages:
+            one(run)
+    return damage
+
+
 def _all_checkpoints(text: bytes) -> Callable[[Path], None]:
     def damage(run: Path) -> None:
         for step in (run / "checkpoints").glob("step-*"):
@@ -152,12 +159,21 @@ CLI_ROWS: dict[str, Cli] = {
                                    r"optimizer cannot change on resume"),
     "resume-with-optimize-memory": Cli(["train", "--run-dir", "{run}", "--resume", "--optimize-memory"], 2,
                                        r"--optimize-memory cannot go with --resume"),
+    # config.yaml is read only when the run stopped before its first checkpoint (the checkpoint is the truth).
     "resume-saved-config-broken": Cli(["train", "--run-dir", "{run}", "--resume"], 2,
                                       r"config\.yaml:\d+: unknown key 'epochz'",
-                                      damage=_write("config.yaml", "training:\n  epochz: 3\n")),
-    "resume-config-yaml-names-another-model": Cli(["train", "--run-dir", "{run}", "--resume"], 4,
-                                                  r"does not match this model.*Build the same model",
-                                                  damage=_write("config.yaml", "model:\n  name: cnn\n")),
+                                      damage=_both(_rm("checkpoints"),
+                                                   _write("config.yaml", "training:\n  epochz: 3\n"))),
+    "resume-no-config-anywhere": Cli(["train", "--run-dir", "{run}", "--resume"], 4,
+                                     r"holds no training config and .*config\.yaml does not exist",
+                                     damage=_both(_edit_state(lambda s: s.pop("config")), _rm("config.yaml"))),
+    "resume-nothing-to-resume": Cli(["train", "--run-dir", "{tmp}/new", "--resume"], 4,
+                                    r"nothing to resume in .*new: no checkpoint in .* and no config\.yaml"),
+    "rundir-holds-a-run": Cli(["train", "--run-dir", "{run}", "--max-steps", "2"], 2,
+                              r"run already holds a run \(metrics\.jsonl, config\.yaml, checkpoints\).*--resume"
+                              r".*--overwrite.*run\.old-<date>-<time>.*Nothing was changed"),
+    "rundir-overwrite-and-resume": Cli(["train", "--run-dir", "{run}", "--resume", "--overwrite"], 2,
+                                       r"--overwrite starts the run over and --resume continues it"),
     # ---- checkpoints ----
     "ckpt-missing-path": Cli(["evaluate", "--checkpoint", "{tmp}/none/step-00000009"], 4, r"there is no checkpoint at"),
     "ckpt-not-a-checkpoint": Cli(["evaluate", "--checkpoint", "{tmp}"], 4, r"neither a checkpoint"),

@@ -98,12 +98,23 @@ def test_resume_with_every_checkpoint_damaged_is_one_line_exit_4(run_copy, capsy
 @pytest.mark.parametrize("signum, code", [(15, 143), (2, 130)])
 def test_interrupted_training_prints_the_resume_command(monkeypatch, tmp_path, capsys, signum, code):
     def stopped(config, resume=None, log=print):
+        (tmp_path / "r" / "checkpoints" / "step-00000007").mkdir(parents=True)
         raise TrainingInterrupted(signum, 7, f"{config.run_dir}/checkpoints/step-00000007", "training stopped")
 
     monkeypatch.setattr(train_command, "run", stopped)
     assert main(["train", "--run-dir", str(tmp_path / "r")]) == code
     err = _clean(capsys.readouterr())
     assert f"to continue: mlx-train train --run-dir {tmp_path / 'r'} --resume" in err
+
+
+def test_interrupted_before_anything_was_saved_prints_no_resume_command(monkeypatch, tmp_path, capsys):
+    def stopped(config, resume=None, log=print):
+        raise KeyboardInterrupt  # Ctrl-C during start-up: no checkpoint, no config.yaml yet
+
+    monkeypatch.setattr(train_command, "run", stopped)
+    assert main(["train", "--run-dir", str(tmp_path / "r")]) == 130
+    err = _clean(capsys.readouterr())
+    assert "--resume" not in err and "nothing of this run was saved yet" in err
 
 
 @pytest.mark.parametrize("flags, expected", [
@@ -203,3 +214,97 @@ def test_a_signal_mid_run_saves_prints_the_command_and_that_command_resumes(tmp_
     assert "resumed from" in again.stdout and "changed: max_steps 100000 -> 40" in again.stdout
     saved = TrainConfig.from_yaml(run_dir / "config.yaml")
     assert (saved.model, saved.seed, saved.max_steps) == ("cnn", 42, 40)
+
+
+def _snapshot(directory):
+    """Every file under ``directory`` with its bytes: what a refused command must leave as it was."""
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_a_command_refused_by_the_lock_changes_nothing(run_copy, capsys):
+    import os
+    import socket
+    import subprocess
+
+    from mlx_train import processes
+
+    holder = subprocess.Popen(["sleep", "60"])  # stands for the run that holds the directory
+    try:
+        lock = {"host": socket.gethostname(), "pid": holder.pid, "started": 0.0,
+                "process_started": processes.start_time(holder.pid)}
+        (run_copy / ".mlx-train.lock").write_text(json.dumps(lock))
+        before = _snapshot(run_copy)
+        argv = ["train", "--run-dir", str(run_copy), "--lr", "0.5", "--seed", "3", "--epochs", "7"]
+        for extra in ([], ["--overwrite"]):
+            assert main([*argv, *extra]) == 4
+            assert f"is in use by another run: pid {holder.pid}" in _clean(capsys.readouterr())
+            assert _snapshot(run_copy) == before and sorted(os.listdir(run_copy.parent)) == ["run"]
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_new_run_into_a_finished_run_is_refused_and_changes_nothing(run_copy, capsys):
+    before = _snapshot(run_copy)
+    assert main(["train", "--run-dir", str(run_copy), "--max-steps", "2", "--lr", "0.5"]) == 2
+    err = _clean(capsys.readouterr())
+    assert f"{run_copy} already holds a run (metrics.jsonl, config.yaml, checkpoints)" in err
+    assert "To continue it: --resume" in err and "--overwrite" in err
+    assert _snapshot(run_copy) == before
+
+
+def test_overwrite_moves_the_old_run_aside_whole(run_copy, capsys):
+    before = _snapshot(run_copy)
+    assert main(["train", "--run-dir", str(run_copy), "--max-steps", "2", "--seed", "3", *TINY, "--overwrite"]) == 0
+    out = capsys.readouterr().out
+    (moved,) = run_copy.parent.glob("run.old-*")
+    assert f"moved the previous run in {run_copy} aside to {moved}" in out
+    assert _snapshot(moved) == {k: v for k, v in before.items() if k != ".mlx-train.lock"}
+    assert sorted(p.name for p in (run_copy / "checkpoints").iterdir()) == ["step-00000002"]  # one run's checkpoints
+    rows = [json.loads(line) for line in (run_copy / "metrics.jsonl").read_text().splitlines()]
+    assert max(row["step"] for row in rows) == 2
+    assert TrainConfig.from_yaml(run_copy / "config.yaml").seed == 3
+
+
+@pytest.mark.parametrize("damage", ["empty", "missing"])
+def test_resume_follows_the_checkpoint_not_a_damaged_config_yaml(tmp_path, capsys, damage):
+    run_dir = tmp_path / "run"
+    assert main(["train", "--lr", "0.01", "--epochs", "3", "--seed", "5", "--max-steps", "2", *TINY,
+                 "--run-dir", str(run_dir)]) == 0
+    config_path = run_dir / "config.yaml"
+    config_path.write_text("") if damage == "empty" else config_path.unlink()  # as a kill mid-write left it
+    capsys.readouterr()
+    assert main(["train", "--run-dir", str(run_dir), "--resume", "--max-steps", "4"]) == 0
+    out = capsys.readouterr().out
+    assert f"with the configuration of {run_dir / 'checkpoints' / 'step-00000002'}" in out
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert {row["step"]: row["learning_rate"] for row in rows if row["kind"] == "train"} == \
+        pytest.approx({1: 0.01, 2: 0.01, 3: 0.01, 4: 0.01})
+    saved = TrainConfig.from_yaml(config_path)
+    assert (saved.learning_rate, saved.epochs, saved.seed, saved.max_steps) == (0.01, 3, 5, 4)
+    assert saved.model_options == {"hidden_dims": [16]}
+
+
+def test_config_yaml_is_written_once_atomically_under_the_lock(run_copy, monkeypatch, capsys):
+    from mlx_train import rundir
+    from mlx_train.checkpointing import lock
+
+    writes, real_write = [], rundir.atomic_write
+
+    def atomic_write(path, data, durable=True):
+        if str(path).endswith("config.yaml"):
+            writes.append((lock.LOCK_FILE in {p.name for p in run_copy.iterdir()}, TrainConfig.from_yaml(run_copy
+                          / "config.yaml").max_steps))
+        return real_write(path, data, durable)
+
+    monkeypatch.setattr(rundir, "atomic_write", atomic_write)
+    assert main(["train", "--run-dir", str(run_copy), "--resume", "--max-steps", "6"]) == 0
+    assert writes == [(True, 4)]  # one write, while the lock was held, over the old complete file
+    assert TrainConfig.from_yaml(run_copy / "config.yaml").max_steps == 6
+
+
+def test_resume_with_nothing_to_resume_is_an_error_not_a_new_run(tmp_path, capsys):
+    assert main(["train", "--run-dir", str(tmp_path / "none"), "--resume", "--max-steps", "1"]) == 4
+    err = _clean(capsys.readouterr())
+    assert f"there is nothing to resume in {tmp_path / 'none'}" in err
+    assert not (tmp_path / "none").exists()

@@ -135,3 +135,87 @@ def test_choose_run_dir_and_run_dir_of(tmp_path):
     assert rundir.run_dir_of(tmp_path / "distributed") == tmp_path
     assert rundir.run_dir_of(tmp_path) == tmp_path
     assert rundir.rank_log_path(tmp_path, 3) == tmp_path / "logs" / "rank-3.log"
+
+
+# ---- a new run into a directory that holds a run (the Python API) ----
+def _trainer(**config):
+    import mlx.nn as nn
+
+    from mlx_train.config import TrainConfig
+    from mlx_train.training import Trainer
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    return Trainer(model, config=TrainConfig(epochs=1, batch_size=4, num_workers=0, compile=False, **config))
+
+
+def _data():
+    import numpy as np
+
+    x = np.random.default_rng(0).normal(size=(16, 4)).astype(np.float32)
+    return x, np.arange(16, dtype=np.int32) % 3
+
+
+def _files(directory):
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_train_into_another_runs_checkpoints_is_refused_unless_resume_or_overwrite(tmp_path):
+    checkpoints = tmp_path / "ckpt"
+    _trainer().train(_data(), checkpoint_dir=str(checkpoints))
+    before = _files(checkpoints)
+    with pytest.raises(ConfigError, match=r"ckpt already holds a run \(checkpoints\).*resume='auto'.*"
+                                          r"overwrite=True.*ckpt\.old-<date>-<time>.*Nothing was changed"):
+        _trainer().train(_data(), checkpoint_dir=str(checkpoints))
+    assert _files(checkpoints) == before
+    _trainer().train(_data(), checkpoint_dir=str(checkpoints), resume="auto")  # continuing it is fine
+    _trainer().train(_data(), checkpoint_dir=str(checkpoints), overwrite=True)
+    (moved,) = tmp_path.glob("ckpt.old-*")
+    assert {name for name in _files(moved) if name.startswith("step-")} >= {n for n in before if n.startswith("step-")}
+    with pytest.raises(ConfigError, match="overwrite=True starts over and resume='auto' continues"):
+        _trainer().train(_data(), checkpoint_dir=str(checkpoints), resume="auto", overwrite=True)
+
+
+def test_fit_into_a_run_dir_that_holds_a_run_is_refused(tmp_path):
+    from mlx_train.data import DataLoader
+
+    def fit(**options):
+        loader = DataLoader(_data(), batch_size=4)  # a loader keeps its epoch: a new one per run
+        _trainer(run_dir=str(run)).fit(loader, loader, save_best=True, **options)
+
+    run = tmp_path / "run"
+    fit()
+    before = _files(run)
+    with pytest.raises(ConfigError, match=r"run already holds a run \(metrics\.jsonl, config\.yaml\)"):
+        fit()
+    assert _files(run) == before
+    fit(overwrite=True)
+    (moved,) = tmp_path.glob("run.old-*")
+    assert _files(moved) == before and (run / "best_model.safetensors").is_file()
+
+
+def test_fit_save_best_without_run_dir_does_not_replace_a_file_of_before(tmp_path, monkeypatch):
+    from mlx_train.data import DataLoader
+
+    def fit(**options):
+        loader = DataLoader(_data(), batch_size=4)
+        _trainer().fit(loader, loader, save_best=True, **options)
+
+    monkeypatch.chdir(tmp_path)
+    fit()  # the place is free: written there, as documented
+    (tmp_path / "best_model.safetensors").write_bytes(b"someone else's weights")
+    with pytest.raises(ConfigError, match=r"would replace .*best_model\.safetensors, written before this run; "
+                                          r"give the run a place \(Trainer\(\.\.\., run_dir=\.\.\.\)\)"):
+        fit()
+    assert (tmp_path / "best_model.safetensors").read_bytes() == b"someone else's weights"
+    fit(overwrite=True)
+    assert (tmp_path / "best_model.safetensors").read_bytes() != b"someone else's weights"
+
+
+def test_move_aside_picks_a_free_name_and_keeps_everything(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "metrics.jsonl").write_text("{}\n")
+    first = rundir.move_aside(tmp_path / "a")
+    (tmp_path / "a").mkdir()
+    second = rundir.move_aside(tmp_path / "a")
+    assert first != second and first.name.startswith("a.old-") and second.name.startswith("a.old-")
+    assert (first / "metrics.jsonl").read_text() == "{}\n" and not (tmp_path / "a").exists()

@@ -58,6 +58,7 @@ HOSTFILE_FILE = "hostfile.json"
 RESTARTS_FILE = "restarts.jsonl"
 SUPERVISOR_LOG = "supervisor.log"
 RUN_MARKERS = (METRICS_FILE, CONFIG_FILE)
+OLD_RUN_SUFFIX = ".old-"  # a run moved aside by --overwrite: <run_dir>.old-<date>-<time>
 
 
 def heartbeat_path(run_dir: str | os.PathLike[str], rank: int) -> Path:
@@ -108,6 +109,58 @@ def choose_run_dir(config: Any, resume: str | None, runs_root: str = "runs") -> 
         count += 1
         run_dir = Path(runs_root) / f"{prefix}{stamp}-{count}"
     return run_dir
+
+
+def run_contents(run_dir: str | os.PathLike[str] | None, has_checkpoints: bool = False) -> list[str]:
+    """What of a run ``run_dir`` already holds: its ``metrics.jsonl``/``config.yaml``, plus ``"checkpoints"``
+    when ``has_checkpoints`` (the caller looked in the checkpoint directory). Empty: a place for a new run.
+
+    Example: ``run_contents("runs/a", has_checkpoints=True) == ["metrics.jsonl", "config.yaml", "checkpoints"]``
+    """
+    found = [name for name in RUN_MARKERS if run_dir and (Path(run_dir) / name).is_file()]
+    return found + (["checkpoints"] if has_checkpoints else [])
+
+
+def fresh_start_refused(where: str | os.PathLike[str], contents: list[str]) -> ConfigError:
+    """The error of a new run pointed at a directory that holds a run (nothing was changed)."""
+    return ConfigError(
+        f"{where} already holds a run ({', '.join(contents)}); a new run there would overwrite it. To continue "
+        f"it: --resume (Python: resume='auto'); to start over: --overwrite (Python: overwrite=True), which moves "
+        f"it aside to {where}{OLD_RUN_SUFFIX}<date>-<time>; or choose another directory. Nothing was changed")
+
+
+
+def move_aside(directory: str | os.PathLike[str]) -> Path:
+    """Rename ``directory`` to ``<directory>.old-<date>-<time>`` (a free name) and return the new path.
+
+    The old run stays whole beside the place of the new one: nothing is deleted or mixed.
+
+    Example: ``move_aside("runs/a")`` -> ``Path("runs/a.old-20250101-120000")``
+    """
+    path = Path(directory)
+    _detach_run_log(path)  # this process's later messages must not go to the moved run's train.log
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    target, count = path.with_name(f"{path.name}{OLD_RUN_SUFFIX}{stamp}"), 1
+    while target.exists():
+        count += 1
+        target = path.with_name(f"{path.name}{OLD_RUN_SUFFIX}{stamp}-{count}")
+    try:
+        os.rename(path, target)
+    except OSError as error:
+        raise ConfigError(f"cannot move {path} aside to {target}: {error.strerror or error}; move or remove it "
+                          "yourself, or choose another directory") from None
+    return target
+
+
+def write_config(run_dir: str | os.PathLike[str], config: Any) -> Path:
+    """Write ``config`` (a TrainConfig) to ``<run_dir>/config.yaml`` atomically: a reader, or a resume after
+    a kill, sees the old file or the new one, never an empty or half-written one.
+
+    Example: ``write_config("runs/a", trainer.config)``
+    """
+    path = Path(run_dir) / CONFIG_FILE
+    atomic_write(path, config.yaml_text())
+    return path
 
 
 # ---------------------------------------------------------------------------------- atomic writes
@@ -382,6 +435,16 @@ def attach_run_log(run_dir: str | os.PathLike[str]) -> Path:
         logger.addHandler(handler)
         _log_state.update(file=handler, path=path)
     return path
+
+
+def _detach_run_log(directory: Path) -> None:
+    """Stop writing the run log when it lies in ``directory`` (which is about to be moved)."""
+    with _log_lock:
+        handler, path = _log_state["file"], _log_state["path"]
+        if handler is not None and directory.resolve() in Path(path).parents:
+            get_logger().removeHandler(handler)
+            handler.close()
+            _log_state.update(file=None, path=None)
 
 
 class _SameRun(logging.Filter):

@@ -2,7 +2,9 @@
 
 Settings come from TrainConfig's defaults, overlaid by --config FILE, then by
 --set KEY=VALUE, then by the dedicated flags. The run directory receives
-checkpoints/ and the config.yaml actually used.
+checkpoints/ and the config.yaml actually used. A directory that holds a run is
+continued with --resume (its checkpoint's configuration, changed by the flags given)
+or moved aside with --overwrite; a new run never writes over it.
 
 Example::
 
@@ -37,8 +39,10 @@ EPILOG = """examples:
   mlx-train train --model transformer --dataset text --set model_options.num_layers=4
   mlx-train train --config my.yaml --run-dir runs/a   # later: mlx-train train --run-dir runs/a --resume
 
---resume continues with the run's saved configuration (RUN_DIR/config.yaml); flags given with it
-change only what a resume can change (epochs, max_steps, lr without a schedule, cadences, ...).
+--resume continues with the configuration its checkpoint recorded (RUN_DIR/config.yaml when the run
+stopped before its first checkpoint); flags given with it change only what a resume can change
+(epochs, max_steps, lr without a schedule, cadences, ...). A run directory that holds a run is not
+started over: --resume continues it, --overwrite moves it aside to RUN_DIR.old-<date>-<time> first.
 """
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -69,6 +73,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="continue from a checkpoint: 'auto' (the default when bare) takes the newest "
         "complete checkpoint of the run directory (without --run-dir: of the newest "
         "runs/<model>-<dataset>-* run), PATH a given checkpoint directory",
+    )
+    parser.add_argument(
+        "--overwrite", action="store_true",
+        help="start a new run in a --run-dir that holds one: the old run is moved aside to "
+        "RUN_DIR.old-<date>-<time> (never deleted); without it such a start is refused",
     )
     parser.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -142,23 +151,22 @@ def _precision_warning(config: Any) -> None:
 
 class _ResumeSucceeded:
     """Callback of a resumed run: once the checkpoint is restored (``on_fit_start``), apply a new
-    constant learning rate (the optimizer state restored it to the old one) and record the
-    configuration in config.yaml, which a failed restore must leave as it was."""
+    constant learning rate (the optimizer state restored it to the old one). config.yaml is written
+    by the Trainer's MetricsLogger at that moment too: after the lock is held and the restore succeeded."""
 
-    def __init__(self, config: Any, config_path: Path | None) -> None:
-        self.config, self.config_path = config, config_path
+    def __init__(self, config: Any) -> None:
+        self.config = config
 
     def on_fit_start(self, trainer: Any) -> None:
         if not self.config.lr_schedule and not self.config.warmup_steps:
             trainer.optimizer.learning_rate = self.config.learning_rate
-        if self.config_path is not None:
-            self.config.to_yaml(str(self.config_path))
 
 
 def run(config: Any, resume: str | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Train ``config.model`` on ``config.dataset``, then evaluate on the test split.
 
-    With ``resume`` the run's config.yaml is rewritten only after the checkpoint was restored.
+    config.yaml is written once, under the run lock, after a resume's checkpoint was restored.
+    A ``run_dir`` that holds another run is refused (a resume continues it).
     Returns ``{"run_dir", "config", "history", "test"}``.
     """
     import mlx.core as mx
@@ -180,12 +188,7 @@ def run(config: Any, resume: str | None = None, log: Callable[[str], None] = pri
     log(startup_line())  # after the cheap checks of the names above, so that a typo gives one message
     _precision_warning(config)
     _check_run_dir(run_dir)
-    config_path = run_dir / rundir.CONFIG_FILE if is_main_process() else None
-    callbacks: list[Any] = []
-    if resume:
-        callbacks.append(_ResumeSucceeded(config, config_path))
-    elif config_path is not None:
-        config.to_yaml(str(config_path))
+    callbacks: list[Any] = [_ResumeSucceeded(config)] if resume else []
     log(f"model {config.model} on dataset {config.dataset}; run directory {run_dir}")
 
     trainer_class = DistributedTrainer if in_group() else Trainer  # a rank of a launched group
@@ -200,34 +203,33 @@ def run(config: Any, resume: str | None = None, log: Callable[[str], None] = pri
 def resolve_config(args: argparse.Namespace, log: Callable[[str], None] = print) -> Any:
     """The TrainConfig of a ``train`` command line, with ``run_dir`` resolved.
 
-    Without --resume: defaults < --config < --set < flags. With --resume and a run that has a
-    config.yaml: that saved configuration, changed only by the flags given (each change is logged;
-    one a resume cannot make is refused).
+    Without --resume: defaults < --config < --set < flags. With --resume: the configuration the
+    checkpoint to resume recorded (config.yaml when the run stopped before its first checkpoint),
+    changed only by the flags given (each change is logged; one a resume cannot make is refused).
 
     Example::
 
         from mlx_train.cli.main import build_parser
         args = build_parser("train").parse_args(["train", "--run-dir", "runs/a", "--resume", "--epochs", "20"])
-        resolve_config(args).epochs     # 20; the model, dataset, seed ... are runs/a/config.yaml's
+        resolve_config(args).epochs     # 20; the model, dataset, seed ... are the checkpoint's
     """
-    from mlx_train.config import TrainConfig
-
     for given, flag in ((args.num_processes, "-n"), (args.hostfile, "--hostfile")):
         if given is not None and not args.distributed:
             raise ConfigError(f"{flag} {given} only applies to a distributed run: add --distributed "
                               f"(mlx-train train --distributed {flag} {given} ...), or leave {flag} out")
+    if args.overwrite and args.resume:
+        raise ConfigError("--overwrite starts the run over and --resume continues it: give one of them")
     config = build_config(args)
     if args.resume:
+        if args.optimize_memory:
+            raise ConfigError("--optimize-memory cannot go with --resume: its plan changes batch_size and "
+                              "gradient_accumulation, which a resumed run keeps (out of memory, the Trainer "
+                              "halves the micro-batch itself); resume without it, or start a new run with it")
         run_dir = choose_run_dir(config, args.resume)
-        saved_path = run_dir / rundir.CONFIG_FILE
-        if saved_path.is_file():
-            if args.optimize_memory:
-                raise ConfigError("--optimize-memory cannot go with --resume: its plan changes batch_size and "
-                                  "gradient_accumulation, which a resumed run keeps (out of memory, the Trainer "
-                                  "halves the micro-batch itself); resume without it, or start a new run with it")
-            config, notes = resume_config(args, TrainConfig.from_yaml(saved_path), str(saved_path), str(run_dir))
-            log(f"resuming {run_dir} with its saved configuration"
-                + (f", changed: {'; '.join(notes)}" if notes else ""))
+        saved, source = saved_config(run_dir, config.checkpoint_dir, args.resume)
+        config, notes = resume_config(args, saved, source, str(run_dir))
+        log(f"resuming {run_dir} with the configuration of {source}"
+            + (f", changed: {'; '.join(notes)}" if notes else ""))
     if args.optimize_memory:
         from mlx_train.cli.optimize import optimized_config
 
@@ -235,20 +237,73 @@ def resolve_config(args: argparse.Namespace, log: Callable[[str], None] = print)
     return config.replace(run_dir=str(choose_run_dir(config, args.resume)))
 
 
+def saved_config(run_dir: Path, checkpoint_dir: str | None, resume: str) -> tuple[Any, str]:
+    """``(config, where it was read)`` of the run a ``--resume`` continues: the configuration its checkpoint
+    recorded (the source of truth), or the run's config.yaml when it stopped before its first checkpoint.
+    Neither is an error: a resume never falls back to the defaults.
+
+    Example: ``saved_config(Path("runs/a"), None, "auto")`` is
+    ``(TrainConfig(...), "runs/a/checkpoints/step-00000400")``.
+    """
+    from mlx_train.checkpointing import CheckpointManager, load_checkpoint
+    from mlx_train.config import TrainConfig
+    from mlx_train.errors import CheckpointError
+
+    checkpoint_dir = checkpoint_dir or str(run_dir / rundir.CHECKPOINTS_DIR)
+    path = CheckpointManager(checkpoint_dir, keep_last=None, async_save=False).resolve(resume)
+    if path is not None:
+        _, state = load_checkpoint(path, groups=[])
+        if isinstance(state.get("config"), dict):
+            return TrainConfig.from_dict(state["config"], source=f"{path}/trainer_state.json"), path
+    config_path = run_dir / rundir.CONFIG_FILE
+    if config_path.is_file():
+        return TrainConfig.from_yaml(config_path), str(config_path)
+    if path is not None:
+        raise CheckpointError(f"checkpoint {path} holds no training config and {config_path} does not exist, so "
+                              "the run's settings are unknown; resume it from Python with Trainer.train(resume=...)")
+    raise CheckpointError(f"there is nothing to resume in {run_dir}: no checkpoint in {checkpoint_dir} and no "
+                          f"{rundir.CONFIG_FILE}. Pass the --run-dir of the run to continue, or start a new run "
+                          "without --resume")
+
+
+def _make_room(config: Any, args: argparse.Namespace) -> None:
+    """A new run (no --resume) into a run directory that holds one: refused, or with --overwrite moved aside."""
+    from mlx_train.distributed.rank import is_main_process
+
+    if args.resume or not is_main_process():  # a launched rank: the launcher made room before starting it
+        return
+    from mlx_train.checkpointing import CheckpointManager
+    from mlx_train.training.resume import make_room
+
+    checkpoint_dir = config.checkpoint_dir or str(Path(config.run_dir) / rundir.CHECKPOINTS_DIR)
+    make_room(CheckpointManager(checkpoint_dir, keep_last=None, async_save=False), config.run_dir, args.overwrite,
+              print)
+
+
+def _how_to_continue(config: Any) -> str:
+    """The command that continues an interrupted run, only when it would: a checkpoint or config.yaml exists."""
+    run_dir = Path(config.run_dir)
+    checkpoint_dir = Path(config.checkpoint_dir or run_dir / rundir.CHECKPOINTS_DIR)
+    if (run_dir / rundir.CONFIG_FILE).is_file() or any(checkpoint_dir.glob("step-*")):
+        return f"to continue: mlx-train train --run-dir {config.run_dir} --resume"
+    return ("nothing of this run was saved yet (no checkpoint, no config.yaml): to start it, run the same "
+            "command again")
+
+
 def main(args: argparse.Namespace) -> int:
     """Run ``mlx-train train`` from parsed arguments."""
     config = resolve_config(args)
+    _make_room(config, args)
     if args.distributed:
         from mlx_train.launch.train import train_distributed
 
         return train_distributed(args, config)
-    again = f"to continue: mlx-train train --run-dir {config.run_dir} --resume"
     try:
         run(config, resume=args.resume)
     except TrainingInterrupted as stop:  # the Trainer saved a checkpoint and said so: say how to go on
-        print(again, file=sys.stderr)
+        print(_how_to_continue(config), file=sys.stderr)
         return int(stop.code)  # 128 + signal, as schedulers expect
     except KeyboardInterrupt:
-        print(again, file=sys.stderr)
+        print(_how_to_continue(config), file=sys.stderr)
         raise
     return 0

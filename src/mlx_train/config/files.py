@@ -233,8 +233,12 @@ def sectioned(values: Mapping[str, Any], fields: Fields, sections: tuple[str, ..
     return {section: keys for section, keys in out.items() if keys}
 
 
+def dump(data: Mapping[str, Any], header: str) -> str:
+    """``data`` as YAML text under a one-line comment ``header``."""
+    return f"# {header}\n" + yaml.safe_dump(dict(data), sort_keys=False)
+
+
 def write(path: str | os.PathLike[str], data: Mapping[str, Any], header: str) -> None:
     """Write ``data`` as YAML under a one-line comment ``header``."""
     with open(path, "w", encoding="utf-8") as file:
-        file.write(f"# {header}\n")
-        yaml.safe_dump(dict(data), file, sort_keys=False)
+        file.write(dump(data, header))

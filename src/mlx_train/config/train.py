@@ -63,6 +63,7 @@ SCHEDULES: dict[str, tuple[str, str]] = {
 BACKENDS = ("ring", "mpi", "jaccl", "nccl")
 BACKEND_CHOICES = ("auto",) + BACKENDS
 
+_YAML_HEADER = "mlx-train configuration (TrainConfig), by section"
 #: The YAML sections, in the order ``to_yaml`` writes them.
 SECTIONS = ("training", "optimizer", "checkpoint", "memory", "distributed", "data", "model")
 
@@ -341,7 +342,11 @@ class TrainConfig:
 
     def to_yaml(self, path: str | os.PathLike[str]) -> None:
         """Write the config by sections; ``from_yaml`` reads it back to an equal config."""
-        files.write(path, self.sections(), "mlx-train configuration (TrainConfig), by section")
+        files.write(path, self.sections(), _YAML_HEADER)
+
+    def yaml_text(self) -> str:
+        """The text ``to_yaml`` writes (``rundir.write_config`` writes it atomically)."""
+        return files.dump(self.sections(), _YAML_HEADER)
 
     # ----- helpers for the CLI and the trainer -----
     @classmethod

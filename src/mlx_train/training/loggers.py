@@ -154,7 +154,7 @@ class MetricsLogger(Callback):
         os.makedirs(self.run_dir, exist_ok=True)
         config = getattr(trainer, "config", None)
         if config is not None:  # the config this run actually uses, for the monitor and for people
-            config.to_yaml(os.path.join(self.run_dir, rundir.CONFIG_FILE))
+            rundir.write_config(self.run_dir, config)  # atomic: a resume after a kill may need it
         if trainer.step == 0:
             for path in (self.jsonl_path, self.csv_path):
                 if os.path.exists(path):

@@ -35,7 +35,7 @@ from mlx_train.training.loggers import MetricsLogger, ProgressBar
 from mlx_train.training.losses import Loss
 from mlx_train.training.meter import Meter
 from mlx_train.training.oom import MemoryGuard, MemoryPolicy, any_rank
-from mlx_train.training.resume import resume_candidates, run_locks
+from mlx_train.training.resume import make_room, refuse_fresh_start, resume_candidates, run_locks
 from mlx_train.training.schedule import (
     Cadences,
     at_epoch_end,
@@ -145,11 +145,13 @@ class Trainer:
 
     def train(self, train_dataset: Any = None, val_dataset: Any = None, epochs: int | None = None,
               checkpoint_dir: str | None = None, callbacks: list[Any] | None = None,
-              resume: str | None = None) -> dict[str, Any]:
+              resume: str | None = None, overwrite: bool = False) -> dict[str, Any]:
         """Train on a dataset (arrays, map-style, iterable or a DataLoader); returns the per-epoch history.
 
         Called again without datasets, it continues on the datasets of the previous call
-        (``trainer.train(callbacks=[...])`` trains ``epochs`` more epochs).
+        (``trainer.train(callbacks=[...])`` trains ``epochs`` more epochs). A new run (no ``resume``)
+        into a ``checkpoint_dir`` or ``run_dir`` that holds another run is refused; ``resume="auto"``
+        continues that run, ``overwrite=True`` moves it aside (``<dir>.old-<date>-<time>``) first.
         """
         if train_dataset is None:
             if self._loaders is None:
@@ -157,7 +159,7 @@ class Trainer:
                                   "train() call whose datasets could be reused")
             loader, val_loader = self._loaders
             epochs = _epoch_of(loader, self.state) + (epochs or self.config.epochs)
-            return self._run(loader, val_loader, epochs, checkpoint_dir, callbacks or [], resume)
+            return self._run(loader, val_loader, epochs, checkpoint_dir, callbacks or [], resume, overwrite)
         cfg = self.config
         loader = train_dataset if isinstance(train_dataset, DataLoader) else DataLoader(
             train_dataset, batch_size=cfg.batch_size * cfg.gradient_accumulation, shuffle=cfg.shuffle,
@@ -165,23 +167,29 @@ class Trainer:
         val_loader = val_dataset if val_dataset is None or isinstance(val_dataset, DataLoader) else \
             self._eval_loader(val_dataset)
         self._loaders = (loader, val_loader)
-        return self._run(loader, val_loader, epochs, checkpoint_dir, callbacks or [], resume)
+        return self._run(loader, val_loader, epochs, checkpoint_dir, callbacks or [], resume, overwrite)
 
     def fit(self, train_loader: Iterable[Any], val_loader: Iterable[Any] | None = None, epochs: int | None = None,
-            save_best: bool = True, callbacks: list[Any] | None = None) -> dict[str, Any]:
+            save_best: bool = True, callbacks: list[Any] | None = None, overwrite: bool = False) -> dict[str, Any]:
         """Train from DataLoaders (or any iterable of batches); returns the per-epoch history.
 
-        With ``save_best`` the best weights by ``val_loss`` go to ``best_model.safetensors`` (in
-        ``run_dir`` when set). A DataLoader's batch is a micro-batch: with gradient accumulation
-        each optimizer step takes ``gradient_accumulation`` of them. Other iterables give one
-        optimizer step per item.
+        With ``save_best`` the best weights by ``val_loss`` go to ``best_model.safetensors`` in
+        ``run_dir``, or without one in the current directory, where a file of that name from before
+        is refused rather than replaced (``overwrite=True`` replaces it; like ``train``, it also moves
+        a previous run in ``run_dir``/``checkpoint_dir`` aside). A DataLoader's batch is a micro-batch:
+        with gradient accumulation each optimizer step takes ``gradient_accumulation`` of them. Other
+        iterables give one optimizer step per item.
         """
         callbacks = list(callbacks or [])
         if save_best and val_loader is not None:
-            callbacks.append(ModelCheckpoint(os.path.join(self.config.run_dir or ".", "best_model.safetensors"),
-                                             monitor="val_loss", save_best_only=True))
+            best = os.path.join(self.config.run_dir or ".", "best_model.safetensors")
+            if not (self.config.run_dir or overwrite or self.state.step) and os.path.exists(best):
+                raise ConfigError(f"fit(save_best=True) would replace {os.path.abspath(best)}, written before this "
+                                  "run; give the run a place (Trainer(..., run_dir=...)), pass overwrite=True to "
+                                  "replace it, or save_best=False")
+            callbacks.append(ModelCheckpoint(best, monitor="val_loss", save_best_only=True))
         loader = self._micro_loader(train_loader) if isinstance(train_loader, DataLoader) else train_loader
-        return self._run(loader, val_loader, epochs, self.config.checkpoint_dir, callbacks, None)
+        return self._run(loader, val_loader, epochs, self.config.checkpoint_dir, callbacks, None, overwrite)
 
     def evaluate(self, dataset: Any) -> dict[str, float]:
         """Loss (and accuracy for classification) over a whole dataset or loader."""
@@ -202,14 +210,21 @@ class Trainer:
     # -- the loop -----------------------------------------------------------------------
 
     def _run(self, loader: Iterable[Any], val_loader: Iterable[Any] | None, epochs: int | None,
-             checkpoint_dir: str | None, callbacks: Any, resume: str | None) -> dict[str, Any]:
+             checkpoint_dir: str | None, callbacks: Any, resume: str | None, overwrite: bool = False) -> dict[str, Any]:
         cfg, state = self.config, self.state
         self.epochs = epochs = epochs or cfg.epochs
         state.stop_training = False
         self._shard(loader, val_loader)
         callbacks = CallbackList(self._default_callbacks() + list(callbacks))
         checkpoints = self._checkpoints(checkpoint_dir or cfg.checkpoint_dir)
+        if overwrite and resume:
+            raise ConfigError(f"overwrite=True starts over and resume={resume!r} continues: pass one of them")
+        fresh = not resume and state.step == 0  # a new run, not this trainer's next train() call
+        if fresh and overwrite and self.is_main:
+            make_room(checkpoints, cfg.run_dir, True, self.log)
         with run_locks(checkpoints, cfg.run_dir, self.is_main), StopSignals(self.log, lambda: state.step) as signals:
+            if fresh and self.is_main:  # the other ranks may already see the files rank 0 writes
+                refuse_fresh_start(checkpoints, cfg.run_dir)
             self._signals, self._voted_stop = signals, False
             self._start(checkpoints, resume, loader, callbacks)
             step = self.memory_guard = self._guard(callbacks)
