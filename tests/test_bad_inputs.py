@@ -84,6 +84,7 @@ def _all_checkpoints(text: bytes) -> Callable[[Path], None]:
 
 
 TRAIN = ["train", "--run-dir", "{tmp}/new"]
+FINETUNE = ["finetune", "--model", "{tmp}/none", "--data", "{run}"]
 HOSTS = ["train", "--distributed", "--run-dir", "{tmp}/new", "--hostfile", "{tmp}/hosts.json"]
 
 CLI_ROWS: dict[str, Cli] = {
@@ -174,6 +175,28 @@ CLI_ROWS: dict[str, Cli] = {
                               r".*--overwrite.*run\.old-<date>-<time>.*Nothing was changed"),
     "rundir-overwrite-and-resume": Cli(["train", "--run-dir", "{run}", "--resume", "--overwrite"], 2,
                                        r"--overwrite starts the run over and --resume continues it"),
+    # ---- finetune: checked before the model is loaded ({tmp}/none is no model: loading it would fail) ----
+    "finetune-num-layers-zero": Cli([*FINETUNE, "--num-layers", "0"], 2,
+                                    r"num_layers must be -1 \(all blocks, as in mlx_lm\.lora\) or at least 1, got 0"),
+    "finetune-iters-zero": Cli([*FINETUNE, "--iters", "0"], 2, r"iters must be at least 1, got 0"),
+    "finetune-learning-rate-zero": Cli([*FINETUNE, "--learning-rate", "0"], 2, r"learning_rate must be"),
+    "finetune-epochs-zero": Cli([*FINETUNE, "--epochs", "0"], 2, r"epochs must be at least 1, got 0"),
+    "finetune-grad-accumulation-zero": Cli([*FINETUNE, "--grad-accumulation-steps", "0"], 2,
+                                           r"grad_accumulation_steps must be at least 1, got 0"),
+    "finetune-test-without-test-split": Cli([*FINETUNE, "--test"], 2,
+                                            r"--test evaluates on .*test\.jsonl, which does not exist"),
+    "finetune-into-a-run": Cli([*FINETUNE, "--run-dir", "{run}"], 2, r"already holds a run.*--overwrite"),
+    "finetune-resume-nothing": Cli([*FINETUNE, "--run-dir", "{tmp}/new", "--resume", "auto"], 4,
+                                   r"nothing to resume in .*new: no checkpoint in"),
+    "finetune-resume-auto-without-run-dir": Cli([*FINETUNE, "--resume", "auto"], 2, r"pass --run-dir"),
+    "finetune-fuse-into-the-base": Cli(["finetune", "--model", "{run}", "--data", "{run}", "--fuse", "{run}/fused"], 2,
+                                       r"--fuse .*fused is inside the base model's directory"),
+    # ---- export and optimize ----
+    "export-format-disagrees-with-suffix": Cli(["export", "--checkpoint", "{run}", "--format", "onnx",
+                                                "-o", "{tmp}/m.mlxfn"], 2,
+                                               r"--format onnx disagrees with -o .*m\.mlxfn, whose suffix \.mlxfn"),
+    "optimize-plan-does-not-fit": Cli(["optimize", "--model-size", "1e12", "--device-memory", "1GB"], 6,
+                                      r"the plan above does not fit the device memory"),
     # ---- checkpoints ----
     "ckpt-missing-path": Cli(["evaluate", "--checkpoint", "{tmp}/none/step-00000009"], 4, r"there is no checkpoint at"),
     "ckpt-not-a-checkpoint": Cli(["evaluate", "--checkpoint", "{tmp}"], 4, r"neither a checkpoint"),

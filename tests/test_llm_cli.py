@@ -99,3 +99,64 @@ def test_checkpoints_hold_the_adapters_and_a_checked_base_reference(setup, tmp_p
                  "--batch-size", "4", "--learning-rate", "1e-3", "--run-dir", str(run), "--resume", "auto"])
     err = capsys.readouterr().err
     assert code == 4 and "was trained on base model" in err and "needs the same base" in err
+
+
+def _flags(setup, run, *extra):
+    return ["finetune", "--model", str(setup / "base"), "--data", str(setup / "data"), "--iters", "2",
+            "--num-layers", "1", "--batch-size", "4", "--learning-rate", "1e-3", "--save-every", "1",
+            "--run-dir", str(run), *extra]
+
+
+def _snapshot(directory):
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_finetune_into_a_run_is_refused_and_overwrite_moves_it_aside(setup, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(_flags(setup, run)) == 0
+    before = _snapshot(run)
+    capsys.readouterr()
+    assert main(_flags(setup, run, "--learning-rate", "1e-2")) == 2
+    err = capsys.readouterr().err
+    assert f"{run} already holds a run" in err and "--overwrite" in err and "Traceback" not in err
+    assert _snapshot(run) == before
+    assert main(_flags(setup, run, "--overwrite", "--iters", "1")) == 0
+    (moved,) = tmp_path.glob("run.old-*")
+    assert _snapshot(moved) == before
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000001"]
+
+
+def test_finetune_resume_refuses_another_batch_size(setup, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(_flags(setup, run)) == 0
+    before = _snapshot(run)
+    capsys.readouterr()
+    assert main([*_flags(setup, run, "--resume", "auto"), "--batch-size", "2", "--iters", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "batch_size 4 -> 2: cannot change on resume" in err and "step-00000002" in err
+    assert _snapshot(run) == before
+
+
+def test_fuse_never_writes_into_the_base_model_directory(setup, tmp_path, capsys):
+    import shutil
+
+    base = tmp_path / "base"
+    shutil.copytree(setup / "base", base)
+    before = _snapshot(base)
+    for fuse in (base, base / "fused"):
+        flags = _flags(setup, tmp_path / f"run-{fuse.name}", "--fuse", str(fuse))
+        flags[flags.index("--model") + 1] = str(base)
+        assert main(flags) == 2
+        assert "is inside the base model's directory" in capsys.readouterr().err
+        assert _snapshot(base) == before and not (tmp_path / f"run-{fuse.name}").exists()
+
+
+def test_a_run_shorter_than_steps_per_report_still_reports(setup, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(_flags(setup, run, "--steps-per-report", "10")) == 0
+    out = capsys.readouterr().out
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    reports = [row for row in rows if row["kind"] == "train"]
+    assert [row["step"] for row in reports] == [2] and reports[0]["trained_tokens"] > 0
+    assert f"finetune: 2 steps, {int(reports[0]['trained_tokens']):,} trained tokens" in out
+    assert "finished at step 2" in (run / "train.log").read_text()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from mlx_train.errors import CheckpointError
+from mlx_train.errors import CheckpointError, ConfigError
 
 HELP = "export a checkpoint's model to ONNX, .mlxfn or safetensors (+ JSON description)"
 FORMATS = ("onnx", "mlxfn", "safetensors")
@@ -88,8 +88,19 @@ def export_checkpoint(checkpoint: str, output: str, format: str | None = None,
     return {**report, "checkpoint": path}
 
 
+def _check_suffix(output: str, format: str | None) -> None:
+    """Refuse ``--format X -o file.Y`` where ``.Y`` is another format's suffix: which one was meant is unclear."""
+    import os
+
+    suffix = os.path.splitext(output)[1].lstrip(".")
+    if format is not None and suffix in FORMATS and suffix != format:
+        raise ConfigError(f"--format {format} disagrees with -o {output}, whose suffix .{suffix} means the {suffix} "
+                          f"format: name the file *.{format}, or pass --format {suffix} (or leave --format out)")
+
+
 def main(args: argparse.Namespace) -> int:
     """Run ``mlx-train export`` from parsed arguments."""
+    _check_suffix(args.output, args.format)
     report = export_checkpoint(args.checkpoint, args.output, args.format, args.verify)
     size = report["bytes"] / 1024
     line = f"exported {report['checkpoint']} to {report['path']} ({report['format']}, {size:.1f} KiB)"

@@ -1,7 +1,9 @@
 """Fine-tune a language model (LoRA, DoRA or full) on jsonl data, with mlx_lm.lora's flags.
 
 Flags and YAML keys are mlx_lm.lora's (-c/--config takes its YAML files as they are), plus
---epochs, --pack, --resume, --run-dir, --quantized and --fuse. Adapters are written in mlx-lm's
+--epochs, --pack, --resume, --run-dir, --overwrite, --quantized and --fuse. A --run-dir that
+holds a run is continued with --resume auto, or moved aside first with --overwrite; --fuse never
+writes into the base model's directory. Adapters are written in mlx-lm's
 format, so `mlx_lm.generate --model BASE --adapter-path RUN_DIR/adapters` uses them. The run
 directory gets metrics.jsonl, train.log and resumable checkpoints.
 
@@ -35,7 +37,7 @@ FLAGS = {
     "--run-dir": "run_dir", "--resume": "resume",
 }
 SWITCHES = {"--mask-prompt": "mask_prompt", "--test": "test", "--grad-checkpoint": "grad_checkpoint",
-            "--pack": "pack", "--quantized": "quantized"}
+            "--pack": "pack", "--quantized": "quantized", "--overwrite": "overwrite"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -65,12 +67,34 @@ def build_config(args: argparse.Namespace):
     return dataclasses.replace(cfg, **given)
 
 
+def _check_fuse_target(model: str | None, fuse: str) -> None:
+    """Refuse a --fuse directory that is, or is inside, the base model's directory: the fused weights would
+    replace the base ones, whose sha256 the run's checkpoints pin, so the run could never be resumed."""
+    import os
+
+    from mlx_train.errors import ConfigError
+
+    if not model or not os.path.exists(model):  # a Hugging Face repo id: mlx-lm's cache, not a place we write
+        return
+    base = os.path.realpath(model if os.path.isdir(model) else os.path.dirname(os.path.abspath(model)))
+    target = os.path.realpath(fuse)
+    if target == base or target.startswith(base + os.sep):
+        raise ConfigError(f"--fuse {fuse} is inside the base model's directory {base}: the fused weights would "
+                          "overwrite the base that the run's checkpoints were trained on; give --fuse a new directory")
+
+
 def main(args: argparse.Namespace) -> int:
     """Run ``mlx-train finetune``; prints a summary with the validation perplexity."""
-    from mlx_train.llm.finetune import finetune, fuse_model
+    from mlx_train.errors import CheckpointError
+    from mlx_train.llm.finetune import finetune, fuse_model, resume_checkpoint
     from mlx_train.llm.models import is_quantized
 
     cfg = build_config(args)
+    if args.fuse:
+        _check_fuse_target(cfg.model, args.fuse)
+    if cfg.resume and resume_checkpoint(cfg) is None:  # from Python, "auto" may start a run; here it must continue one
+        raise CheckpointError(f"there is nothing to resume in {cfg.run_dir}: no checkpoint in "
+                              f"{cfg.path_in_run('checkpoints')}; start a new run without --resume")
     result = finetune(cfg)
     trainer = result["trainer"]
     lines = [f"finetune: {trainer.step} steps, {result['trained_tokens']:,} trained tokens"]

@@ -104,7 +104,7 @@ def optimized_config(config: Any, batch_size: int | None = None, log: Callable[[
 def main(args: argparse.Namespace) -> int:
     """Run ``mlx-train optimize`` from parsed arguments."""
     from mlx_train.cli.flags import build_config
-    from mlx_train.errors import ConfigError
+    from mlx_train.errors import ConfigError, OutOfMemoryError
 
     if args.devices < 1:
         raise ConfigError(f"--devices must be at least 1, got {args.devices}")
@@ -124,7 +124,9 @@ def main(args: argparse.Namespace) -> int:
                               "own sequences (set dataset_options.block_size to change them)")
         plan = plan_for_config(config, args.devices, memory, log=print)
     print(plan)
-    if plan.fits:
-        settings = " ".join(f"--set {k}={v}" for k, v in plan.to_config().items())
-        print(f"to train with it: mlx-train train ... {settings}   (or: mlx-train train ... --optimize-memory)")
+    if not plan.fits:  # a script must be able to tell: the plan is printed, and the exit code says it fails
+        raise OutOfMemoryError("the plan above does not fit the device memory; lower --batch-size, give more "
+                               "--device-memory or --devices, or train a smaller model")
+    settings = " ".join(f"--set {k}={v}" for k, v in plan.to_config().items())
+    print(f"to train with it: mlx-train train ... {settings}   (or: mlx-train train ... --optimize-memory)")
     return 0

@@ -225,11 +225,14 @@ def resolve_config(args: argparse.Namespace, log: Callable[[str], None] = print)
             raise ConfigError("--optimize-memory cannot go with --resume: its plan changes batch_size and "
                               "gradient_accumulation, which a resumed run keeps (out of memory, the Trainer "
                               "halves the micro-batch itself); resume without it, or start a new run with it")
+        from mlx_train.distributed.rank import supervised
+
         run_dir = choose_run_dir(config, args.resume)
-        saved, source = saved_config(run_dir, config.checkpoint_dir, args.resume)
-        config, notes = resume_config(args, saved, source, str(run_dir))
-        log(f"resuming {run_dir} with the configuration of {source}"
-            + (f", changed: {'; '.join(notes)}" if notes else ""))
+        found = saved_config(run_dir, config.checkpoint_dir, args.resume, required=not supervised())
+        if found is not None:  # else a group restarted before it saved anything: its --config is the run's
+            config, notes = resume_config(args, found[0], found[1], str(run_dir))
+            log(f"resuming {run_dir} with the configuration of {found[1]}"
+                + (f", changed: {'; '.join(notes)}" if notes else ""))
     if args.optimize_memory:
         from mlx_train.cli.optimize import optimized_config
 
@@ -237,10 +240,11 @@ def resolve_config(args: argparse.Namespace, log: Callable[[str], None] = print)
     return config.replace(run_dir=str(choose_run_dir(config, args.resume)))
 
 
-def saved_config(run_dir: Path, checkpoint_dir: str | None, resume: str) -> tuple[Any, str]:
+def saved_config(run_dir: Path, checkpoint_dir: str | None, resume: str,
+                 required: bool = True) -> tuple[Any, str] | None:
     """``(config, where it was read)`` of the run a ``--resume`` continues: the configuration its checkpoint
     recorded (the source of truth), or the run's config.yaml when it stopped before its first checkpoint.
-    Neither is an error: a resume never falls back to the defaults.
+    Neither is an error (None when not ``required``): a resume never falls back to the defaults.
 
     Example: ``saved_config(Path("runs/a"), None, "auto")`` is
     ``(TrainConfig(...), "runs/a/checkpoints/step-00000400")``.
@@ -258,6 +262,8 @@ def saved_config(run_dir: Path, checkpoint_dir: str | None, resume: str) -> tupl
     config_path = run_dir / rundir.CONFIG_FILE
     if config_path.is_file():
         return TrainConfig.from_yaml(config_path), str(config_path)
+    if not required:
+        return None
     if path is not None:
         raise CheckpointError(f"checkpoint {path} holds no training config and {config_path} does not exist, so "
                               "the run's settings are unknown; resume it from Python with Trainer.train(resume=...)")

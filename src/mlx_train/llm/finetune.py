@@ -39,7 +39,7 @@ class FineTuneConfig:
                                  ".gguf file.")
     data: str | None = _f(None, "Directory with train.jsonl/valid.jsonl/test.jsonl, or a Hugging Face dataset name.")
     fine_tune_type: str = _f("lora", "lora, dora or full.")
-    num_layers: int = _f(16, "Blocks to fine-tune, counted from the last (-1: all).")
+    num_layers: int = _f(16, "Blocks to fine-tune, counted from the last (-1: all; 0 is refused).")
     lora_parameters: dict = _f({"rank": 8, "scale": 20.0, "dropout": 0.0}, "LoRA rank, scale, dropout and keys.")
     batch_size: int = _f(4, "Rows per optimizer step (split into grad_accumulation_steps micro-batches).")
     iters: int | None = _f(None, "Optimizer steps to train for (null: train for epochs).")
@@ -63,6 +63,8 @@ class FineTuneConfig:
     seed: int = _f(0, "Seed of adapter initialisation, dropout and data order.")
     run_dir: str | None = _f(None, "Run directory: metrics.jsonl, train.log, checkpoints/, adapters/.")
     resume: str | None = _f(None, "Resume from 'auto' (the newest checkpoint in run_dir) or a checkpoint path.")
+    overwrite: bool = _f(False, "Start over in a run_dir that holds a run: the old run is moved aside to "
+                         "RUN_DIR.old-<date>-<time> (without it such a start is refused).")
     quantized: bool | None = _f(None, "Keep a quantized base quantized (QLoRA). Default: keep it on a GPU, "
                                 "dequantize to float32 on a CPU (quantized matmuls are slow there).")
     num_workers: int = _f(1, "Background threads that prepare batches.")
@@ -120,6 +122,8 @@ class TokenCounter(Callback):
 
     def on_fit_end(self, trainer, history: dict) -> None:
         self.trained_tokens = trainer.state.trained_items
+        # The final report line, also in train.log: a run shorter than steps_per_report has no other.
+        trainer.log(f"finished at step {trainer.step}: {int(self.trained_tokens):,} trained tokens")
 
 
 class AdapterWriter(Callback):
@@ -146,6 +150,10 @@ def _train_config(cfg: FineTuneConfig, steps_per_epoch: int) -> Any:
 
     if cfg.iters is not None and cfg.iters < 1:
         raise ConfigError(f"iters must be at least 1, got {cfg.iters}")
+    if cfg.num_layers == 0 or cfg.num_layers < -1:
+        raise ConfigError(f"num_layers must be -1 (all blocks, as in mlx_lm.lora) or at least 1, got {cfg.num_layers}")
+    # A run shorter than steps_per_report reports at its last step (mlx_lm.lora reports at the last iteration).
+    report_every = min(cfg.steps_per_report, cfg.iters) if cfg.iters else cfg.steps_per_report
     epochs = math.ceil(cfg.iters / steps_per_epoch) if cfg.iters else cfg.epochs
     schedule: dict[str, Any] = {}
     if cfg.lr_schedule:
@@ -153,6 +161,8 @@ def _train_config(cfg: FineTuneConfig, steps_per_epoch: int) -> Any:
         schedule = {"lr_schedule": cfg.lr_schedule["name"], "lr_schedule_args": args[1:],
                     "warmup_steps": int(cfg.lr_schedule.get("warmup", 0)),
                     "warmup_init": float(cfg.lr_schedule.get("warmup_init", 0.0))}
+    if cfg.grad_accumulation_steps < 1:
+        raise ConfigError(f"grad_accumulation_steps must be at least 1, got {cfg.grad_accumulation_steps}")
     if cfg.batch_size % cfg.grad_accumulation_steps:
         raise ConfigError(f"batch_size {cfg.batch_size} is not a multiple of grad_accumulation_steps "
                           f"{cfg.grad_accumulation_steps}")
@@ -160,11 +170,71 @@ def _train_config(cfg: FineTuneConfig, steps_per_epoch: int) -> Any:
         epochs=epochs, max_steps=cfg.iters, batch_size=cfg.batch_size // cfg.grad_accumulation_steps,
         gradient_accumulation=cfg.grad_accumulation_steps, learning_rate=cfg.learning_rate,
         optimizer=cfg.optimizer, seed=cfg.seed,
-        report_every=f"{cfg.steps_per_report} steps", eval_every=f"{cfg.steps_per_eval} steps",
+        report_every=f"{report_every} steps", eval_every=f"{cfg.steps_per_eval} steps",
         checkpoint_every=f"{cfg.save_every} steps", run_dir=cfg.run_dir,
         checkpoint_dir=os.path.join(cfg.run_dir, "checkpoints") if cfg.run_dir else None,
         gradient_checkpointing=cfg.grad_checkpoint, num_workers=cfg.num_workers,
         eval_batch_size=cfg.batch_size, **schedule)
+
+
+def check_before_loading(cfg: FineTuneConfig, log: Any = print) -> None:
+    """What can be checked without the (slow) model load: every setting's range, --test's split, the run
+    directory (a new run into one that holds a run is refused, or moved aside with ``overwrite``) and what a
+    resume continues (its batch size and seed cannot change).
+
+    Example: ``check_before_loading(FineTuneConfig(model="base", data="data", iters=0))`` raises ConfigError.
+    """
+    from mlx_train.checkpointing import CheckpointManager
+    from mlx_train.training.resume import make_room
+
+    new = _train_config(cfg, 1)  # a TrainConfig checks learning_rate, epochs, ... as train's flags are checked
+    if cfg.test and cfg.data and os.path.isdir(cfg.data) and not os.path.isfile(os.path.join(cfg.data, "test.jsonl")):
+        raise ConfigError(f"--test evaluates on {os.path.join(cfg.data, 'test.jsonl')}, which does not exist; add "
+                          "it, or leave --test out")
+    if cfg.overwrite and cfg.resume:
+        raise ConfigError("--overwrite starts the run over and --resume continues it: give one of them")
+    if cfg.resume:
+        _check_resume(cfg)
+    elif cfg.run_dir:
+        make_room(CheckpointManager(new.checkpoint_dir, keep_last=None, async_save=False), cfg.run_dir,
+                  cfg.overwrite, log)
+
+
+def resume_checkpoint(cfg: FineTuneConfig) -> str | None:
+    """The checkpoint ``cfg.resume`` continues: a checked path, or None for "auto" before the first checkpoint
+    (the run then starts from scratch, as ``Trainer.train(resume="auto")`` does).
+
+    Example: ``resume_checkpoint(FineTuneConfig(run_dir="runs/a", resume="auto"))`` -> ``"runs/a/checkpoints/step-..."``
+    """
+    from mlx_train.checkpointing import CheckpointManager
+
+    if cfg.run_dir:
+        directory = os.path.join(cfg.run_dir, "checkpoints")
+    elif cfg.resume == "auto":
+        raise ConfigError("--resume auto looks in RUN_DIR/checkpoints: pass --run-dir, or a checkpoint path")
+    else:
+        directory = os.path.dirname(str(cfg.resume)) or "."
+    return CheckpointManager(directory, keep_last=None, async_save=False).resolve(cfg.resume)
+
+
+def _check_resume(cfg: FineTuneConfig) -> None:
+    """Refuse a resume with a batch size or seed other than its checkpoint's (the data order and the position
+    in the epoch are restored from it, counted in its batches)."""
+    from mlx_train.checkpointing import load_checkpoint
+
+    path = resume_checkpoint(cfg)
+    if path is None:
+        return
+    saved = load_checkpoint(path, groups=[])[1].get("config") or {}
+    was = {"batch_size": saved.get("batch_size", 0) * saved.get("gradient_accumulation", 1),
+           "grad_accumulation_steps": saved.get("gradient_accumulation"), "seed": saved.get("seed")}
+    now = {"batch_size": cfg.batch_size, "grad_accumulation_steps": cfg.grad_accumulation_steps, "seed": cfg.seed}
+    changed = [name for name in was if saved and was[name] != now[name]]
+    if changed:
+        settings = ", ".join(f"{name} {was[name]} -> {now[name]}" for name in changed)
+        raise ConfigError(f"{settings}: cannot change on resume (the data order and the position in the epoch are "
+                          f"restored from {path}, counted in its batches and drawn with its seed). To resume, give "
+                          "the run's own values; to train with others, start a new run without --resume")
 
 
 def prepare(cfg: FineTuneConfig, log: Any = print) -> dict[str, Any]:
@@ -218,8 +288,11 @@ def finetune(cfg: FineTuneConfig, callbacks: list | None = None) -> dict[str, An
     from mlx_train.training import Trainer
 
     log = print
+    check_before_loading(cfg, log)
     parts = prepare(cfg, log)
     model, splits = parts["model"], parts["splits"]
+    if cfg.test and "test" not in splits:  # an empty test.jsonl, or a dataset without a test split
+        raise ConfigError(f"--test: {cfg.data} has no test records to evaluate on; add some, or leave --test out")
     train_rows, valid_rows = splits["train"], splits.get("valid")
     loader = data.make_loader(train_rows, cfg.batch_size, seed=cfg.seed, num_workers=cfg.num_workers)
     trainer = Trainer(model, loss_fn=loss.lm_loss, config=_train_config(cfg, len(loader)))
@@ -243,7 +316,7 @@ def finetune(cfg: FineTuneConfig, callbacks: list | None = None) -> dict[str, An
     if val is not None:
         result["val_loss"] = trainer.evaluate(val)["loss"]
         result["val_perplexity"] = math.exp(min(result["val_loss"], 50))
-    if cfg.test and "test" in splits:
+    if cfg.test:
         result["test_loss"] = trainer.evaluate(splits["test"].head(cfg.test_batches * cfg.batch_size).samples())["loss"]
         result["test_perplexity"] = math.exp(min(result["test_loss"], 50))
     return result
