@@ -185,6 +185,8 @@ CLI_ROWS: dict[str, Cli] = {
                                            r"grad_accumulation_steps must be at least 1, got 0"),
     "finetune-test-without-test-split": Cli([*FINETUNE, "--test"], 2,
                                             r"--test evaluates on .*test\.jsonl, which does not exist"),
+    "finetune-run-dir-is-a-file": Cli([*FINETUNE, "--run-dir", "{tmp}/f"], 2, r"run directory .*f is a file",
+                                      {"f": "x"}),
     "finetune-into-a-run": Cli([*FINETUNE, "--run-dir", "{run}"], 2, r"already holds a run.*--overwrite"),
     "finetune-resume-nothing": Cli([*FINETUNE, "--run-dir", "{tmp}/new", "--resume", "auto"], 4,
                                    r"nothing to resume in .*new: no checkpoint in"),

@@ -308,3 +308,20 @@ def test_resume_with_nothing_to_resume_is_an_error_not_a_new_run(tmp_path, capsy
     err = _clean(capsys.readouterr())
     assert f"there is nothing to resume in {tmp_path / 'none'}" in err
     assert not (tmp_path / "none").exists()
+
+
+def test_a_config_yaml_that_cannot_be_written_is_one_line(tmp_path, capsys):
+    (tmp_path / "r" / "config.yaml").mkdir(parents=True)  # in the way of the file
+    assert main(["train", "--run-dir", str(tmp_path / "r"), "--max-steps", "1", *TINY]) == 2
+    err = _clean(capsys.readouterr())
+    assert f"cannot write {tmp_path / 'r' / 'config.yaml'}: Is a directory; make room for that file" in err
+
+
+def test_a_supervised_restart_before_anything_was_saved_starts_from_its_config(tmp_path, monkeypatch):
+    from mlx_train.distributed.rank import ENV_STATE_DIR
+
+    monkeypatch.setenv(ENV_STATE_DIR, str(tmp_path / "r" / "distributed"))  # the supervisor's --resume auto
+    args = build_parser("train").parse_args(["train", "--run-dir", str(tmp_path / "r"), "--resume", "auto",
+                                             "--seed", "7"])
+    config = train_command.resolve_config(args)
+    assert (config.seed, config.run_dir) == (7, str(tmp_path / "r"))

@@ -159,7 +159,11 @@ def write_config(run_dir: str | os.PathLike[str], config: Any) -> Path:
     Example: ``write_config("runs/a", trainer.config)``
     """
     path = Path(run_dir) / CONFIG_FILE
-    atomic_write(path, config.yaml_text())
+    try:
+        atomic_write(path, config.yaml_text())
+    except OSError as error:
+        raise ConfigError(f"cannot write {path}: {error.strerror or error}; make room for that file (or fix the "
+                          "permissions of its directory), or choose another run directory") from None
     return path
 
 

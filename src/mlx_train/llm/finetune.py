@@ -191,6 +191,9 @@ def check_before_loading(cfg: FineTuneConfig, log: Any = print) -> None:
     if cfg.test and cfg.data and os.path.isdir(cfg.data) and not os.path.isfile(os.path.join(cfg.data, "test.jsonl")):
         raise ConfigError(f"--test evaluates on {os.path.join(cfg.data, 'test.jsonl')}, which does not exist; add "
                           "it, or leave --test out")
+    if cfg.run_dir and os.path.exists(cfg.run_dir) and not os.path.isdir(cfg.run_dir):
+        raise ConfigError(f"the run directory {cfg.run_dir} is a file, not a directory; pass --run-dir a directory "
+                          "that can be written (it is created if missing)")
     if cfg.overwrite and cfg.resume:
         raise ConfigError("--overwrite starts the run over and --resume continues it: give one of them")
     if cfg.resume:
