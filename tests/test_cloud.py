@@ -316,3 +316,18 @@ def test_a_missing_bucket_is_found_before_training(store):
         trainer.train(_data(), epochs=1, checkpoint_dir=missing)
     assert trainer.step == 0
 
+
+@pytest.mark.slow
+def test_evaluate_and_export_follow_a_run_whose_checkpoints_are_on_object_storage(store, tmp_path, capsys):
+    from mlx_train.cli.main import main
+
+    url, _, _ = store
+    run = tmp_path / "run"
+    tiny = ["--set", "model_options.hidden_dims=[16]", "--set", "checkpoint_every=2"]
+    assert main(["train", "--max-steps", "4", *tiny, "--set", f"checkpoint_dir={url}", "--run-dir", str(run)]) == 0
+    assert not (run / "checkpoints").exists()
+    capsys.readouterr()
+    for where in (str(run), url):
+        assert main(["evaluate", "--checkpoint", where]) == 0, capsys.readouterr().err
+        assert main(["export", "--checkpoint", where, "-o", str(tmp_path / "model.safetensors")]) == 0
+        assert f"exported {url}/step-00000004 to " in capsys.readouterr().out
