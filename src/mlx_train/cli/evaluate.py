@@ -2,8 +2,9 @@
 
 The checkpoint's trainer_state.json holds the TrainConfig it trained with; the
 dataset and model are rebuilt from it and the saved weights loaded. --checkpoint
-may also name a run directory or its checkpoints/ directory: the newest
-complete checkpoint there is used.
+may also name a run directory (whose checkpoints are where its config.yaml's
+checkpoint_dir says, an s3:// or gs:// URL included) or a directory or URL of
+checkpoints: the newest complete checkpoint there is used.
 
 Example::
 
@@ -28,8 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``evaluate`` flags."""
     parser.add_argument(
         "--checkpoint", required=True, metavar="PATH",
-        help="a checkpoint directory (step-NNNNNNNN), or a run / checkpoints directory "
-        "(its newest complete checkpoint is used)",
+        help="a checkpoint directory or URL (step-NNNNNNNN), or a run / checkpoints directory or URL "
+        "(its newest complete checkpoint is used; a run's checkpoint_dir is followed)",
     )
     parser.add_argument(
         "--dataset-split", choices=SPLITS, default="test",
