@@ -301,6 +301,17 @@ def test_no_complete_checkpoint_left_says_start_without_resume(tmp_path):
         load_checkpoint(str(tmp_path / "step-00000100"))
 
 
+def test_a_step_directory_without_its_manifest_was_never_committed(tmp_path):
+    saved(tmp_path, [(100, 0.5)])
+    os.remove(tmp_path / "step-00000100" / "manifest.json")  # a directory left half-written (a copy cut short)
+    manager = CheckpointManager(str(tmp_path), keep_last=1, async_save=False)
+    with pytest.warns(CheckpointWarning, match=r"step-00000100 is missing manifest\.json .*; skipped it$"):
+        assert manager.resolve("auto") is None
+    assert not manager.has_step_directories()  # nothing was committed: a resume starts over, it does not refuse
+    manager.save(200, small(200), {"step": 200})
+    assert sorted(os.listdir(tmp_path)) == ["step-00000200"]  # the uncommitted one is cleaned up by the next save
+
+
 def test_resolve_accepts_auto_names_and_run_directories(tmp_path):
     empty = CheckpointManager(str(tmp_path / "empty"))
     assert empty.resolve(None) is None and empty.resolve("auto") is None

@@ -251,3 +251,83 @@ def test_publish_to_a_local_directory_and_bad_arguments(tmp_path):
         publish(model, str(tmp_path / "x"), formats=("tflite",))
     with pytest.raises(ConfigError, match=r"publishing an onnx or mlxfn export needs example_inputs"):
         publish(model, str(tmp_path / "x"), formats=("onnx",))
+
+
+def _kill_during(url, env, pause_after, step=200):
+    """Start one save of ``step`` in a child process and SIGKILL it at the writer's pause point."""
+    child_env = {**os.environ, **env, "MLX_TRAIN_SAVE_PAUSE_AFTER": pause_after,
+                 "PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "src"), os.environ.get("PYTHONPATH", "")])}
+    child = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "helpers_checkpoint_kill.py"), url,
+                              str(step)], env=child_env, stderr=subprocess.PIPE, text=True)
+    seen = []
+    for line in child.stderr:
+        seen.append(line)
+        if "save paused after " + pause_after in line:
+            break
+    assert child.poll() is None, "".join(seen)
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    child.stderr.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_first_save_killed_during_its_upload_lets_the_run_start_over(store):
+    url, env, fs = store
+    _kill_during(url, env, "files moved")  # the data files are in step-00000200/, its manifest is not
+    assert listing(fs, f"{url}/step-00000200") == ["model.safetensors", "optimizer.safetensors", "trainer_state.json"]
+
+    straight = _trainer()
+    straight.train(_data(), epochs=1)
+    again = _trainer()
+    with pytest.warns(CheckpointWarning, match=r"step-00000200 is missing manifest\.json"):
+        again.train(_data(), epochs=1, checkpoint_dir=url, resume="auto")  # was: "nothing to resume from"
+    for (name, a), (_, b) in zip(tree_flatten(straight.model.parameters()), tree_flatten(again.model.parameters()),
+                                 strict=True):
+        assert mx.array_equal(a, b), name
+    assert listing(fs, url) == ["step-00000004"]  # the uncommitted upload is cleaned up by the next save
+
+
+def test_a_bucket_deleted_during_the_run_is_an_error_and_never_recreated(store):
+    url, _, fs = store
+    bucket = "vanishing-" + uuid.uuid4().hex[:8]
+    fs.mkdir(bucket)
+    url = url.replace(BUCKET, bucket)
+    manager = CheckpointManager(url, async_save=False)
+    manager.save(1, arrays_for(1), {"step": 1})
+    fs.rm(bucket, recursive=True)
+    fs.invalidate_cache()
+    assert not fs.exists(bucket)
+    with pytest.raises(CheckpointError, match=rf"saving checkpoint {url}/step-00000002 failed: the bucket '{bucket}' "
+                       r"no longer exists .*; it was deleted during the run, and every checkpoint saved in .* went "
+                       r"with it\. mlx-train never creates buckets: re-create the bucket"):
+        manager.save(2, arrays_for(2), {"step": 2})
+    fs.invalidate_cache()
+    assert not fs.exists(bucket)
+
+
+def test_a_missing_bucket_is_found_before_training(store):
+    url, _, _ = store
+    missing = url.replace(BUCKET, "no-such-bucket-" + uuid.uuid4().hex[:6])
+    trainer = _trainer()
+    with pytest.raises(CheckpointError, match=r"checkpoint_dir .*no-such-bucket-.* cannot be used \(BucketMissing: "
+                       r"the bucket '.*' does not exist\); mlx-train never creates buckets: create it first.* nothing "
+                       r"was trained yet"):
+        trainer.train(_data(), epochs=1, checkpoint_dir=missing)
+    assert trainer.step == 0
+
+
+@pytest.mark.slow
+def test_evaluate_and_export_follow_a_run_whose_checkpoints_are_on_object_storage(store, tmp_path, capsys):
+    from mlx_train.cli.main import main
+
+    url, _, _ = store
+    run = tmp_path / "run"
+    tiny = ["--set", "model_options.hidden_dims=[16]", "--set", "checkpoint_every=2"]
+    assert main(["train", "--max-steps", "4", *tiny, "--set", f"checkpoint_dir={url}", "--run-dir", str(run)]) == 0
+    assert not (run / "checkpoints").exists()
+    capsys.readouterr()
+    for where in (str(run), url):
+        assert main(["evaluate", "--checkpoint", where]) == 0, capsys.readouterr().err
+        assert main(["export", "--checkpoint", where, "-o", str(tmp_path / "model.safetensors")]) == 0
+        assert f"exported {url}/step-00000004 to " in capsys.readouterr().out

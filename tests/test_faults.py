@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from mlx_train.checkpointing import CheckpointManager
+from mlx_train.checkpointing import CheckpointManager, CheckpointWarning
 from mlx_train.checkpointing.lock import LOCK_FILE, RunLock
 from mlx_train.errors import CheckpointError, DataError, NonFiniteError, OutOfMemoryError
 from mlx_train.training import Callback, EarlyStopping, ModelCheckpoint, Trainer
@@ -236,6 +236,68 @@ def test_a_read_only_or_file_directory_is_refused_before_training(tmp_path):
             RunLock(str(ro)).acquire()
 
 
+@pytest.fixture
+def freeze(tmp_path):
+    """A function that makes a directory refuse new and removed entries, also for root (who ignores chmod:
+    ``chattr +i`` instead); undone after the test."""
+    frozen = []
+    root = os.geteuid() == 0
+    if root:
+        probe = tmp_path / "probe"
+        probe.mkdir()
+        if subprocess.run(["chattr", "+i", str(probe)], capture_output=True).returncode != 0:
+            pytest.skip("root ignores permissions and chattr +i is unavailable here: no unwritable directory")
+        subprocess.run(["chattr", "-i", str(probe)], check=True)
+
+    def make_unwritable(path):
+        if root:
+            subprocess.run(["chattr", "+i", str(path)], check=True)
+        else:
+            os.chmod(path, 0o500)
+        frozen.append(path)
+
+    yield make_unwritable
+    for path in frozen:
+        if root:
+            subprocess.run(["chattr", "-i", str(path)], check=True)
+        else:
+            os.chmod(path, 0o700)
+
+
+class _FreezeAt(Callback):
+    def __init__(self, freeze, path, step=None):
+        self.freeze, self.path, self.step = freeze, path, step
+
+    def on_batch_end(self, trainer, step):
+        if step == self.step:
+            self.freeze(self.path)
+
+    def on_fit_end(self, trainer, history):
+        if self.step is None:
+            self.freeze(self.path)
+
+
+def test_a_checkpoint_directory_that_becomes_unwritable_reports_the_save_error(tmp_path, freeze):
+    checkpoints = tmp_path / "ck"
+    trainer = Trainer(_mlp(), optim.SGD(0.1), batch_size=8, num_workers=0, checkpoint_every="4 steps")
+    with pytest.warns(UserWarning, match=r"could not remove the lock .*ck/\.mlx-train\.lock"):
+        with pytest.raises(CheckpointError, match=r"saving checkpoint .*ck/step-00000004 failed \(PermissionError: "
+                           r".*\); earlier checkpoints are untouched: .*ck is not writable \(any more\): fix its "
+                           r"permissions"):
+            trainer.train((np.zeros((64, 4), np.float32), np.zeros(64, np.int32)), epochs=1,
+                          checkpoint_dir=str(checkpoints), callbacks=[_FreezeAt(freeze, checkpoints, step=2)])
+
+
+def test_a_run_directory_that_becomes_unwritable_only_warns_at_the_end(tmp_path, freeze):
+    run = tmp_path / "run"
+    trainer = Trainer(_mlp(), optim.SGD(0.1), batch_size=8, num_workers=0, run_dir=str(run))
+    data = (np.zeros((64, 4), np.float32), np.zeros(64, np.int32))
+    with pytest.warns(UserWarning, match=r"could not remove the lock .*run/\.mlx-train\.lock"):
+        history = trainer.train(data, epochs=1, checkpoint_dir=str(tmp_path / "ck"),
+                                callbacks=[_FreezeAt(freeze, run)])
+    assert len(history["train_loss"]) == 1 and "loss" in trainer.evaluate(data)  # the run's result stands
+
+
 # -- failed and damaged checkpoints -----------------------------------------------------------
 
 def test_a_failed_background_save_stops_training_at_once(tmp_path, monkeypatch):
@@ -302,6 +364,22 @@ def test_resume_refuses_when_every_checkpoint_is_damaged(tmp_path):
             trainer.train((np.zeros((64, 4), np.float32), np.zeros(64, np.int32)), epochs=1,
                           checkpoint_dir=str(tmp_path), resume="auto")
     assert sorted(p for p in os.listdir(tmp_path) if p.startswith("step-")) == names
+
+
+def test_resume_starts_over_when_no_checkpoint_was_ever_committed(tmp_path):
+    names = _trained_checkpoints(tmp_path, steps=2)
+    for name in names:
+        os.remove(tmp_path / name / "manifest.json")  # what a kill during the first uploads leaves
+    data = (np.zeros((64, 4), np.float32), np.zeros(64, np.int32))
+    trainer = Trainer(_mlp(), optim.SGD(0.1), batch_size=8, num_workers=0, max_steps=3)
+    with pytest.warns(CheckpointWarning, match="is missing manifest.json"):
+        trainer.train(data, epochs=1, checkpoint_dir=str(tmp_path), resume="auto")
+    fresh = Trainer(_mlp(), optim.SGD(0.1), batch_size=8, num_workers=0, max_steps=3)
+    fresh.train(data, epochs=1)
+    for (name, a), (_, b) in zip(tree_flatten(trainer.model.parameters()), tree_flatten(fresh.model.parameters()),
+                                 strict=True):
+        assert mx.array_equal(a, b), name
+    assert sorted(p for p in os.listdir(tmp_path) if p.startswith("step-")) == ["step-00000003"]
 
 
 # -- class labels ------------------------------------------------------------------------------

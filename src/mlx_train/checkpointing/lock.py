@@ -4,7 +4,8 @@
 exclusive create. A second process on the same directory is refused with a message naming the
 holder; the lock of a process that is gone (same host, pid not running) is taken over with a
 warning. Creating the file also proves the directory is writable, before any training. Remote
-(fsspec URL) directories are not locked: object stores have no exclusive create.
+(fsspec URL) directories are not locked: object stores have no exclusive create; acquiring
+checks instead that their bucket exists, before any training. Failing to release only warns.
 
 Example::
 
@@ -22,6 +23,8 @@ import warnings
 from typing import Any
 
 from mlx_train import processes
+from mlx_train.checkpointing.manager import storage_error_hint
+from mlx_train.checkpointing.storage import BucketMissing, check_location
 from mlx_train.errors import CheckpointError
 
 LOCK_FILE = ".mlx-train.lock"
@@ -42,6 +45,7 @@ class RunLock:
 
     def acquire(self) -> RunLock:
         if "://" in self.directory:
+            self._check_remote()
             return self
         try:
             os.makedirs(self.directory, exist_ok=True)
@@ -67,6 +71,19 @@ class RunLock:
             self.held = True
             return self
         raise CheckpointError(f"could not take the lock {self.path}: another process keeps creating it")
+
+    def _check_remote(self) -> None:
+        # No lock on an object store, but its bucket must exist before any training, not at the first save.
+        try:
+            check_location(self.directory)
+        except CheckpointError:
+            raise  # already says what to install
+        except Exception as error:
+            hint = storage_error_hint(error) or "check the URL and the network"
+            if isinstance(error, BucketMissing):
+                hint = "mlx-train never creates buckets: create it first, or fix the bucket name in the URL"
+            raise CheckpointError(f"{self.what} {self.directory} cannot be used ({type(error).__name__}: {error}); "
+                                  f"{hint} — nothing was trained yet") from error
 
     def _take_over_if_stale(self) -> None:
         holder = self._holder()
@@ -106,9 +123,17 @@ class RunLock:
             pass
 
     def release(self) -> None:
-        if self.held and self._holder().get("pid") == os.getpid():
-            self._remove()
-        self.held = False
+        """Remove the lock file; failing to (the directory became unwritable or was replaced) only warns.
+
+        The run has ended by then: its own outcome (a finished run, or a save error) is what counts.
+        """
+        held, self.held = self.held, False
+        try:
+            if held and self._holder().get("pid") == os.getpid():
+                self._remove()
+        except OSError as error:
+            warnings.warn(f"could not remove the lock {self.path} ({error.strerror or error}); a later run "
+                          "takes it over, since this process will have ended", stacklevel=2)
 
     def __enter__(self) -> RunLock:
         return self.acquire()

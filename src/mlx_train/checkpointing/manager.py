@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import shutil
-import sys
 import threading
 import time
 import uuid
@@ -42,7 +40,15 @@ from mlx_train.checkpointing.format import (
     survey,
     validate_checkpoint,
 )
-from mlx_train.checkpointing.storage import MANIFEST, open_store, split_location
+from mlx_train.checkpointing.storage import (
+    MANIFEST,
+    BucketMissing,
+    FsspecStore,
+    LocalStore,
+    open_store,
+    split_location,
+)
+from mlx_train.checkpointing.storage import pause_point as _pause_point  # tests replace it here
 from mlx_train.config import metric_direction
 from mlx_train.errors import CheckpointError, ConfigError
 
@@ -60,16 +66,6 @@ class _Job:
     arrays: dict[str, dict[str, mx.array]]
     state_json: bytes
     metrics: dict[str, Any]
-
-
-def _pause_point(point: str, where: str) -> None:
-    # Test hook, not a feature: MLX_TRAIN_SAVE_PAUSE_AFTER=<file name, or "commit"> makes the writer
-    # announce itself on stderr and sleep right after writing that file (or after the final rename),
-    # so a test can SIGKILL the process half-way through a save. MLX_TRAIN_SAVE_PAUSE_SECONDS: how long.
-    if os.environ.get("MLX_TRAIN_SAVE_PAUSE_AFTER") != point:
-        return
-    print(f"mlx-train test hook: save paused after {point} in {where}", file=sys.stderr, flush=True)
-    time.sleep(float(os.environ.get("MLX_TRAIN_SAVE_PAUSE_SECONDS", "3600")))
 
 
 def storage_error_hint(error: BaseException) -> str:
@@ -91,10 +87,21 @@ def storage_error_hint(error: BaseException) -> str:
     return ""
 
 
+def _local_hint(error: BaseException, store: LocalStore) -> str:
+    if isinstance(error, PermissionError):
+        return f"{store.display} is not writable (any more): fix its permissions or choose another checkpoint_dir"
+    return ""
+
+
 def _exists(path: str) -> bool:
     parent, name = split_location(path)
     store = open_store(parent)
     return store.isdir(name) or store.size(name) is not None
+
+
+def _uncommitted(store: LocalStore | FsspecStore) -> list[str]:
+    """Step directories without a manifest: saves cut off before their commit, never checkpoints."""
+    return [name for name in scan(store)[0] if store.size(f"{name}/{MANIFEST}") is None and store.isdir(name)]
 
 
 def _plain(value: Any, where: str) -> Any:
@@ -227,8 +234,13 @@ class CheckpointManager:
             self.wait()
 
     def has_step_directories(self) -> bool:
-        """True when the directory holds any checkpoint directory, complete or not."""
-        return bool(scan(self._store)[0])
+        """True when the directory holds a committed checkpoint directory (one with a manifest), intact or not.
+
+        A step directory without its manifest was never committed (its save was interrupted): it
+        counts as absent, so a run whose first save was cut off can start over.
+        """
+        uncommitted = set(_uncommitted(self._store))
+        return any(name not in uncommitted for name in scan(self._store)[0])
 
     def close(self) -> None:
         """Wait for the pending save and stop the writer thread."""
@@ -266,7 +278,13 @@ class CheckpointManager:
                 self._inflight = None
         except Exception as error:
             self._discard(job.tmp)
-            hint = storage_error_hint(error) or "fix the cause (disk space, permissions, network)"
+            if isinstance(error, BucketMissing) and error.vanished:
+                raise CheckpointError(
+                    f"saving checkpoint {store.url(final)} failed: {error}; it was deleted during the run, and "
+                    f"every checkpoint saved in {store.display} went with it. mlx-train never creates buckets: "
+                    "re-create the bucket (or choose another checkpoint_dir) and train again") from error
+            hint = (storage_error_hint(error) if isinstance(store, FsspecStore) else _local_hint(error, store)) \
+                or "fix the cause (disk space, permissions, network)"
             raise CheckpointError(
                 f"saving checkpoint {store.url(final)} failed ({type(error).__name__}: {error}); earlier "
                 f"checkpoints are untouched: {hint}, and resume{_disk_full(self.directory, error)}"
@@ -291,8 +309,7 @@ class CheckpointManager:
 
     def _apply_retention(self) -> None:
         store = self._store
-        names, leftovers = scan(store)
-        for name in leftovers:  # from interrupted saves or deletions (one writer per directory)
+        for name in scan(store)[1] + _uncommitted(store):  # from interrupted saves or deletions (one writer)
             store.remove_tree(name)
         if self.keep_last is None:
             return

@@ -19,6 +19,8 @@ import hashlib
 import io
 import os
 import shutil
+import sys
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, cast
@@ -71,6 +73,19 @@ def open_store(location: str) -> LocalStore | FsspecStore:
             f"({error}): pip install 'mlx-train[{extra}]'"
         ) from None
     return FsspecStore(location, fs, root)
+
+
+def pause_point(point: str, where: str) -> None:
+    """Test hook, not a feature: sleep at ``point`` of a save so that a test can SIGKILL it there.
+
+    MLX_TRAIN_SAVE_PAUSE_AFTER=<file name, "files moved" or "commit"> makes the writer announce itself
+    on stderr and sleep right after writing that file, after an object store's commit moved the data
+    files but not yet the manifest, or after the final rename. MLX_TRAIN_SAVE_PAUSE_SECONDS: how long.
+    """
+    if os.environ.get("MLX_TRAIN_SAVE_PAUSE_AFTER") != point:
+        return
+    print(f"mlx-train test hook: save paused after {point} in {where}", file=sys.stderr, flush=True)
+    time.sleep(float(os.environ.get("MLX_TRAIN_SAVE_PAUSE_SECONDS", "3600")))
 
 
 def split_location(path: str) -> tuple[str, str]:
@@ -191,20 +206,46 @@ class LocalStore:
 _OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"}
 
 
-def check_bucket(fs: Any, root: str) -> None:
-    """Raise FileNotFoundError when ``root`` is on an object store whose bucket does not exist.
+class BucketMissing(FileNotFoundError):
+    """The bucket of an object-store checkpoint directory does not exist (``vanished``: it did earlier)."""
+
+    def __init__(self, bucket: str, vanished: bool = False) -> None:
+        what = "no longer exists (it did when this run first wrote there)" if vanished else "does not exist"
+        super().__init__(f"the bucket '{bucket}' {what}")
+        self.bucket, self.vanished = bucket, vanished
+
+
+def check_bucket(fs: Any, root: str, vanished: bool = False) -> None:
+    """Raise BucketMissing when ``root`` is on an object store whose bucket does not exist.
 
     s3fs and gcsfs create a missing bucket on ``makedirs``: a misspelt bucket name would
-    silently become a new bucket instead of an error.
+    silently become a new bucket instead of an error. One request (a HEAD or GET of the bucket).
+
+    Example::
+
+        check_bucket(fsspec.filesystem("s3"), "my-bucket/runs/a")   # BucketMissing if there is no my-bucket
     """
     protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
     bucket = root.strip("/").split("/", 1)[0]
     if not (protocols & _OBJECT_STORES and bucket):
         return
+    fs.invalidate_cache(bucket)  # a cached listing would answer for a bucket deleted since
     try:
         fs.info(bucket)  # unlike fs.exists, lets a refusal (bad credentials) through as itself
     except FileNotFoundError:
-        raise FileNotFoundError(f"the bucket '{bucket}' does not exist") from None
+        raise BucketMissing(bucket, vanished) from None
+
+
+def check_location(location: str) -> None:
+    """Raise when checkpoints cannot go to ``location`` at all (a URL whose bucket is missing): before training.
+
+    Example::
+
+        check_location("s3://no-such-bucket/runs/a")   # BucketMissing: the bucket 'no-such-bucket' does not exist
+    """
+    store = open_store(location)
+    if isinstance(store, FsspecStore):
+        check_bucket(store.fs, store.root)
 
 
 class FsspecStore:
@@ -214,7 +255,7 @@ class FsspecStore:
         self.display = display
         self.fs = fs
         self.root = root.rstrip("/")
-        self._bucket_checked = False
+        self._bucket_seen = False
 
     def url(self, rel: str) -> str:
         return _join(self.display, rel)
@@ -240,9 +281,9 @@ class FsspecStore:
             return None
 
     def makedirs(self, rel: str) -> None:
-        if not self._bucket_checked:
-            check_bucket(self.fs, self.root)
-            self._bucket_checked = True
+        # Before every save: the back-end would silently re-create a bucket deleted during the run.
+        check_bucket(self.fs, self.root, vanished=self._bucket_seen)
+        self._bucket_seen = True
         self.fs.makedirs(self._p(rel), exist_ok=True)
 
     def read_bytes(self, rel: str) -> bytes:
@@ -274,6 +315,8 @@ class FsspecStore:
         if self.fs.exists(self._p(f"{final}/{MANIFEST}")):
             self.fs.rm(self._p(f"{final}/{MANIFEST}"))  # un-commit the old one before overwriting it
         for name in sorted(files, key=lambda n: n == MANIFEST):
+            if name == MANIFEST:
+                pause_point("files moved", self.url(final))
             # copy + delete, which is what a move is on an object store: gcsfs's mv first tries GCS's
             # objects.moveTo call and, where that is refused, retries it for half a minute per file.
             self.fs.copy(self._p(f"{tmp}/{name}"), self._p(f"{final}/{name}"))

@@ -2,8 +2,9 @@
 
 The checkpoint's trainer_state.json holds the TrainConfig it trained with; the
 dataset and model are rebuilt from it and the saved weights loaded. --checkpoint
-may also name a run directory or its checkpoints/ directory: the newest
-complete checkpoint there is used.
+may also name a run directory (whose checkpoints are where its config.yaml's
+checkpoint_dir says, an s3:// or gs:// URL included) or a directory or URL of
+checkpoints: the newest complete checkpoint there is used.
 
 Example::
 
@@ -28,8 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``evaluate`` flags."""
     parser.add_argument(
         "--checkpoint", required=True, metavar="PATH",
-        help="a checkpoint directory (step-NNNNNNNN), or a run / checkpoints directory "
-        "(its newest complete checkpoint is used)",
+        help="a checkpoint directory or URL (step-NNNNNNNN), or a run / checkpoints directory or URL "
+        "(its newest complete checkpoint is used; a run's checkpoint_dir is followed)",
     )
     parser.add_argument(
         "--dataset-split", choices=SPLITS, default="test",
@@ -38,30 +39,58 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def resolve_checkpoint(path: str) -> str:
-    """A checkpoint directory for ``path``: itself, or the newest one under a run directory.
+    """A checkpoint for ``path``: itself, or the newest complete one of a run or checkpoints directory (or URL).
+
+    A run directory's checkpoints are where its config.yaml says (``checkpoint_dir``, which may be
+    an s3:// or gs:// URL), else its checkpoints/ folder.
 
     Example::
 
         resolve_checkpoint("runs/a")     # "runs/a/checkpoints/step-00000390"
     """
     from mlx_train.checkpointing import CheckpointManager
+    from mlx_train.checkpointing.format import STEP_DIR
+    from mlx_train.checkpointing.storage import MANIFEST, open_store, split_location
 
-    if "://" in path:
-        return path  # a URL: load_checkpoint reads and checks it
-    local = Path(path)
     how = "pass a checkpoint (RUN_DIR/checkpoints/step-NNNNNNNN) or a run directory"
-    if not local.exists():
-        raise CheckpointError(f"there is no checkpoint at {path}: no such file or directory; {how}")
-    if (local / "manifest.json").exists() or local.name.startswith("step-"):
-        return path  # load_checkpoint checks it and explains a torn one
-    directory = local / "checkpoints" if (local / "checkpoints").is_dir() else local
-    if not directory.is_dir() or not any(directory.glob("step-*")):
-        raise CheckpointError(f"{path} is neither a checkpoint (no manifest.json) nor a directory of "
-                              f"step-* checkpoints; {how}")
-    latest = CheckpointManager(str(directory), keep_last=None, async_save=False).resolve("auto")
+    if "://" in path:
+        if STEP_DIR.match(split_location(path)[1]) or open_store(path).size(MANIFEST) is not None:
+            return path  # load_checkpoint reads and checks it
+        directory = path
+    else:
+        local = Path(path)
+        if not local.exists():
+            raise CheckpointError(f"there is no checkpoint at {path}: no such file or directory; {how}")
+        if (local / "manifest.json").exists() or local.name.startswith("step-"):
+            return path  # load_checkpoint checks it and explains a torn one
+        directory = _checkpoints_of(local)
+        if "://" not in directory and (not Path(directory).is_dir() or not any(Path(directory).glob("step-*"))):
+            raise CheckpointError(f"{path} is neither a checkpoint (no manifest.json) nor a directory of "
+                                  f"step-* checkpoints; {how}")
+    latest = CheckpointManager(directory, keep_last=None, async_save=False).resolve("auto")
     if latest is None:
-        raise CheckpointError(f"no complete checkpoint in {directory} (every one there is torn or corrupt)")
+        raise CheckpointError(f"no complete checkpoint in {directory} (none there, or every one is torn or corrupt)")
     return str(latest)
+
+
+def _checkpoints_of(local: Path) -> str:
+    """Where the checkpoints of run directory ``local`` are: its config.yaml's checkpoint_dir when that is
+    a URL or an existing directory, else ``local/checkpoints``, else ``local`` itself."""
+    from mlx_train import rundir
+    from mlx_train.config import TrainConfig
+    from mlx_train.errors import ConfigError
+
+    saved = None
+    if (local / rundir.CONFIG_FILE).is_file():
+        try:
+            saved = TrainConfig.from_yaml(local / rundir.CONFIG_FILE).checkpoint_dir
+        except ConfigError:
+            saved = None  # a damaged config.yaml: look for the usual folder instead
+    if saved and "://" in saved:
+        return saved
+    if (local / rundir.CHECKPOINTS_DIR).is_dir():
+        return str(local / rundir.CHECKPOINTS_DIR)
+    return saved if saved and Path(saved).is_dir() else str(local)
 
 
 def _evaluate_advice(message: str) -> str:
