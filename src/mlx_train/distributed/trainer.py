@@ -173,6 +173,14 @@ class DistributedTrainer(Trainer):
             self._raise_transport_error(error)
             raise
 
+    def _interruption(self, signum: int, checkpoints: Any) -> Any:
+        """Every rank stopped at the same step; none leaves before rank 0 has written its checkpoint
+        (a rank that exits makes ``mlx.launch`` stop the others, which would cut that save short)."""
+        if self.world_size > 1:
+            with self.collective("the barrier after the stop checkpoint"):
+                mx.eval(mx.distributed.all_sum(mx.array(1, dtype=mx.int32), group=self.group, stream=mx.cpu))
+        return super()._interruption(signum, checkpoints)
+
     def _make_monitor(self):
         """The rank's heartbeat file and watchdog (None for a lone process outside the supervisor)."""
         supervised = rank_runtime.supervised()

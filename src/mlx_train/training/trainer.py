@@ -257,8 +257,8 @@ class Trainer:
                     self._save(checkpoints, loader, callbacks, meter)
                 if checkpoints:
                     checkpoints.wait()
-                if signals.requested is not None:
-                    raise self._interruption(signals.requested, checkpoints)
+                if self._stop_requested():  # in a group, the vote: a signal after the last step is too late
+                    raise self._interruption(signals.requested or signal.SIGTERM, checkpoints)
             except BaseException as error:
                 callbacks.call("on_exception", self, error)
                 raise
