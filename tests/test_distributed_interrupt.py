@@ -109,3 +109,26 @@ def test_ranks_that_do_not_stop_in_time_are_killed(tmp_path):
     log = (run_dir / "distributed" / "supervisor.log").read_text()
     assert "the ranks did not stop within 2 s of the SIGTERM: killing them" in log
     assert not any(processes.alive(beat["pid"]) for beat in _beats(run_dir).values())
+
+
+def test_a_two_rank_run_resumed_on_one_process_and_back_keeps_its_global_batch(tmp_path, capsys):
+    reference, run_dir = tmp_path / "reference", tmp_path / "moved"
+    two, one = ["train", "--distributed", "-n", "2", "--set", "num_workers=0"], ["train", "--set", "num_workers=0"]
+    assert main([*two, "--run-dir", str(reference), "--max-steps", "40"]) == 0
+    assert main([*two, "--run-dir", str(run_dir), "--max-steps", "10"]) == 0
+    capsys.readouterr()
+    # batch 16 on one process would make a global batch of 16: refused, with the settings that keep 64
+    assert main([*one, "--run-dir", str(run_dir), "--resume", "--batch-size", "16"]) == 2
+    err = capsys.readouterr().err
+    assert "batch_size cannot change on resume unless the global batch stays 64" in err, err
+    assert "with --set gradient_accumulation=4 (with batch_size 16); or --batch-size 64 (with " in err
+    # the same flags on one process: the accumulation doubles, so the global batch stays 64
+    assert main([*one, "--run-dir", str(run_dir), "--resume", "--max-steps", "25"]) == 0
+    out = capsys.readouterr().out
+    assert "gradient_accumulation 1 -> 2 to keep the global batch of 64" in out, out
+    assert main([*two, "--run-dir", str(run_dir), "--resume", "--max-steps", "40"]) == 0
+    log = (run_dir / "logs" / "rank-0.log").read_text()
+    assert f"resumed from {run_dir / 'checkpoints' / 'step-00000025'} (step 25" in log
+    a, b = _final_model(reference), _final_model(run_dir)
+    for name in a:  # 2 x batch 32 vs 1 x batch 32 x accumulation 2: equal up to float rounding
+        assert np.abs(a[name] - b[name]).max() / np.abs(a[name]).max() < 1e-5, name

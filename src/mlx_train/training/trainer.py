@@ -35,7 +35,7 @@ from mlx_train.training.loggers import MetricsLogger, ProgressBar
 from mlx_train.training.losses import Loss
 from mlx_train.training.meter import Meter
 from mlx_train.training.oom import MemoryGuard, MemoryPolicy, any_rank
-from mlx_train.training.resume import resume_candidates, run_locks
+from mlx_train.training.resume import keep_global_batch, resume_candidates, run_locks
 from mlx_train.training.schedule import (
     Cadences,
     at_epoch_end,
@@ -211,7 +211,7 @@ class Trainer:
         checkpoints = self._checkpoints(checkpoint_dir or cfg.checkpoint_dir)
         with run_locks(checkpoints, cfg.run_dir, self.is_main), StopSignals(self.log, lambda: state.step) as signals:
             self._signals, self._voted_stop = signals, False
-            self._start(checkpoints, resume, loader, callbacks)
+            loader = self._start(checkpoints, resume, loader, callbacks)  # resized to keep a global batch
             step = self.memory_guard = self._guard(callbacks)
             every = Cadences(cfg)
             self.total_steps = total_steps(loader, epochs, cfg.max_steps)
@@ -352,7 +352,7 @@ class Trainer:
     # -- pieces -------------------------------------------------------------------------
 
     def _start(self, checkpoints: CheckpointManager | None, resume: str | None, loader: Iterable[Any],
-               callbacks: CallbackList) -> None:
+               callbacks: CallbackList) -> Iterable[Any]:
         """Make the optimizer state, then restore a checkpoint into it or seed a fresh run.
 
         With ``resume="auto"`` a checkpoint that passes its checks but cannot be restored (damaged
@@ -364,7 +364,9 @@ class Trainer:
         candidates = resume_candidates(checkpoints, resume, self.log)
         for i, path in enumerate(candidates):
             try:
-                self._restore(path, loader, callbacks)
+                restored = self._restore(path, loader, callbacks)
+            except ConfigError:
+                raise  # the run's settings do not fit the checkpoint: an older one would not fit either
             except (CheckpointError, KeyError, ValueError, RuntimeError) as error:
                 if resume != "auto" or i == len(candidates) - 1:
                     if isinstance(error, CheckpointError):
@@ -376,18 +378,26 @@ class Trainer:
                 continue
             self._saved_step, self._poisoned = self.state.step, False
             self.log(f"resumed from {path} (step {self.state.step}, epoch {self.state.epoch + 1})")
-            break
-        else:
-            if not self._seeded:
-                mx.random.seed(self.config.seed)
+            self._seeded = True
+            return restored
+        if not self._seeded:
+            mx.random.seed(self.config.seed)
         self._seeded = True
+        return loader
 
-    def _restore(self, path: str, loader: Iterable[Any], callbacks: CallbackList) -> None:
+    def _restore(self, path: str, loader: Iterable[Any], callbacks: CallbackList) -> Iterable[Any]:
         from mlx_train.checkpointing import load_checkpoint
 
         arrays, saved = load_checkpoint(path)
-        self.state.restore(path, arrays, saved, self.model, self.optimizer, loader, callbacks,
+        world = self.group.size() if self.group is not None else 1
+        resized, config = keep_global_batch(path, saved, loader, self.config, world, self.log)
+        self.state.restore(path, arrays, saved, self.model, self.optimizer, resized, callbacks,
                            rank=self.group.rank() if self.group is not None else 0)
+        if resized is not loader:  # another number of processes: another micro-batch count per step
+            self.config, self.state.micro_batch = config, {**self.state.micro_batch, "step_batch": None}
+            if self._loaders is not None and self._loaders[0] is loader:
+                self._loaders = (resized, *self._loaders[1:])
+        return resized
 
     def _guard(self, callbacks: CallbackList) -> MemoryGuard:
         """The memory guard around the step function, with the micro-batch settings of the loop state."""
