@@ -211,6 +211,8 @@ class Trainer:
         checkpoints = self._checkpoints(checkpoint_dir or cfg.checkpoint_dir)
         with run_locks(checkpoints, cfg.run_dir, self.is_main), StopSignals(self.log, lambda: state.step) as signals:
             self._signals, self._voted_stop = signals, False
+            if self.gradient_reduction is not None and self.gradient_reduction.state is not None:
+                self.gradient_reduction.state["stop"] = mx.array(0.0)  # not the sum that ended a previous run
             loader = self._start(checkpoints, resume, loader, callbacks)  # resized to keep a global batch
             step = self.memory_guard = self._guard(callbacks)
             every = Cadences(cfg)
@@ -435,10 +437,17 @@ class Trainer:
 
     def _vote_stop(self, signals: StopSignals) -> bool | None:
         """In a distributed run: did a stop signal arrive on any rank (so all stop at the same step)? Every
-        rank votes right after each step, still under the step's watchdog. None for a lone process."""
+        rank votes right after each step, still under the step's watchdog; a reduction with a vote slot
+        sums the votes with the gradients (the vote cast before the step), with no collective of its
+        own. None for a lone process."""
         if self.group is None or self.group.size() == 1:
             return None
-        self._voted_stop = any_rank(signals.requested is not None, self.group)
+        votes = self.gradient_reduction.state if self.gradient_reduction is not None else None
+        if votes is None:
+            self._voted_stop = any_rank(signals.requested is not None, self.group)
+        else:
+            self._voted_stop = votes["stop"].item() > 0  # type: ignore[operator]  # a float32 scalar
+            votes["stop"] = mx.array(1.0 if signals.requested is not None else 0.0)  # for the next step
         if self._voted_stop and signals.requested is None:
             signals.requested = signal.SIGTERM
         return self._voted_stop
