@@ -117,8 +117,10 @@ def test_a_two_rank_run_resumed_on_one_process_and_back_keeps_its_global_batch(t
     assert main([*two, "--run-dir", str(reference), "--max-steps", "40"]) == 0
     assert main([*two, "--run-dir", str(run_dir), "--max-steps", "10"]) == 0
     capsys.readouterr()
+    saved_config = (run_dir / "config.yaml").read_bytes()
     # batch 16 on one process would make a global batch of 16: refused, with the settings that keep 64
     assert main([*one, "--run-dir", str(run_dir), "--resume", "--batch-size", "16"]) == 2
+    assert (run_dir / "config.yaml").read_bytes() == saved_config
     err = capsys.readouterr().err
     assert "batch_size cannot change on resume unless the global batch stays 64" in err, err
     assert "with --set gradient_accumulation=4 (with batch_size 16); or --batch-size 64 (with " in err
