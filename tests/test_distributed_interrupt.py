@@ -87,7 +87,8 @@ def test_sigterm_to_the_supervisor_saves_at_one_step_and_the_resumed_run_ends_bi
     assert sorted(a) == sorted(b) and all(np.array_equal(a[k], b[k]) for k in a)  # bit for bit
 
 
-def test_ranks_that_do_not_stop_in_time_are_killed(tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_ranks_that_do_not_stop_in_time_are_killed(tmp_path, signum):
     """A rank kept busy (a long callback) cannot finish its step: after interrupt_timeout the
     supervisor kills the group and still reports the interruption."""
     run_dir = tmp_path / "busy"
@@ -98,16 +99,16 @@ def test_ranks_that_do_not_stop_in_time_are_killed(tmp_path):
     def interrupt_when_busy():
         while _beats(run_dir).get(1, {}).get("step", 0) < 3:
             time.sleep(0.05)
-        os.kill(os.getpid(), signal.SIGTERM)  # the supervisor's handler runs in this (main) thread
+        os.kill(os.getpid(), signum)  # the supervisor's handler runs in this (main) thread
 
     threading.Thread(target=interrupt_when_busy, daemon=True).start()
     policy = RecoveryPolicy(max_restarts=0, interrupt_timeout=2.0)
     with open(run_dir / "output.txt", "w") as out, pytest.raises(TrainingInterrupted) as stopped:
         supervise(command, num_processes=2, run_dir=run_dir, checkpoint_dir=str(run_dir / "ckpt"), policy=policy,
                   output=(out, out))
-    assert stopped.value.code == 128 + signal.SIGTERM
+    assert stopped.value.code == 128 + signum
     log = (run_dir / "distributed" / "supervisor.log").read_text()
-    assert "the ranks did not stop within 2 s of the SIGTERM: killing them" in log
+    assert f"the ranks did not stop within 2 s of the {signum.name}: killing them" in log
     assert not any(processes.alive(beat["pid"]) for beat in _beats(run_dir).values())
 
 
