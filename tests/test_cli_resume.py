@@ -54,7 +54,7 @@ def test_resume_takes_the_saved_configuration_of_a_cnn_run(tmp_path, capsys):
     (["--seed", "0"], "seed", "random state come from the checkpoint"),
     (["--model", "cnn"], "model", "holds the weights of that model"),
     (["--dataset", "text"], "dataset", "data order"),
-    (["--batch-size", "8"], "batch_size", "batches of that size"),
+    (["--batch-size", "8"], "batch_size", "unless the global batch stays 32"),
     (["--set", "optimizer=sgd"], "optimizer", "that optimizer's state"),
     (["--set", "model_options.hidden_dims=[8]"], "model_options", "weights of that shape"),
 ])

@@ -181,6 +181,8 @@ def resume_config(args: argparse.Namespace, saved: Any, saved_path: str,
                if name != "run_dir" and change[0] != getattr(saved, name)}
     refused = []
     for name, (_, origin) in changes.items():
+        if name in ("batch_size", "gradient_accumulation"):
+            continue  # the Trainer checks them against the checkpoint's global batch, which knows its rank count
         if name in FIXED_ON_RESUME:
             reason = FIXED_ON_RESUME[name]
         elif name == "learning_rate" and (saved.lr_schedule or saved.warmup_steps):

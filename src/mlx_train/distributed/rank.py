@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from mlx_train import rundir
-from mlx_train.errors import DistributedError
+from mlx_train.errors import DistributedError, TrainingInterrupted
 from mlx_train.rundir import HeartbeatRecord
 from mlx_train.training.callbacks import Callback
 
@@ -264,6 +264,10 @@ class RankMonitor(Callback):
 
     def on_exception(self, trainer, error: BaseException) -> None:
         self._waiting = None
+        if isinstance(error, (KeyboardInterrupt, TrainingInterrupted)):  # stopped on request, not failed
+            self.state = "interrupted"
+            self.write()
+            return
         self.record_failure(error)
 
     def on_fit_end(self, trainer, history: dict) -> None:

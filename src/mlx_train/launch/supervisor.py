@@ -12,6 +12,11 @@ on stderr and ``supervisor.log`` (the ``mlx_train.supervisor`` logger) and in
 ``<run_dir>/distributed/restarts.jsonl``. A rank that fails with a configuration, data,
 checkpoint, device or memory error is not restarted: it would fail the same way.
 
+SIGTERM or SIGINT to the supervisor (preemption, Ctrl-C) is forwarded to the local ranks: they
+agree on one step to stop at (the Trainer's stop vote), rank 0 saves a checkpoint there, and
+they exit; the supervisor waits up to ``interrupt_timeout`` seconds for that (then kills them)
+and raises ``TrainingInterrupted`` (exit code 128 + signal). A second signal stops at once.
+
 Example::
 
     run = supervise([sys.executable, "train.py"], num_processes=2, run_dir="runs/a",
@@ -35,14 +40,15 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TextIO
+from types import FrameType
+from typing import Any, TextIO
 
 from mlx_train import processes, rundir
 from mlx_train.distributed import rank as rank_runtime
 from mlx_train.distributed import registry
 from mlx_train.distributed.backends import choose_backend, passthrough_env
 from mlx_train.distributed.hostfile import Hostfile
-from mlx_train.errors import ConfigError, DistributedError
+from mlx_train.errors import ConfigError, DistributedError, TrainingInterrupted
 from mlx_train.launch.launcher import free_port_base, launcher_path
 
 # Errors that a restart would hit again: not worth restarting for.
@@ -67,7 +73,9 @@ class RecoveryPolicy:
     monitor thread), which a long step or validation delays (keep it above the ranks'
     ``collective_timeout`` so that their own, more precise error comes first);
     ``stop_grace``: seconds the launcher gets to stop the others itself before everything is
-    killed; ``startup_timeout``: seconds for every rank to report once the first has.
+    killed; ``startup_timeout``: seconds for every rank to report once the first has;
+    ``interrupt_timeout``: seconds the ranks get, after a SIGTERM/SIGINT forwarded to them, to
+    finish their step, save a checkpoint and exit before they are killed.
     Heartbeat ages are measured on the supervisor's clock (how long a file's ``time`` has not
     changed), so clocks that differ between hosts do not matter.
     """
@@ -77,6 +85,7 @@ class RecoveryPolicy:
     stop_grace: float = 3.0
     startup_timeout: float = 120.0
     frozen_timeout: float = 30.0
+    interrupt_timeout: float = 120.0
 
     def __post_init__(self) -> None:
         if not self.frozen_timeout > 0:
@@ -152,6 +161,8 @@ class Supervisor:
         # One local process runs without mlx.launch (whose one-host MLX_HOSTFILE is empty, which
         # mx.distributed.init() then fails to parse).
         self._direct = hostfile.num_processes == 1 and hostfile.is_local
+        self._process: subprocess.Popen | None = None  # the running attempt's launcher (or lone rank)
+        self._interrupt: tuple[int, float] | None = None  # (signal, monotonic time) once forwarded
 
     # ------------------------------------------------------------------ running
     def run(self) -> SupervisedRun:
@@ -166,7 +177,7 @@ class Supervisor:
         n = self.hostfile.num_processes
         where = "127.0.0.1" if self.hostfile.is_local else ", ".join(dict.fromkeys(h.ssh for h in self.hostfile.hosts))
         self.log(f"launching {n} rank{'s' if n != 1 else ''} on {where} with mlx.launch, backend {self.backend}")
-        previous = _stop_on_sigterm()
+        previous = self._forward_stop_signals()
         try:
             for attempt in range(self.policy.max_restarts + 1):
                 registry.update(entry, attempt=attempt, status="running")
@@ -174,6 +185,8 @@ class Supervisor:
                 cause = self._attempt(attempt)
                 if cause is None:
                     return result
+                if self._interrupt is not None:
+                    raise self._interrupted(self._interrupt[0])
                 if cause.final:
                     raise DistributedError(f"{cause.text}; not restarting: a restart would fail the same way")
                 if attempt == self.policy.max_restarts:
@@ -188,9 +201,63 @@ class Supervisor:
             for handler in handlers:
                 _LOG.removeHandler(handler)
                 handler.close()
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
         return result
+
+    # ------------------------------------------------------------------ stop signals
+    def _forward_stop_signals(self) -> dict[int, Any]:
+        """Handle SIGTERM and SIGINT by forwarding them to the ranks; returns the old handlers."""
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+        return {signum: signal.signal(signum, self._on_stop_signal) for signum in (signal.SIGTERM, signal.SIGINT)}
+
+    def _on_stop_signal(self, signum: int, frame: FrameType | None) -> None:
+        """The first signal goes to the ranks (they save and stop at one step); a second one, or one that
+        finds no rank to tell, ends the supervisor, whose cleanup stops the group at once."""
+        name = signal.Signals(signum).name
+        if self._interrupt is not None:
+            self.log(f"{name} again: stopping the group at once, without a new checkpoint")
+            raise SystemExit(128 + signum)
+        told = self._signal_ranks(signum)
+        if not told:
+            self.log(f"{name} received before any rank was running: stopping the group")
+            raise SystemExit(128 + signum)
+        self._interrupt = (signum, time.monotonic())
+        self.log(f"{name} received: forwarded to rank{'s' if len(told) > 1 else ''} "
+                 f"{', '.join(map(str, sorted(told)))}; the ranks finish their step, save a checkpoint and stop "
+                 f"(waiting up to {self.policy.interrupt_timeout:g} s; {name} again stops at once)")
+
+    def _signal_ranks(self, signum: int) -> list[int]:
+        """Send ``signum`` to this attempt's local ranks; returns the ranks reached. One is enough: the
+        ranks vote after every step, so all stop at the same one."""
+        process = self._process
+        if process is None or process.poll() is not None:
+            return []
+        targets = {0: process.pid} if self._direct else self._local_ranks()
+        told = []
+        for rank, pid in targets.items():
+            try:
+                os.kill(pid, signum)
+                told.append(rank)
+            except OSError:
+                pass
+        return told
+
+    def _local_ranks(self) -> dict[int, int]:
+        """``{rank: pid}`` of this attempt's live ranks on this host (found by their heartbeats)."""
+        return {rank: info.pid for rank, info in rundir.read_heartbeats(self.run_dir).items()
+                if info.host == socket.gethostname() and processes.alive(info.pid)
+                and processes.environ(info.pid).get(rank_runtime.ENV_RUN_ID) == self.run_id}
+
+    def _interrupted(self, signum: int) -> TrainingInterrupted:
+        """The ``TrainingInterrupted`` of a group stopped by ``signum``, naming its newest checkpoint."""
+        name = signal.Signals(signum).name
+        path, step = self._latest_checkpoint() or (None, 0)
+        where = f"the newest checkpoint is {path} (step {step})" if path else "no checkpoint was saved"
+        message = f"distributed training stopped by {name}: {where}"
+        self.log(message)
+        return TrainingInterrupted(signum, step, path, message)
 
     def _where_to_look(self) -> str:
         """``. Rank logs: ...; restarts: ...`` for the files that exist (never a missing path)."""
@@ -205,6 +272,7 @@ class Supervisor:
         self._beats = {}
         process = subprocess.Popen(self._argv(attempt), env=self._env(attempt), stdin=subprocess.PIPE,
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        self._process = process
         readers = [threading.Thread(target=self._pump, args=(process.stdout, self.out, False), daemon=True),
                    threading.Thread(target=self._pump, args=(process.stderr, self.err, True), daemon=True)]
         for reader in readers:
@@ -230,6 +298,14 @@ class Supervisor:
         stop_at: float | None = None
         while process.poll() is None:
             now = time.monotonic()
+            if self._interrupt is not None:  # the ranks are saving and stopping: their exits are no failure
+                if now - self._interrupt[1] > policy.interrupt_timeout:
+                    self.log(f"the ranks did not stop within {policy.interrupt_timeout:g} s of the "
+                             f"{signal.Signals(self._interrupt[0]).name}: killing them")
+                    self._stop(process)
+                    return
+                time.sleep(0.1)
+                continue
             self._drain(causes)
             ranks = rundir.read_heartbeats(self.run_dir)
             for rank, info in sorted(ranks.items()):
@@ -289,15 +365,12 @@ class Supervisor:
             self._stop(process)
         processes.signal_group(process.pid, signal.SIGKILL)  # members the launcher left behind, if any
         pids = [process.pid]
-        for info in rundir.read_heartbeats(self.run_dir).values():
-            pid = info.pid
-            if info.host == socket.gethostname() and processes.alive(pid) \
-                    and processes.environ(pid).get(rank_runtime.ENV_RUN_ID) == self.run_id:
-                pids.append(pid)
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except OSError:
-                    pass
+        for pid in self._local_ranks().values():
+            pids.append(pid)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
         deadline = time.monotonic() + 5.0
         while time.monotonic() < deadline and (processes.group_alive(process.pid)
                                                or any(map(processes.alive, pids[1:]))):
@@ -389,16 +462,21 @@ class Supervisor:
         return None
 
     # ------------------------------------------------------------------ restarts
-    def _record_restart(self, attempt: int, cause: Cause) -> Restart:
-        resume_from = None
-        if self.checkpoint_dir:
-            from mlx_train.checkpointing import CheckpointManager
+    def _latest_checkpoint(self) -> tuple[str, int] | None:
+        """(path, step) of the newest complete checkpoint in ``checkpoint_dir`` (None without one)."""
+        if not self.checkpoint_dir:
+            return None
+        from mlx_train.checkpointing import CheckpointManager
 
-            try:
-                latest = CheckpointManager(self.checkpoint_dir, keep_last=None, async_save=False).latest()
-                resume_from = latest.path if latest else None
-            except Exception:  # noqa: BLE001 - only used for the message
-                resume_from = None
+        try:
+            latest = CheckpointManager(self.checkpoint_dir, keep_last=None, async_save=False).latest()
+        except Exception:  # noqa: BLE001 - only used for messages
+            return None
+        return (latest.path, latest.step) if latest else None
+
+    def _record_restart(self, attempt: int, cause: Cause) -> Restart:
+        latest = self._latest_checkpoint()
+        resume_from = latest[0] if latest else None
         restart = Restart(attempt, cause.text, resume_from, time.time())
         source = f"checkpoint {resume_from}" if resume_from else (
             "the last complete checkpoint" if not self.checkpoint_dir else "scratch (no complete checkpoint yet)")
@@ -450,17 +528,6 @@ class Supervisor:
     def log(self, message: str) -> None:
         """A supervisor message: on stderr and in ``<run_dir>/distributed/supervisor.log``."""
         _LOG.info(message)
-
-
-def _stop_on_sigterm():
-    """Make SIGTERM end the supervisor through its cleanup (which stops the group); returns the old handler."""
-    if threading.current_thread() is not threading.main_thread():
-        return None
-
-    def stop(signum, frame):
-        raise SystemExit(128 + signum)
-
-    return signal.signal(signal.SIGTERM, stop)
 
 
 def _exit_cause(rank: int, code: int | None, after_failure: bool) -> Cause:

@@ -71,6 +71,7 @@ def cluster_for(num_processes: int | None, hostfile: str | None, backend: str):
 
 def train_distributed(args: argparse.Namespace, config: Any, log=print) -> int:
     """Run ``mlx-train train --distributed`` with the parsed ``args`` and resolved ``config``."""
+    from mlx_train.errors import TrainingInterrupted
     from mlx_train.launch.supervisor import RecoveryPolicy, Supervisor
 
     hosts = cluster_for(args.num_processes, args.hostfile, config.distributed_backend)
@@ -94,7 +95,13 @@ def train_distributed(args: argparse.Namespace, config: Any, log=print) -> int:
         frozen_timeout=DEFAULT_HEARTBEAT_TIMEOUT if getattr(args, "heartbeat_timeout", None) is None
         else args.heartbeat_timeout)
     supervisor = Supervisor(command, hosts, run_dir, policy, config.checkpoint_dir, restart_args=["--resume", "auto"])
-    result = supervisor.run()
+    try:
+        result = supervisor.run()
+    except TrainingInterrupted as stop:  # the ranks saved a checkpoint at one step: say how to go on
+        hostfile = f" --hostfile {args.hostfile}" if args.hostfile else ""
+        print(f"to continue: mlx-train train --distributed -n {world}{hostfile} --run-dir {run_dir} --resume",
+              file=sys.stderr)
+        return int(stop.code)  # 128 + signal, as schedulers expect
     restarts = len(result.restarts)
     log(f"distributed run finished in {result.seconds:.1f} s with {restarts} restart{'s' if restarts != 1 else ''}"
         + (f" ({'; '.join(r.cause for r in result.restarts)})" if restarts else ""))

@@ -52,12 +52,15 @@ class Reduction:
 
     ``reduce(grads, n_items) -> (grads, n_items)`` averages gradients and the item counts that
     weight them; ``clip(grads, max_norm) -> (grads, norm)`` replaces the global-norm clip (sharded
-    models); ``before_update()`` runs in Python before the update is dispatched (a watchdog).
+    models); ``before_update()`` runs in Python before the update is dispatched (a watchdog);
+    ``state`` holds arrays that ``reduce`` reads and writes, captured with the step's state (the
+    ranks' stop vote, summed with the gradients).
     """
 
     reduce: Callable[[Any, mx.array | None], tuple[Any, mx.array | None]]
     clip: Callable[[Any, float | None], tuple[Any, mx.array | None]] | None = None
     before_update: Callable[[], None] | None = None
+    state: dict[str, mx.array] | None = None
 
 
 def average_gradients(group: Any) -> Reduction:
@@ -100,6 +103,8 @@ class TrainStep:
         if self.dynamic_scaling:  # only when used: fewer inputs per call
             self.state.append(loss_scale)
         self.state += [ext.step_state for ext in self.extensions]
+        if reduction is not None and reduction.state is not None:
+            self.state.append(reduction.state)
         wrap = partial(mx.compile, inputs=self.state, outputs=self.state) if options.compile else (lambda f: f)
         self._compiled = {(update, weighted): wrap(partial(self._micro, update=update, weighted=weighted))
                           for update in (False, True) for weighted in (False, True)}

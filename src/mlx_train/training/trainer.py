@@ -35,7 +35,7 @@ from mlx_train.training.loggers import MetricsLogger, ProgressBar
 from mlx_train.training.losses import Loss
 from mlx_train.training.meter import Meter
 from mlx_train.training.oom import MemoryGuard, MemoryPolicy, any_rank
-from mlx_train.training.resume import make_room, refuse_fresh_start, resume_candidates, run_locks
+from mlx_train.training.resume import keep_global_batch, make_room, refuse_fresh_start, resume_candidates, run_locks
 from mlx_train.training.schedule import (
     Cadences,
     at_epoch_end,
@@ -226,7 +226,9 @@ class Trainer:
             if fresh and self.is_main:  # the other ranks may already see the files rank 0 writes
                 refuse_fresh_start(checkpoints, cfg.run_dir)
             self._signals, self._voted_stop = signals, False
-            self._start(checkpoints, resume, loader, callbacks)
+            if self.gradient_reduction is not None and self.gradient_reduction.state is not None:
+                self.gradient_reduction.state["stop"] = mx.array(0.0)  # not the sum that ended a previous run
+            loader = self._start(checkpoints, resume, loader, callbacks)  # resized to keep a global batch
             step = self.memory_guard = self._guard(callbacks)
             every = Cadences(cfg)
             self.total_steps = total_steps(loader, epochs, cfg.max_steps)
@@ -272,8 +274,8 @@ class Trainer:
                     self._save(checkpoints, loader, callbacks, meter)
                 if checkpoints:
                     checkpoints.wait()
-                if signals.requested is not None:
-                    raise self._interruption(signals.requested, checkpoints)
+                if self._stop_requested():  # in a group, the vote: a signal after the last step is too late
+                    raise self._interruption(signals.requested or signal.SIGTERM, checkpoints)
             except BaseException as error:
                 callbacks.call("on_exception", self, error)
                 raise
@@ -367,7 +369,7 @@ class Trainer:
     # -- pieces -------------------------------------------------------------------------
 
     def _start(self, checkpoints: CheckpointManager | None, resume: str | None, loader: Iterable[Any],
-               callbacks: CallbackList) -> None:
+               callbacks: CallbackList) -> Iterable[Any]:
         """Make the optimizer state, then restore a checkpoint into it or seed a fresh run.
 
         With ``resume="auto"`` a checkpoint that passes its checks but cannot be restored (damaged
@@ -379,7 +381,9 @@ class Trainer:
         candidates = resume_candidates(checkpoints, resume, self.log)
         for i, path in enumerate(candidates):
             try:
-                self._restore(path, loader, callbacks)
+                restored = self._restore(path, loader, callbacks)
+            except ConfigError:
+                raise  # the run's settings do not fit the checkpoint: an older one would not fit either
             except (CheckpointError, KeyError, ValueError, RuntimeError) as error:
                 if resume != "auto" or i == len(candidates) - 1:
                     if isinstance(error, CheckpointError):
@@ -391,18 +395,26 @@ class Trainer:
                 continue
             self._saved_step, self._poisoned = self.state.step, False
             self.log(f"resumed from {path} (step {self.state.step}, epoch {self.state.epoch + 1})")
-            break
-        else:
-            if not self._seeded:
-                mx.random.seed(self.config.seed)
+            self._seeded = True
+            return restored
+        if not self._seeded:
+            mx.random.seed(self.config.seed)
         self._seeded = True
+        return loader
 
-    def _restore(self, path: str, loader: Iterable[Any], callbacks: CallbackList) -> None:
+    def _restore(self, path: str, loader: Iterable[Any], callbacks: CallbackList) -> Iterable[Any]:
         from mlx_train.checkpointing import load_checkpoint
 
         arrays, saved = load_checkpoint(path)
-        self.state.restore(path, arrays, saved, self.model, self.optimizer, loader, callbacks,
+        world = self.group.size() if self.group is not None else 1
+        resized, config = keep_global_batch(path, saved, loader, self.config, world, self.log)
+        self.state.restore(path, arrays, saved, self.model, self.optimizer, resized, callbacks,
                            rank=self.group.rank() if self.group is not None else 0)
+        if resized is not loader:  # another number of processes: another micro-batch count per step
+            self.config, self.state.micro_batch = config, {**self.state.micro_batch, "step_batch": None}
+            if self._loaders is not None and self._loaders[0] is loader:
+                self._loaders = (resized, *self._loaders[1:])
+        return resized
 
     def _guard(self, callbacks: CallbackList) -> MemoryGuard:
         """The memory guard around the step function, with the micro-batch settings of the loop state."""
@@ -440,10 +452,17 @@ class Trainer:
 
     def _vote_stop(self, signals: StopSignals) -> bool | None:
         """In a distributed run: did a stop signal arrive on any rank (so all stop at the same step)? Every
-        rank votes right after each step, still under the step's watchdog. None for a lone process."""
+        rank votes right after each step, still under the step's watchdog; a reduction with a vote slot
+        sums the votes with the gradients (the vote cast before the step), with no collective of its
+        own. None for a lone process."""
         if self.group is None or self.group.size() == 1:
             return None
-        self._voted_stop = any_rank(signals.requested is not None, self.group)
+        votes = self.gradient_reduction.state if self.gradient_reduction is not None else None
+        if votes is None:
+            self._voted_stop = any_rank(signals.requested is not None, self.group)
+        else:
+            self._voted_stop = votes["stop"].item() > 0  # type: ignore[operator]  # a float32 scalar
+            votes["stop"] = mx.array(1.0 if signals.requested is not None else 0.0)  # for the next step
         if self._voted_stop and signals.requested is None:
             signals.requested = signal.SIGTERM
         return self._voted_stop
