@@ -267,3 +267,89 @@ def test_validation_weights_are_swapped_in_and_back():
     with CallbackList([Average()]).validation_weights(model):
         assert float(mx.abs(model.weight).sum().item()) == 0.0
     assert np.array_equal(np.array(model.weight), trained)
+
+
+# -- the history in checkpoints ----------------------------------------------------------------
+
+
+@pytest.fixture
+def chunk(monkeypatch):
+    """A small history chunk, so that a few epochs fill several (the default is the same code, larger)."""
+    from mlx_train.training import state
+
+    monkeypatch.setattr(state, "HISTORY_CHUNK", 4)
+    return 4
+
+
+def _history_run(epochs, checkpoint_dir, resume=None, keep_last=1000):
+    """A one-step-per-epoch run saving every epoch; (history, parameters)."""
+    from mlx_train.training import Trainer
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8, 4)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int32)
+    mx.random.seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Dropout(0.2), nn.Linear(8, 2))
+    trainer = Trainer(model, optim.SGD(0.1), batch_size=8, num_workers=0, checkpoint_every="1 epochs",
+                      keep_last=keep_last, report_every="100000 steps", seed=0)
+    history = trainer.train((x, y), (x, y), epochs=epochs, checkpoint_dir=checkpoint_dir, resume=resume)
+    return history, {k: np.array(v) for k, v in tree_flatten(model.parameters())}
+
+
+def _state_file(checkpoint):
+    import json
+
+    from mlx_train.checkpointing.storage import open_store, split_location
+
+    parent, name = split_location(checkpoint)
+    data = open_store(parent).read_bytes(f"{name}/trainer_state.json")
+    return len(data), json.loads(data)
+
+
+def test_trainer_state_json_does_not_grow_with_the_epochs_run(tmp_path, chunk):
+    from mlx_train.checkpointing import CheckpointManager
+
+    sizes = {}
+    for epochs in (3, 3 + 16 * chunk):
+        _history_run(epochs, str(tmp_path / str(epochs)))
+        sizes[epochs], state = _state_file(CheckpointManager(str(tmp_path / str(epochs))).resolve("auto"))
+        assert len(state["history"]["train_loss"]) == 3  # older entries are in chunk files
+    # 64 more epochs of history (~7 KB when inline) change only counters' digits and the chunk's name.
+    assert sizes[3 + 16 * chunk] - sizes[3] < 100, sizes
+
+
+@pytest.mark.parametrize("directory", ["local", "memory"])
+def test_history_after_a_resume_equals_the_uninterrupted_run(tmp_path, directory, chunk):
+    where = str(tmp_path / "ck") if directory == "local" else f"memory://history-{tmp_path.name}/ck"
+    epochs = 5 * chunk + 1
+    full_history, full_params = _history_run(epochs, str(tmp_path / "full"))
+    _history_run(2 * chunk + 2, where)  # stopped after two chunks and two entries
+    history, params = _history_run(epochs, where, resume="auto")  # no run_dir: the history is in `where` only
+    assert len(history["train_loss"]) == epochs
+    assert history == full_history
+    assert all(np.array_equal(params[k], full_params[k]) for k in full_params)
+
+
+def test_a_resume_from_an_older_checkpoint_takes_its_own_history(tmp_path, chunk):
+    from mlx_train.checkpointing.format import step_name
+
+    epochs = 4 * chunk + 1
+    full_history, _ = _history_run(epochs, str(tmp_path / "full"))
+    where = str(tmp_path / "ck")
+    _history_run(epochs, where)  # its chunks go past the older checkpoint's
+    older = f"{where}/{step_name(chunk + 3)}"
+    history, _ = _history_run(epochs, where, resume=older)
+    assert history == full_history
+
+
+def test_a_missing_history_chunk_is_a_clear_error(tmp_path, chunk):
+    import shutil
+
+    from mlx_train.checkpointing.format import step_name
+
+    where = tmp_path / "ck"
+    _history_run(chunk + 2, str(where))
+    shutil.rmtree(where / "history")
+    with pytest.raises(CheckpointError, match=r"needs the history file .*history/[0-9a-f]{64}\.json, which is "
+                                              r"missing: a checkpoint directory copied without the history/ folder"):
+        _history_run(chunk + 4, str(where), resume=str(where / step_name(chunk + 2)))
