@@ -228,6 +228,49 @@ def test_without_recovery_the_first_failure_is_the_error():
         guard(LoopState(), (mx.zeros((4, 2)),))
 
 
+class MeasuredStep(FakeStep):
+    """A step whose memory grows by ``allocations[i]`` bytes on its i-th call (probes before the first
+    step allocate a kilobyte a sample): later steps of a shape vary, as MLX's do."""
+
+    def __init__(self, accumulation, allocations, calls):
+        super().__init__(accumulation, 1 << 30, {"n": mx.array(0)}, calls)
+        self.allocations = allocations
+
+    def zero_running(self):
+        return {"loss_sum": mx.array(0.0), "items": mx.array(0.0)}
+
+    def __call__(self, state, batch):
+        size = batch[0].shape[0] * 1024 if not isinstance(state, LoopState) else self.allocations.pop(0)
+        mx.eval(mx.zeros((size // 4,), dtype=mx.float32).sum())
+        return super().__call__(state, batch)
+
+
+def test_budget_decisions_come_from_the_first_step_of_a_shape_and_carry_over_a_resume():
+    import gc
+
+    gc.collect()
+    mx.clear_cache()
+    mb = 1 << 20
+    allocations, calls = [2 * mb, 8 * mb, 2 * mb], []
+    budget = mx.get_active_memory() + 5 * mb
+    policy = MemoryPolicy(budget=budget)
+    guard = MemoryGuard(lambda acc, ckpt: MeasuredStep(acc, allocations, calls), 1, policy, log=lambda m: None)
+    state = LoopState()
+    for _ in range(3):  # the second step of the shape peaks over the budget: noise, not a decision
+        state.running = guard(state, (mx.zeros((16, 2)),))
+    assert guard.events == [] and guard.batch_size is None
+    # Resumed from the recorded settings, the shape's first step here is not measured again.
+    allocations[:] = [8 * mb]
+    resumed = MemoryGuard(lambda acc, ckpt: MeasuredStep(acc, allocations, calls), 1, policy,
+                          settings=state.micro_batch, log=lambda m: None)
+    resumed(state, (mx.zeros((16, 2)),))
+    assert resumed.events == []
+    # A new shape's first step is measured: over the budget, the next steps shrink.
+    allocations[:] = [8 * mb]
+    resumed(state, (mx.zeros((12, 2)),))
+    assert [e["batch_size"] for e in resumed.events] == [6]
+
+
 # -- callbacks ------------------------------------------------------------------------------
 
 def test_callback_list_calls_only_overridden_events_and_round_trips_state():
