@@ -12,7 +12,7 @@ checkpoint's ``trainer_state.json`` is printed too.
 ``PYTHONPATH`` (e.g. the main branch's ``src``), in a fresh process, and prints both side by side.
 
     python bench/save_cost.py                                  # about a minute on two CPU cores
-    python bench/save_cost.py --epochs 3000 --baseline ../main/src
+    python bench/save_cost.py --epochs 3000 --baseline ../main/src --dir /dev/shm
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import tempfile
 import time
 
 
-def measure(epochs: int, samples: int, batch_size: int) -> dict[str, float]:
+def measure(epochs: int, samples: int, batch_size: int, where: str | None = None) -> dict[str, float]:
     """Train, saving every epoch; returns steps/s of the first and last 10% of steps and the state size."""
     import mlx_train  # noqa: F401  (loads the optimized BLAS before mlx.core)
 
@@ -52,7 +52,7 @@ def measure(epochs: int, samples: int, batch_size: int) -> dict[str, float]:
         def on_batch_end(self, trainer: Trainer, step: int) -> None:
             times.append(time.perf_counter())
 
-    with tempfile.TemporaryDirectory() as directory:
+    with tempfile.TemporaryDirectory(dir=where) as directory:
         trainer = Trainer(model, optim.SGD(0.05), batch_size=batch_size, num_workers=0, report_every="1000000 steps",
                           checkpoint_every="1 epochs", keep_last=2, seed=0)
         with contextlib.redirect_stdout(io.StringIO()):  # one progress line per epoch
@@ -72,11 +72,13 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=2000)
     parser.add_argument("--samples", type=int, default=64, help="samples per epoch")
     parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--dir", help="where the checkpoints go (default: the system's temporary directory; "
+                        "/dev/shm leaves out the disk's fsync times, which vary from save to save)")
     parser.add_argument("--baseline", metavar="SRC", help="another mlx-train src directory to compare with")
     parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # one result as JSON (--baseline)
     args = parser.parse_args()
     if args.json:
-        print(json.dumps(measure(args.epochs, args.samples, args.batch_size)))
+        print(json.dumps(measure(args.epochs, args.samples, args.batch_size, args.dir)))
         return
     rows = []
     runs = ([("baseline", args.baseline)] if args.baseline else []) + [("this tree", None)]
@@ -85,7 +87,7 @@ def main() -> None:
         if src:
             env["PYTHONPATH"] = os.path.abspath(src) + os.pathsep + env.get("PYTHONPATH", "")
         command = [sys.executable, __file__, "--json", "--epochs", str(args.epochs), "--samples", str(args.samples),
-                   "--batch-size", str(args.batch_size)]
+                   "--batch-size", str(args.batch_size)] + (["--dir", args.dir] if args.dir else [])
         out = subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout
         rows.append((name, json.loads(out.strip().splitlines()[-1])))
     print(f"{args.epochs} epochs x {args.samples // args.batch_size} steps, a checkpoint saved every epoch")
