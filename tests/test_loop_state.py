@@ -228,6 +228,49 @@ def test_without_recovery_the_first_failure_is_the_error():
         guard(LoopState(), (mx.zeros((4, 2)),))
 
 
+class MeasuredStep(FakeStep):
+    """A step whose memory grows by ``allocations[i]`` bytes on its i-th call (probes before the first
+    step allocate a kilobyte a sample): later steps of a shape vary, as MLX's do."""
+
+    def __init__(self, accumulation, allocations, calls):
+        super().__init__(accumulation, 1 << 30, {"n": mx.array(0)}, calls)
+        self.allocations = allocations
+
+    def zero_running(self):
+        return {"loss_sum": mx.array(0.0), "items": mx.array(0.0)}
+
+    def __call__(self, state, batch):
+        size = batch[0].shape[0] * 1024 if not isinstance(state, LoopState) else self.allocations.pop(0)
+        mx.eval(mx.zeros((size // 4,), dtype=mx.float32).sum())
+        return super().__call__(state, batch)
+
+
+def test_budget_decisions_come_from_the_first_step_of_a_shape_and_carry_over_a_resume():
+    import gc
+
+    gc.collect()
+    mx.clear_cache()
+    mb = 1 << 20
+    allocations, calls = [2 * mb, 8 * mb, 2 * mb], []
+    budget = mx.get_active_memory() + 5 * mb
+    policy = MemoryPolicy(budget=budget)
+    guard = MemoryGuard(lambda acc, ckpt: MeasuredStep(acc, allocations, calls), 1, policy, log=lambda m: None)
+    state = LoopState()
+    for _ in range(3):  # the second step of the shape peaks over the budget: noise, not a decision
+        state.running = guard(state, (mx.zeros((16, 2)),))
+    assert guard.events == [] and guard.batch_size is None
+    # Resumed from the recorded settings, the shape's first step here is not measured again.
+    allocations[:] = [8 * mb]
+    resumed = MemoryGuard(lambda acc, ckpt: MeasuredStep(acc, allocations, calls), 1, policy,
+                          settings=state.micro_batch, log=lambda m: None)
+    resumed(state, (mx.zeros((16, 2)),))
+    assert resumed.events == []
+    # A new shape's first step is measured: over the budget, the next steps shrink.
+    allocations[:] = [8 * mb]
+    resumed(state, (mx.zeros((12, 2)),))
+    assert [e["batch_size"] for e in resumed.events] == [6]
+
+
 # -- callbacks ------------------------------------------------------------------------------
 
 def test_callback_list_calls_only_overridden_events_and_round_trips_state():
@@ -267,3 +310,89 @@ def test_validation_weights_are_swapped_in_and_back():
     with CallbackList([Average()]).validation_weights(model):
         assert float(mx.abs(model.weight).sum().item()) == 0.0
     assert np.array_equal(np.array(model.weight), trained)
+
+
+# -- the history in checkpoints ----------------------------------------------------------------
+
+
+@pytest.fixture
+def chunk(monkeypatch):
+    """A small history chunk, so that a few epochs fill several (the default is the same code, larger)."""
+    from mlx_train.training import state
+
+    monkeypatch.setattr(state, "HISTORY_CHUNK", 4)
+    return 4
+
+
+def _history_run(epochs, checkpoint_dir, resume=None, keep_last=1000):
+    """A one-step-per-epoch run saving every epoch; (history, parameters)."""
+    from mlx_train.training import Trainer
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8, 4)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int32)
+    mx.random.seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Dropout(0.2), nn.Linear(8, 2))
+    trainer = Trainer(model, optim.SGD(0.1), batch_size=8, num_workers=0, checkpoint_every="1 epochs",
+                      keep_last=keep_last, report_every="100000 steps", seed=0)
+    history = trainer.train((x, y), (x, y), epochs=epochs, checkpoint_dir=checkpoint_dir, resume=resume)
+    return history, {k: np.array(v) for k, v in tree_flatten(model.parameters())}
+
+
+def _state_file(checkpoint):
+    import json
+
+    from mlx_train.checkpointing.storage import open_store, split_location
+
+    parent, name = split_location(checkpoint)
+    data = open_store(parent).read_bytes(f"{name}/trainer_state.json")
+    return len(data), json.loads(data)
+
+
+def test_trainer_state_json_does_not_grow_with_the_epochs_run(tmp_path, chunk):
+    from mlx_train.checkpointing import CheckpointManager
+
+    sizes = {}
+    for epochs in (3, 3 + 16 * chunk):
+        _history_run(epochs, str(tmp_path / str(epochs)))
+        sizes[epochs], state = _state_file(CheckpointManager(str(tmp_path / str(epochs))).resolve("auto"))
+        assert len(state["history"]["train_loss"]) == 3  # older entries are in chunk files
+    # 64 more epochs of history (~7 KB when inline) change only counters' digits and the chunk's name.
+    assert sizes[3 + 16 * chunk] - sizes[3] < 100, sizes
+
+
+@pytest.mark.parametrize("directory", ["local", "memory"])
+def test_history_after_a_resume_equals_the_uninterrupted_run(tmp_path, directory, chunk):
+    where = str(tmp_path / "ck") if directory == "local" else f"memory://history-{tmp_path.name}/ck"
+    epochs = 5 * chunk + 1
+    full_history, full_params = _history_run(epochs, str(tmp_path / "full"))
+    _history_run(2 * chunk + 2, where)  # stopped after two chunks and two entries
+    history, params = _history_run(epochs, where, resume="auto")  # no run_dir: the history is in `where` only
+    assert len(history["train_loss"]) == epochs
+    assert history == full_history
+    assert all(np.array_equal(params[k], full_params[k]) for k in full_params)
+
+
+def test_a_resume_from_an_older_checkpoint_takes_its_own_history(tmp_path, chunk):
+    from mlx_train.checkpointing.format import step_name
+
+    epochs = 4 * chunk + 1
+    full_history, _ = _history_run(epochs, str(tmp_path / "full"))
+    where = str(tmp_path / "ck")
+    _history_run(epochs, where)  # its chunks go past the older checkpoint's
+    older = f"{where}/{step_name(chunk + 3)}"
+    history, _ = _history_run(epochs, where, resume=older)
+    assert history == full_history
+
+
+def test_a_missing_history_chunk_is_a_clear_error(tmp_path, chunk):
+    import shutil
+
+    from mlx_train.checkpointing.format import step_name
+
+    where = tmp_path / "ck"
+    _history_run(chunk + 2, str(where))
+    shutil.rmtree(where / "history")
+    with pytest.raises(CheckpointError, match=r"needs the history file .*history/[0-9a-f]{64}\.json, which is "
+                                              r"missing: a checkpoint directory copied without the history/ folder"):
+        _history_run(chunk + 4, str(where), resume=str(where / step_name(chunk + 2)))

@@ -143,39 +143,77 @@ def test_without_recovery_the_error_says_so_and_the_step_is_undone(digits):
     assert _max_rel_err(_flat(model), params) == 0.0
 
 
-@pytest.mark.slow
-def test_a_memory_limit_below_the_first_peak_settles_on_a_smaller_micro_batch(capsys):
+def _text_run(data, batch_size, accumulation, steps, checkpoint_dir=None, resume=None, dropout=0.0, **options):
+    """A char transformer run; (trainer, the peak of each step, parameters). Each step's peak is measured
+    from a reset right before it (the first one: before the memory guard's planning too)."""
+    gc.collect()
+    mx.clear_cache()
+    mx.random.seed(0)
+    model = build_model("transformer", data["info"], dropout=dropout)
+    # SGD with momentum: optimizer state to restore, and an update that carries rounding differences as
+    # they are (Adam's normalisation magnifies them for near-zero gradients)
+    trainer = Trainer(model, optim.SGD(0.1, momentum=0.9), batch_size=batch_size, gradient_accumulation=accumulation,
+                      max_steps=steps, report_every="1000 steps", num_workers=0, shuffle=False, **options)
+    peaks = {}
+
+    class Peak:
+        def on_epoch_start(self, trainer, epoch):
+            mx.reset_peak_memory()
+
+        def on_batch_end(self, trainer, step):
+            peaks[step] = mx.get_peak_memory()
+            mx.reset_peak_memory()
+
+    trainer.train(data["train"], epochs=1, callbacks=[Peak()], checkpoint_dir=checkpoint_dir, resume=resume)
+    return trainer, peaks, _flat(model)
+
+
+@pytest.fixture(scope="module")
+def text_limit():
+    """The text data, and a memory_limit below what micro-batches 64 and 32 need, above 16."""
     data = load_dataset("text", seed=0)
+    peak_64 = _text_run(data, 64, 1, 1)[1][1]
+    peak_16 = _text_run(data, 16, 1, 1)[1][1]
+    return data, (peak_16 + peak_64) // 3
 
-    def run(batch_size, accumulation, steps, **options):
-        gc.collect()
-        mx.clear_cache()
-        mx.random.seed(0)
-        model = build_model("transformer", data["info"])
-        trainer = Trainer(model, optim.Adam(1e-3), batch_size=batch_size, gradient_accumulation=accumulation,
-                          max_steps=steps, report_every="1000 steps", num_workers=0, shuffle=False, **options)
-        peaks = []
 
-        class Peak:
-            def on_batch_end(self, trainer, step):
-                peaks.append(mx.get_peak_memory())
-
-        trainer.train(data["train"], epochs=1, callbacks=[Peak()])
-        return trainer, max(peaks)
-
-    _, peak_64 = run(64, 1, 1)
-    _, peak_16 = run(16, 1, 1)
-    limit = (peak_16 + peak_64) // 3  # below what 64 and 32 need, above 16
-    trainer, _ = run(64, 1, 4, memory_limit=limit)
-    assert trainer.step == 4
-    assert [e["batch_size"] for e in trainer.memory_guard.events] == [32, 16]
-    assert trainer.memory_guard.accumulation == 4
-    assert "is over the memory_limit budget" in capsys.readouterr().out
+@pytest.mark.slow
+def test_a_memory_limit_holds_from_the_first_step_with_the_same_effective_batch(text_limit, capsys):
+    data, limit = text_limit
+    _, _, unlimited = _text_run(data, 64, 1, 3)
+    trainer, peaks, params = _text_run(data, 64, 1, 3, memory_limit=limit)
+    assert peaks[1] < limit, f"the first step peaked at {peaks[1]} bytes, over the limit of {limit}"
+    assert max(peaks.values()) < limit
+    assert trainer.step == 3
+    assert [e["batch_size"] for e in trainer.memory_guard.events] == [16]
+    assert trainer.memory_guard.accumulation == 4 and trainer.memory_guard.events[0]["step"] == 1
+    assert _max_rel_err(params, unlimited) < 1e-5  # batch 16 x accumulation 4 == batch 64
+    assert "starting with micro-batch 16 x accumulation 4 (same effective batch)" in capsys.readouterr().out
 
     # DeviceConfig(memory_limit=...) is a budget as well.
-    trainer, _ = run(64, 1, 2, device_config=DeviceConfig(memory_limit=limit))
-    assert trainer.memory_guard.budget == limit and trainer.memory_guard.batch_size < 64
+    trainer, peaks, _ = _text_run(data, 64, 1, 2, device_config=DeviceConfig(memory_limit=limit))
+    assert trainer.memory_guard.budget == limit and trainer.memory_guard.batch_size < 64 and peaks[1] < limit
     mx.set_memory_limit(DeviceConfig().info().memory_total or mx.get_memory_limit())
+
+
+def _decisions(trainer):
+    return [{k: v for k, v in event.items() if k != "reason"} for event in trainer.memory_guard.events]
+
+
+@pytest.mark.slow
+def test_memory_limit_decisions_are_the_same_in_identical_and_resumed_runs(text_limit, tmp_path):
+    data, limit = text_limit
+    first, _, params = _text_run(data, 64, 1, 4, str(tmp_path / "a"), memory_limit=limit, dropout=0.1)
+    second, _, again = _text_run(data, 64, 1, 4, str(tmp_path / "b"), memory_limit=limit, dropout=0.1)
+    # The same decisions (the numbers in the reasons differ by what this process still holds of the first run).
+    assert _decisions(first) == _decisions(second) != []
+    assert all(np.array_equal(params[k], again[k]) for k in params)
+
+    _text_run(data, 64, 1, 2, str(tmp_path / "c"), memory_limit=limit, dropout=0.1)  # stopped after step 2
+    resumed, _, after = _text_run(data, 64, 1, 4, str(tmp_path / "c"), "auto", memory_limit=limit, dropout=0.1)
+    assert _decisions(resumed) == _decisions(first)
+    assert resumed.memory_guard.settings()["checked"] == first.memory_guard.settings()["checked"]
+    assert all(np.array_equal(params[k], after[k]) for k in params)
 
 
 def test_an_unreachable_budget_fails_with_the_budget_in_the_message(digits):

@@ -41,14 +41,13 @@ def uninterrupted(tmp_path_factory):
 def test_sigkill_then_resume_is_bit_exact(tmp_path, uninterrupted, kill_after_step):
     full_params, full_info = uninterrupted
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, SCRIPT, str(run_dir), str(tmp_path / "unused"), "--slow", "0.01"],
-                            stdout=subprocess.DEVNULL)
-    deadline = time.time() + 240
-    while time.time() < deadline and proc.poll() is None:
-        if any(s >= kill_after_step for s in _saved_steps(run_dir / "checkpoints")):
-            break
+    proc = subprocess.Popen([sys.executable, SCRIPT, str(run_dir), str(tmp_path / "unused"),
+                             "--hold-at", str(kill_after_step)], stdout=subprocess.DEVNULL)
+    deadline = time.monotonic() + 600  # only ends a hung child: the run waits at the step to be killed
+    while proc.poll() is None and not (run_dir / "held").exists():
+        assert time.monotonic() < deadline, "the run never reached the step to kill it at"
         time.sleep(0.02)
-    assert proc.poll() is None, "the run finished before it could be killed"
+    assert proc.poll() is None, "the run finished before it reached the step to kill it at"
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     killed_at = max(_saved_steps(run_dir / "checkpoints"))

@@ -1,7 +1,7 @@
 """One attempt of a chaos trial (bench/chaos.py, tests/test_chaos.py): a short training run that
 an outside process may SIGKILL, SIGTERM or SIGINT at any moment, and then resume.
 
-    python chaos_run.py MODEL RUN_DIR OUT.safetensors PROGRESS.json [--resume]
+    python chaos_run.py MODEL RUN_DIR OUT.safetensors PROGRESS.json [--resume] [--hold PHASE:STEP --go FILE]
 
 MODEL is ``mlp``, ``cnn`` or ``transformer`` (the built-in models, with dropout). Data is synthetic
 and fixed by a NumPy seed; the loader shuffles, gradient accumulation is 2, validation runs every
@@ -10,10 +10,15 @@ time lands in a step, a validation or a background checkpoint save.
 
 PROGRESS.json tells the sender where the run is, rewritten atomically whenever that changes:
 ``{"step": last finished optimizer step or null before the first, "start_step": the step training
-started from, "validating": bool, "saving": bool, "finished": bool}`` (``finished``: train() has
-returned). ``step`` is written in ``on_batch_end``, so
-it is the step the run had reached. A run that goes to the end writes its final parameters to
-OUT and ``{"step", "start_step"}`` to OUT.json.
+started from, "validating": bool, "saving": bool, "finished": bool, "held": null or "PHASE:STEP"}``
+(``finished``: train() has returned). ``step`` is written in ``on_batch_end``, so it is the step the
+run had reached. A run that goes to the end writes its final parameters to OUT and
+``{"step", "start_step"}`` to OUT.json.
+
+``--hold PHASE:STEP`` stops the run at one chosen point until the file ``--go`` exists: PHASE is
+``step`` (the end of that optimizer step), ``validation`` (the validation run after that step) or
+``save`` (the background writer, about to write that step's checkpoint). The run then writes
+``"held"`` to PROGRESS.json, so a sender signals it at that point whatever the machine's speed.
 """
 
 import argparse
@@ -21,6 +26,7 @@ import json
 import os
 import signal
 import threading
+import time
 
 import mlx_train  # noqa: F401  (before mlx.core: BLAS preload)
 
@@ -46,7 +52,7 @@ class Progress:
     def __init__(self, path: str) -> None:
         self.path, self.lock = path, threading.Lock()
         self.fields = {"step": None, "start_step": None, "validating": False, "saving": False,
-                       "finished": False}
+                       "finished": False, "held": None}
 
     def update(self, **fields) -> None:
         with self.lock:
@@ -57,15 +63,32 @@ class Progress:
             os.replace(tmp, self.path)
 
 
+class Hold:
+    """Holds the run once at ``PHASE:STEP`` until the file ``go`` exists (no hold without a spec)."""
+
+    def __init__(self, spec: str | None, go: str | None, progress: Progress) -> None:
+        phase, _, step = (spec or ":").partition(":")
+        self.phase, self.step, self.go, self.progress = phase, int(step or -1), go, progress
+
+    def at(self, phase: str, step: int | None) -> None:
+        if phase != self.phase or step != self.step:
+            return
+        self.phase = None  # once
+        self.progress.update(held=f"{phase}:{step}")
+        while not os.path.exists(self.go):
+            time.sleep(0.005)
+
+
 class ReportProgress(Callback):
-    def __init__(self, progress: Progress) -> None:
-        self.progress = progress
+    def __init__(self, progress: Progress, hold: Hold) -> None:
+        self.progress, self.hold = progress, hold
 
     def on_fit_start(self, trainer) -> None:
         self.progress.update(start_step=trainer.step, step=trainer.step)
 
     def on_batch_end(self, trainer, step: int) -> None:
         self.progress.update(step=step)
+        self.hold.at("step", step)
 
     def on_validation_end(self, trainer, logs: dict) -> None:
         self.progress.update(validating=False)
@@ -74,8 +97,8 @@ class ReportProgress(Callback):
 class ValSet:
     """Map-style validation set that marks the run as validating when read."""
 
-    def __init__(self, arrays: dict, progress: Progress) -> None:
-        self.arrays, self.progress = arrays, progress
+    def __init__(self, arrays: dict, progress: Progress, hold: Hold) -> None:
+        self.arrays, self.progress, self.hold = arrays, progress, hold
 
     def __len__(self) -> int:
         return len(next(iter(self.arrays.values())))
@@ -83,18 +106,20 @@ class ValSet:
     def __getitem__(self, index: int):
         if index == 0:
             self.progress.update(validating=True)
+            self.hold.at("validation", self.progress.fields["step"])
         if "tokens" in self.arrays:
             return self.arrays["tokens"][index]
         return self.arrays["x"][index], self.arrays["y"][index]
 
 
-def mark_saves(progress: Progress) -> None:
+def mark_saves(progress: Progress, hold: Hold) -> None:
     """Mark the run as saving while the checkpoint writer writes (it runs in its own thread)."""
     write = CheckpointManager._write
 
     def marked(self, job):
         progress.update(saving=True)
         try:
+            hold.at("save", job.step)
             return write(self, job)
         finally:
             progress.update(saving=False)
@@ -134,10 +159,13 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("progress")
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--hold", metavar="PHASE:STEP", help="step, validation or save, and the step")
+    parser.add_argument("--go", metavar="FILE", help="a held run goes on once this file exists")
     args = parser.parse_args()
 
     progress = Progress(args.progress)
-    mark_saves(progress)
+    hold = Hold(args.hold, args.go, progress)
+    mark_saves(progress, hold)
     config = TrainConfig(
         batch_size=STEP_SAMPLES // ACCUMULATION, gradient_accumulation=ACCUMULATION, epochs=EPOCHS,
         optimizer="adamw", learning_rate=3e-3, warmup_steps=4, lr_schedule="cosine_decay",
@@ -148,8 +176,8 @@ def main() -> None:
     model, train, val = build(args.model)
     trainer = Trainer(model, build_optimizer(config), config=config)
     progress.update()  # the sender's signal window starts here
-    trainer.train(train, ValSet(val, progress), checkpoint_dir=os.path.join(args.run_dir, "checkpoints"),
-                  callbacks=[ReportProgress(progress)], resume="auto" if args.resume else None)
+    trainer.train(train, ValSet(val, progress, hold), checkpoint_dir=os.path.join(args.run_dir, "checkpoints"),
+                  callbacks=[ReportProgress(progress, hold)], resume="auto" if args.resume else None)
     progress.update(finished=True)  # train() has returned: its signal handlers are gone
     mx.save_safetensors(args.out, dict(tree_flatten(model.parameters())))
     with open(args.out + ".json", "w") as f:

@@ -1,11 +1,15 @@
 """A training run used by the exact-resume tests: dropout, shuffling, an LR schedule with
 warmup, gradient accumulation, EarlyStopping and ModelCheckpoint, checkpoints every 5 steps.
 
-    python resume_run.py RUN_DIR OUT.safetensors [--resume] [--slow SECONDS]
+    python resume_run.py RUN_DIR OUT.safetensors [--resume] [--hold-at STEP]
+
+``--hold-at STEP`` stops the run at the end of that step, after writing RUN_DIR/held, and waits to
+be killed: a test kills it there however fast or slow the machine is.
 """
 
 import argparse
 import json
+import os
 import time
 
 import mlx_train  # noqa: F401  (before mlx.core: BLAS preload)
@@ -21,14 +25,20 @@ from mlx_train.optim import build_optimizer
 from mlx_train.training import Callback, EarlyStopping, ModelCheckpoint, Trainer
 
 
-class Slow(Callback):
-    """Sleeps after each step so a test can kill the run mid-way (does not touch numerics)."""
+class HoldAt(Callback):
+    """Announces the end of step ``step`` in RUN_DIR/held and waits there to be killed (no numerics touched)."""
 
-    def __init__(self, seconds):
-        self.seconds = seconds
+    def __init__(self, step, run_dir):
+        self.step, self.run_dir = step, run_dir
 
     def on_batch_end(self, trainer, step):
-        time.sleep(self.seconds)
+        if step != self.step:
+            return
+        with open(os.path.join(self.run_dir, "held.tmp"), "w") as f:
+            f.write(str(step))
+        os.replace(os.path.join(self.run_dir, "held.tmp"), os.path.join(self.run_dir, "held"))
+        while True:
+            time.sleep(1)
 
 
 def main():
@@ -36,7 +46,7 @@ def main():
     parser.add_argument("run_dir")
     parser.add_argument("out")
     parser.add_argument("--resume", action="store_true")
-    parser.add_argument("--slow", type=float, default=0.0)
+    parser.add_argument("--hold-at", type=int, default=None)
     args = parser.parse_args()
 
     data = load_dataset("digits", seed=0)
@@ -51,8 +61,8 @@ def main():
         EarlyStopping(monitor="val_loss", patience=2, min_delta=0.03, restore_best_weights=True),
         ModelCheckpoint(f"{args.run_dir}/best.safetensors", monitor="val_accuracy", save_best_only=True),
     ]
-    if args.slow:
-        callbacks.append(Slow(args.slow))
+    if args.hold_at is not None:
+        callbacks.append(HoldAt(args.hold_at, args.run_dir))
     trainer = Trainer(model, build_optimizer(config), config=config)
     history = trainer.train(data["train"], data["val"], checkpoint_dir=f"{args.run_dir}/checkpoints",
                             callbacks=callbacks, resume="auto" if args.resume else None)

@@ -6,6 +6,10 @@ written last, ``manifest.json``: format version, step, metrics and the size and
 sha256 of every other file. No manifest, a missing file, a wrong size or a wrong
 checksum means the checkpoint is torn or corrupt.
 
+The per-epoch history grows with the run, so a checkpoint does not rewrite it: whole chunks of it
+live beside the checkpoints, in ``history/<sha256>.json``, each written once and naming the chunk
+before it; ``trainer_state.json`` names the newest chunk and holds only the entries after it.
+
 Example::
 
     arrays, state = load_checkpoint("runs/a/step-00000300")
@@ -14,6 +18,7 @@ Example::
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -31,6 +36,7 @@ _Store = LocalStore | FsspecStore  # what open_store returns
 FORMAT = "mlx-train-checkpoint"
 FORMAT_VERSION = 1
 STATE_FILE = "trainer_state.json"
+HISTORY_DIR = "history"
 STEP_DIR = re.compile(r"^step-(\d+)$")
 TMP_DIR = re.compile(r"^step-\d+\.tmp-")
 
@@ -246,3 +252,59 @@ def load_checkpoint(path: str,
     except Torn as torn:
         raise CheckpointError(explain(store, name, torn.reason)) from None
     return arrays, state
+
+
+def _json_scalar(value: Any) -> Any:
+    """A NumPy or MLX scalar as a Python number (json.dumps calls this for what it cannot write)."""
+    if getattr(value, "size", None) == 1 and getattr(value, "ndim", None) == 0:
+        return value.item()
+    raise TypeError(f"a {type(value).__name__} cannot be saved as JSON in the history: log numbers or strings")
+
+
+def write_history_chunk(location: str, previous: str | None, entries: dict[str, list[Any]]) -> str:
+    """Store a chunk of per-epoch history beside the checkpoints in ``location``; return its name.
+
+    The name is the sha256 of the content, which names the ``previous`` chunk: a chunk never
+    changes once written, and runs that branched off (a resume from an older checkpoint) keep theirs.
+
+    Example::
+
+        head = write_history_chunk("runs/a/checkpoints", None, {"epoch": [0, 1], "train_loss": [0.9, 0.7]})
+        read_history("runs/a/checkpoints", head)     # {"epoch": [0, 1], "train_loss": [0.9, 0.7]}
+    """
+    data = json.dumps({"previous": previous, "history": entries}, default=_json_scalar).encode()
+    name = hashlib.sha256(data).hexdigest()
+    store, rel = open_store(location), f"{HISTORY_DIR}/{name}.json"
+    if store.size(rel) != len(data):  # the same content may be there already (an earlier attempt)
+        store.makedirs(HISTORY_DIR)
+        store.write_bytes(rel, data)
+    return name
+
+
+def read_history(location: str, head: str | None, checkpoint: str = "") -> dict[str, list[Any]]:
+    """The history stored in the chunks ending at ``head`` (oldest entries first); {} for no chunk.
+
+    Raises CheckpointError naming ``checkpoint`` when a chunk is missing or damaged.
+    """
+    store, chunks = open_store(location), []
+    while head is not None:
+        rel = f"{HISTORY_DIR}/{head}.json"
+        try:
+            data = store.read_bytes(rel)
+        except (FileNotFoundError, OSError):
+            raise CheckpointError(
+                f"checkpoint {checkpoint} needs the history file {store.url(rel)}, which is missing: a checkpoint "
+                f"directory copied without the {HISTORY_DIR}/ folder beside it? Copy that folder too, or start "
+                "without --resume") from None
+        if hashlib.sha256(data).hexdigest() != head:
+            raise CheckpointError(f"checkpoint {checkpoint} needs the history file {store.url(rel)}, which is "
+                                  "damaged (its sha256 does not match its name); restore it from a copy, or resume "
+                                  "from a checkpoint of another run directory")
+        chunk = json.loads(data)
+        chunks.append(chunk["history"])
+        head = chunk["previous"]
+    history: dict[str, list[Any]] = {}
+    for chunk in reversed(chunks):
+        for key, values in chunk.items():
+            history.setdefault(key, []).extend(values)
+    return history

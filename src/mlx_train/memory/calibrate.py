@@ -32,7 +32,7 @@ from mlx_train.errors import ConfigError
 from mlx_train.memory.model import Curve, MemoryModel
 from mlx_train.training.state import rng_key, set_rng_key
 
-__all__ = ["measure", "Measurement", "measure_step", "take_samples"]
+__all__ = ["measure", "Measurement", "measure_step", "take_samples", "fit_budget"]
 
 
 @dataclass(frozen=True)
@@ -156,6 +156,19 @@ class _Runner:
             peaks.append(mx.get_peak_memory())
         return max(peaks) - baseline + held, min(times)
 
+    def first_peak(self, batch: Any) -> int:
+        """Peak bytes of the first step of this batch's shape (its compilation included), counting the
+        weights, optimizer state and batch: unlike later steps, the same number in every identical run."""
+        mx.eval(batch)
+        self.loop.running = self.steps.zero_running()
+        gc.collect()
+        mx.clear_cache()
+        baseline = mx.get_active_memory()
+        held = _nbytes(self.model.parameters()) + _nbytes(self.optimizer.state) + _nbytes(batch)
+        mx.reset_peak_memory()
+        self.loop.running = self.steps(self.loop, batch)
+        return int(mx.get_peak_memory() - baseline + held)
+
 
 def measure_step(model: nn.Module, batch: Any, *, optimizer: Any = "adamw", loss_fn: Callable | None = None,
                  precision: str = "float32", checkpoint_modules: Sequence[str] | None = None,
@@ -179,6 +192,51 @@ def measure_step(model: nn.Module, batch: Any, *, optimizer: Any = "adamw", loss
         set_rng_key(key)
 
     return Measurement(batch_size_of(batch), gradient_checkpointing, int(peak), seconds)
+
+
+def fit_budget(model: nn.Module, batch: Any, budget: float, *, optimizer: Any, loss_fn: Callable | None = None,
+               precision: str = "float32", accumulation: int = 1) -> tuple[int, MemoryModel]:
+    """The largest micro-batch of ``batch`` whose step is expected to peak within ``budget`` bytes, and
+    the memory model that says so.
+
+    Real first steps at micro-batches 1, 2, 4, ... measure the model (as ``measure`` does, the model,
+    optimizer and random state are left as they were); the doubling stops before a micro-batch the
+    points so far say would not fit, so no measured step goes far over the budget. No clock decides
+    anything: identical runs plan the same. 0 means not even one sample fits.
+
+    Example::
+
+        largest, profile = fit_budget(model, (x[:256], y[:256]), 2e9, optimizer=optimizer, accumulation=2)
+    """
+    from mlx_train.training.losses import batch_size_of
+
+    full, key = batch_size_of(batch), rng_key()
+    runner = _Runner(model, optimizer, loss_fn, precision)
+    points: list[tuple[int, float]] = []
+    try:
+        size = 1
+        while True:
+            points.append((size, runner.first_peak(take_samples(batch, size))))
+            following = min(2 * size, full)
+            if following == size or _steady(points):
+                break
+            slope = (points[-1][1] - points[-2][1]) / (points[-1][0] - points[-2][0]) if len(points) > 1 else 0.0
+            if points[-1][1] + 2 * max(slope, 0.0) * (following - size) > budget:
+                break  # twice the growth seen so far: the growth per sample may still be rising
+            size = following
+    finally:
+        runner.close()
+        set_rng_key(key)
+    params = sum(v.size for _, v in tree_flatten(model.parameters()))
+    trainable = sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
+    profile = MemoryModel(params, precision, type(runner.optimizer).__name__.lower(), runner.optimizer_bytes,
+                          {False: _fit(points)}, "measured", f"{type(model).__name__}, first steps at "
+                          f"micro-batches 1 to {size}", parameter_bytes=runner.parameter_bytes,
+                          trainable_count=trainable, input_bytes=_nbytes(batch) / max(1, full))
+    del runner
+    gc.collect()
+    mx.clear_cache()
+    return min(full, profile.max_batch_size(budget, accumulation)), profile
 
 
 def _fit(points: list[tuple[int, float]]) -> Curve:

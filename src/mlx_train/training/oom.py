@@ -9,9 +9,18 @@ model, optimizer and random state back as they were before the step (nothing of 
 applied) and retries the **same** step batch with half the micro-batch and twice the
 accumulation, so the effective batch and the result stay the same; at a micro-batch of one it
 turns on gradient checkpointing; only then does it fail, with an ``OutOfMemoryError`` that says
-what to try. With a memory budget (``memory_limit``) it reads MLX's peak-memory counter after
-every step and treats a step over the budget the same way (that step is kept: it did finish).
-In a distributed run every rank votes after every step, so all ranks take the same decision.
+what to try.
+
+With a memory budget (``memory_limit``) the first step already keeps to it: before it, real steps at
+micro-batches 1, 2, 4, ... (each undone) measure how the step's memory grows, stopping before one
+that would not fit, and the guard starts from the largest micro-batch (same effective batch) that
+this line says fits. Then the first step of each batch shape and settings is measured, and one over
+the budget is treated as above (that step is kept: it did finish). Decisions come only from such
+first steps, measured as the growth over the memory held before them plus what the run held when
+it started, which identical runs measure alike (later steps of a shape vary by the order in which
+MLX frees buffers): two identical runs shrink at the same step, and the checkpoint records what
+was measured, so a resumed run takes the same decisions. In a distributed run every rank votes
+after every step, so all ranks take the same decision.
 
 A step can be undone when the guard kept the state of before it. Keeping it costs a little (MLX
 cannot update those buffers in place), so the guard keeps it where running out of memory is
@@ -32,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import types
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -170,6 +180,11 @@ class MemoryGuard:
         self.checkpointing = bool(settings.get("gradient_checkpointing", False))
         self.step_batch: int | None = settings.get("step_batch")
         self.events: list[dict[str, Any]] = list(settings.get("events", []))
+        # Under a budget: the plan before the first step is made once; the memory the run held when it
+        # started; the (shape, settings) whose first step was measured.
+        self.planned = bool(settings.get("planned", False))
+        self.resident: int | None = settings.get("resident")
+        self.checked: list[str] = list(settings.get("checked", []))
         voting = group is not None and group.size() > 1 and (policy.recover or policy.budget is not None)
         self.group = group if voting else None
         self.hooks: list[Callable[[Any], None]] = []  # called with each new step function
@@ -189,6 +204,8 @@ class MemoryGuard:
         # every step (MLX cannot update those buffers in place), so it is kept only where running out
         # of memory is plausible: the first steps of each batch shape and settings, steps after ones
         # that used over half the memory there is, and every step once memory has proved tight.
+        if not self.planned and (self.policy.budget is not None or self.group is not None):
+            self._plan(state, batch)
         shape = _shape(batch)
         if self._runs.get(shape, 0) >= WARMUP and not (self._always or self._tight or self.events):
             try:  # the common case: a known shape well within memory, no budget, no group to vote with
@@ -222,8 +239,9 @@ class MemoryGuard:
         """Run the step once: ``(running, None)``, or ``(None, why)`` when it ran out of memory here or,
         in a distributed run, on any rank. A step over the budget is kept, and the next ones shrink."""
         budget = self.policy.budget
-        if budget is not None:
-            mx.reset_peak_memory()
+        key = f"{_shape(batch)} x{self.accumulation}{' checkpointed' if self.checkpointing else ''}"
+        measured = budget is not None and key not in self.checked
+        before = self._measure_from() if measured else 0
         try:
             result, failure = self.step(state, batch), None
         except MLXTrainError:
@@ -232,14 +250,18 @@ class MemoryGuard:
             if not is_out_of_memory(error):
                 raise
             result, failure = None, str(error)  # leaving the except block drops the failed step's arrays
-        peak = mx.get_peak_memory() if budget is not None and failure is None else 0
+        peak = 0
+        if measured and failure is None:
+            peak = mx.get_peak_memory() - before + (self.resident or 0)
+            self.checked.append(key)
+            state.micro_batch = self.settings()
         over = here = peak > (budget or 0)
         if self.group is not None:  # every rank votes after every step, so that they stay in step
             over, failed = self._vote(here, failure is not None)
             if failed and failure is None:
                 result, failure = None, "another rank ran out of memory"
         if over and failure is None:
-            reason = (f"peak memory {format_bytes(peak)} is over the memory_limit budget of "
+            reason = (f"peak memory {format_bytes(int(peak))} is over the memory_limit budget of "
                       f"{format_bytes(budget or 0)}" if here else "another rank went over its memory_limit")
             self._shrink(state, batch, reason, kept=True)
         return result, failure
@@ -274,7 +296,8 @@ class MemoryGuard:
     def settings(self) -> dict[str, Any]:
         """What the loop state records (and a resume starts from)."""
         return {"split": self.split, "gradient_checkpointing": self.checkpointing, "step_batch": self.step_batch,
-                "batch_size": self.batch_size, "gradient_accumulation": self.accumulation, "events": self.events}
+                "batch_size": self.batch_size, "gradient_accumulation": self.accumulation, "events": self.events,
+                "planned": self.planned, "resident": self.resident, "checked": list(self.checked)}
 
     def _bind(self) -> None:
         """(Re)build the step function for the current settings."""
@@ -283,6 +306,78 @@ class MemoryGuard:
         self._runs: dict[tuple[Any, ...], int] = {}  # completed steps per batch shape, with these settings
         for hook in self.hooks:
             hook(self.step)
+
+    # -- the budget ---------------------------------------------------------------------
+
+    def _measure_from(self) -> int:
+        """Start measuring a step: reset MLX's peak counter; returns the memory held now."""
+        if self.resident is None:
+            self.resident = mx.get_active_memory()
+        mx.reset_peak_memory()
+        return mx.get_active_memory()
+
+    def _plan(self, state: Any, batch: Any) -> None:
+        """Before the first step under a budget: start from the largest micro-batch expected to fit. In a
+        distributed run every rank plans when any has a budget, and all take the smallest micro-batch."""
+        self.planned = True
+        if self.group is not None and not any_rank(self.policy.budget is not None, self.group):
+            return
+        full = math.ceil(batch_size_of(batch) / self.accumulation)
+        points = self._probe(batch, full)
+        budget = self.policy.budget or math.inf
+        grad_sum = _trainable_bytes(self.step)  # the running gradient sum, once micro-batches add up
+
+        def expected(size: int, accumulation: int) -> float:
+            (b0, p0), (b1, p1) = (points[-2] if len(points) > 1 else (0, points[-1][1])), points[-1]
+            slope = max((p1 - p0) / (b1 - b0), 0.0) if b1 > b0 else 0.0
+            return p1 + slope * (size - b1) + (grad_sum if accumulation > 1 else 0)
+
+        split, size = 1, full
+        while size > 1 and expected(size, self.accumulation * split) > budget:
+            split, size = split * 2, math.ceil(full / (split * 2))
+        mine, split = split, _largest(split, self.group)
+        if split == 1:
+            return
+        self.step_batch, self.split = batch_size_of(batch), self.split * split
+        self._bind()
+        reason = (f"the memory model measured before the first step expects micro-batch {full} to peak at "
+                  f"{format_bytes(int(expected(full, self.base_accumulation)))}, over the memory_limit budget "
+                  f"of {format_bytes(int(budget))}" if mine == split else
+                  "another rank went over its memory_limit (by the memory model measured before the first step)")
+        self.events.append({"step": state.step + 1, "reason": reason, "batch_size": self.batch_size,
+                            "gradient_accumulation": self.accumulation,
+                            "gradient_checkpointing": self.checkpointing})
+        state.micro_batch = self.settings()
+        self.log(f"{reason}; starting with micro-batch {self.batch_size} x accumulation {self.accumulation} "
+                 "(same effective batch)")
+
+    def _probe(self, batch: Any, full: int) -> list[tuple[int, float]]:
+        """(micro-batch, expected peak) of real first steps at micro-batches 1, 2, 4, ... below ``full``,
+        each undone; it stops before one that the growth so far says would not fit."""
+        probe = self.build(1, self.checkpointing)
+        slots = array_slots(probe.state, [])
+        saved, key = [container[name] for container, name in slots], mx.random.state[0]  # type: ignore[index]
+        points: list[tuple[int, float]] = []
+        size, budget = 1, self.policy.budget or math.inf
+        try:
+            while True:
+                before = self._measure_from()
+                probe(types.SimpleNamespace(running=probe.zero_running()), _head(batch, size))
+                points.append((size, mx.get_peak_memory() - before + (self.resident or 0)))
+                following = min(2 * size, full)
+                (b0, p0), (b1, p1) = points[-2] if len(points) > 1 else points[-1], points[-1]
+                growth = (p1 - p0) / (b1 - b0) if b1 > b0 else 0.0
+                stop = following == size or points[-1][1] + 2 * max(growth, 0.0) * (following - size) > budget
+                if any_rank(stop, self.group):
+                    break
+                size = following
+        finally:
+            for (container, name), value in zip(slots, saved, strict=False):
+                container[name] = value
+            set_rng_key(key.tolist())
+            del probe
+            mx.clear_cache()
+        return points
 
     # -- recovery -----------------------------------------------------------------------
 
@@ -340,6 +435,28 @@ class MemoryGuard:
         lines = [f"out of memory at step {step}: {reason}; tried down to {tried}. What to try:"]
         lines += [f"  - {tip}" for tip in _advice(self.step, self.policy.budget)]
         return OutOfMemoryError("\n".join(lines))
+
+
+def _largest(value: int, group: Any = None) -> int:
+    """The largest ``value`` over the ranks of ``group`` (every rank must call it); ``value`` alone."""
+    if group is None or group.size() == 1:
+        return value
+    values = mx.distributed.all_gather(mx.array([value], dtype=mx.int32), group=group, stream=mx.cpu)
+    return int(values.max().item())  # type: ignore[arg-type]  # an int32 scalar
+
+
+def _head(batch: Any, size: int) -> Any:
+    """The first ``size`` samples of a batch (tuple, list or dict of arrays)."""
+    if isinstance(batch, dict):
+        return {k: v[:size] for k, v in batch.items()}
+    return type(batch)(v[:size] for v in batch)
+
+
+def _trainable_bytes(step: Any) -> int:
+    """Bytes of the trainable parameters: what a float32 gradient sum takes."""
+    from mlx.utils import tree_flatten
+
+    return sum(4 * v.size for _, v in tree_flatten(step.model.trainable_parameters()))
 
 
 def _advice(step: Any, budget: int | None) -> list[str]:

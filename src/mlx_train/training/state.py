@@ -7,7 +7,8 @@ window. ``capture`` turns it (with the model, optimizer, loader and callbacks) i
 group plus a JSON document; ``restore`` puts all of it back **in place**: every array is written
 into the container that already holds it, so the compiled step (which captured those
 containers) keeps working, and trees of any structure round-trip — frozen or parameterless
-submodules leave empty subtrees that a flattened copy would lose.
+submodules leave empty subtrees that a flattened copy would lose. The history reaches a checkpoint
+in chunks (``HistoryChunks``), so what a save writes does not grow with the epochs run.
 
 Example::
 
@@ -26,10 +27,14 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from mlx_train.checkpointing.format import read_history, write_history_chunk
+from mlx_train.checkpointing.storage import split_location
 from mlx_train.errors import CheckpointError
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: the history in chunk files beside the checkpoints
 RUNNING_KEYS = ("loss_sum", "items")
+#: History entries (per key) a checkpoint's trainer_state.json holds at most; older ones are in chunk files.
+HISTORY_CHUNK = 64
 
 
 def rng_key() -> list[int]:
@@ -109,6 +114,47 @@ def load_weights(model: Any, path: str, weights: dict[str, mx.array]) -> None:
 
 
 @dataclass
+class HistoryChunks:
+    """The part of the history already stored in chunk files beside the checkpoints (see
+    ``mlx_train.checkpointing.format``): the newest chunk's name, how many entries of each key the
+    chunks hold, and the checkpoint directory they are in.
+
+    Example::
+
+        chunks = HistoryChunks()
+        head, tail = chunks.split(history, "runs/a/checkpoints")   # tail: at most HISTORY_CHUNK entries a key
+    """
+
+    head: str | None = None
+    stored: dict[str, int] = field(default_factory=dict)
+    location: str | None = None
+
+    def split(self, history: dict[str, list[Any]], location: str) -> tuple[str | None, dict[str, list[Any]]]:
+        """(newest chunk, the entries after it) for a checkpoint saved in ``location``. Once the entries
+        after the newest chunk reach ``HISTORY_CHUNK``, they are written as the next chunk first."""
+        location = location.rstrip("/")
+        if location != self.location:  # a checkpoint names chunks in its own directory
+            self.head, self.stored, self.location = None, {}, location
+        tail = {key: values[self.stored.get(key, 0):] for key, values in history.items()}
+        if max(map(len, tail.values()), default=0) >= HISTORY_CHUNK:
+            self.head = write_history_chunk(location, self.head, tail)
+            self.stored = {key: len(values) for key, values in history.items()}
+            tail = {key: [] for key in history}
+        return self.head, tail
+
+    @classmethod
+    def restore(cls, path: str, state: dict[str, Any]) -> tuple[HistoryChunks, dict[str, list[Any]]]:
+        """(the chunks, the whole history) of the checkpoint at ``path`` with the JSON ``state``."""
+        location = split_location(path)[0].rstrip("/")
+        head = state.get("history_chunk")
+        history = read_history(location, head, path)
+        chunks = cls(head, {key: len(values) for key, values in history.items()}, location)
+        for key, values in state["history"].items():
+            history.setdefault(key, []).extend(values)
+        return chunks, history
+
+
+@dataclass
 class LoopState:
     """The Trainer's loop state (see the module docstring).
 
@@ -132,6 +178,7 @@ class LoopState:
     loss_scale: dict[str, mx.array] = field(default_factory=lambda: {"scale": mx.array(1.0),
                                                                       "good_steps": mx.array(0)})
     base_model: dict[str, Any] | None = None
+    history_chunks: HistoryChunks = field(default_factory=HistoryChunks)
 
     def reset_running(self, zero: dict[str, mx.array]) -> None:
         """Start a new epoch's sums."""
@@ -141,11 +188,16 @@ class LoopState:
     # -- checkpoints ----------------------------------------------------------------------
 
     def capture(self, model: Any, optimizer: Any, loader: Any, callbacks: Any, config: Any,
-                running: dict[str, float],
-                world_size: int = 1) -> tuple[dict[str, dict[str, mx.array]], dict[str, Any]]:
-        """Return (arrays by group, JSON state). ``running`` holds the epoch's sums over every rank."""
+                running: dict[str, float], world_size: int = 1,
+                directory: str | None = None) -> tuple[dict[str, dict[str, mx.array]], dict[str, Any]]:
+        """Return (arrays by group, JSON state). ``running`` holds the epoch's sums over every rank.
+
+        With the checkpoint ``directory`` the state holds only the newest history entries and names
+        the chunk file there that holds the others (written first when due); without it, the whole history.
+        """
         from mlx_train import __version__
 
+        head, history = self.history_chunks.split(self.history, directory) if directory else (None, self.history)
         cb_json, cb_arrays = callbacks.state()
         arrays = {
             "model": saved_parameters(model),
@@ -162,7 +214,8 @@ class LoopState:
             "epoch_done": self.epoch_done,
             "loader": loader.state_dict() if hasattr(loader, "state_dict") else None,
             "rng_key": rng_key(),
-            "history": self.history,
+            "history": history,
+            "history_chunk": head,
             "stop_training": self.stop_training,
             "running": running,
             "report_base": self.report_base,
@@ -185,12 +238,13 @@ class LoopState:
                 callbacks: Any, rank: int = 0) -> None:
         """Put a captured state back, in place. Off rank 0 the running sums start at zero (rank 0's
         hold the sums over every rank)."""
-        if state.get("format_version") not in (1, FORMAT_VERSION):
+        if state.get("format_version") not in range(1, FORMAT_VERSION + 1):
             raise CheckpointError(
                 f"checkpoint {path} has format version {state.get('format_version')}; this mlx-train reads "
-                f"versions 1 and {FORMAT_VERSION}"
+                f"versions 1 to {FORMAT_VERSION}: upgrade mlx-train to read it"
             )
         self._check_base_model(path, state.get("base_model"))
+        chunks, history = HistoryChunks.restore(path, state)  # before anything changes: it may be missing
         load_weights(model, path, dict(arrays["model"]))
         current = dict(tree_flatten(optimizer.state))
         check_keys(path, "optimizer", arrays["optimizer"], current)
@@ -200,7 +254,7 @@ class LoopState:
         self.step = state["step"]
         self.epoch = state.get("loop_epoch", state["epoch"])
         self.epoch_done = state.get("epoch_done", False)
-        self.history = state["history"]
+        self.history_chunks, self.history = chunks, history
         self.stop_training = state.get("stop_training", False)
         running = state["running"]
         self.running = {k: mx.array(0.0 if rank and k in RUNNING_KEYS else v) for k, v in running.items()}

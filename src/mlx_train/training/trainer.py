@@ -361,7 +361,7 @@ class Trainer:
         running = {k: float(v.item()) for k, v in state.running.items()}  # type: ignore[arg-type]  # real scalars
         running.update(totals)
         arrays, saved = state.capture(self.model, self.optimizer, loader, callbacks, self.config, running,
-                                      self.group.size() if self.group is not None else 1)
+                                      self.group.size() if self.group is not None else 1, checkpoints.directory)
         path = checkpoints.save(state.step, arrays, saved, metrics=state.last_val)
         callbacks.call("on_checkpoint", self, path)
         meter.resume(checkpoint=True)
