@@ -4,6 +4,7 @@ step once, and the train / finetune command lines reaching the trackers."""
 
 import json
 import os
+import shutil
 import signal
 import socket
 import struct
@@ -73,9 +74,18 @@ def _train(run_dir, callbacks=(), resume=None, **options):
     return trainer
 
 
+@pytest.fixture(scope="module")
+def empty_store(tmp_path_factory):
+    """An MLflow SQLite store with its tables made (seconds of work, done once and copied)."""
+    path = tmp_path_factory.mktemp("mlflow") / "empty.db"
+    MlflowClient(f"sqlite:///{path}").search_experiments()
+    return path
+
+
 @pytest.fixture
-def mlflow_db(tmp_path, monkeypatch):
+def mlflow_db(tmp_path, monkeypatch, empty_store):
     monkeypatch.chdir(tmp_path)  # MLflow's artifacts go to ./mlruns
+    shutil.copy(empty_store, tmp_path / "mlflow.db")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
     return MlflowClient()
 
@@ -127,6 +137,16 @@ def test_a_resumed_run_continues_the_mlflow_run_with_each_step_once(tmp_path, ml
         got, want = _history(mlflow_db, run.info.run_id, key), _history(mlflow_db, expected.info.run_id, key)
         assert [s for s, _ in got] == [s for s, _ in want], key  # each step once
         assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=1e-6), key
+
+
+def test_resuming_a_run_the_mlflow_store_does_not_hold_says_which_uri(tmp_path, mlflow_db, monkeypatch, empty_store):
+    with pytest.raises(TrainingInterrupted):
+        _train(tmp_path / "b", [StopAt(7, "sigterm")])
+    shutil.copy(empty_store, tmp_path / "other.db")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/other.db")
+    with pytest.raises(ConfigError, match=r"MLflow run \w+ of the checkpoint is not at sqlite:///.*other.db.*"
+                                          "resume with the MLFLOW_TRACKING_URI of the first run"):
+        _train(tmp_path / "b", resume="auto")
 
 
 def test_only_the_main_process_reports(tmp_path, mlflow_db):
@@ -256,6 +276,20 @@ def test_a_tracker_that_is_not_installed_names_the_pip_command(tracker, monkeypa
     logger = {"wandb": WandbLogger, "mlflow": MLflowLogger}[tracker]
     with pytest.raises(ConfigError, match=rf"pip install 'mlx-train\[{tracker}\]'"):
         logger()
+
+
+def test_the_train_command_names_the_pip_command_of_a_missing_tracker(tmp_path, monkeypatch, capsys):
+    from mlx_train.cli.main import main
+
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    assert main(["train", "--max-steps", "2", "--run-dir", str(tmp_path / "run"), "--report-to", "wandb"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "pip install 'mlx-train[wandb]'" in err
+
+
+def test_report_to_tensorboard_writes_event_files_in_the_run_directory(tmp_path):
+    _train(tmp_path / "a", report_to=["tensorboard"], max_steps=3)
+    assert any(name.startswith("events.out.tfevents") for name in os.listdir(tmp_path / "a" / "tensorboard"))
 
 
 def test_report_to_from_yaml_and_flags(tmp_path):

@@ -98,9 +98,11 @@ class Tracker(Callback):
         self.run_name = self.run_name or config.run_name or (os.path.basename(os.path.normpath(config.run_dir))
                                                               if config.run_dir else None)
         # A fresh start (step 0) never reuses a run; a resume continues the checkpoint's run.
-        self.run_id = self.open_run(trainer, self.run_id if trainer.step > 0 else None)
+        continued = self.run_id if trainer.step > 0 else None
+        self.run_id = self.open_run(trainer, continued)
         self._open = True
         self.log_params(config.to_dict())
+        trainer.log(f"{type(self).__name__}: {'continuing' if continued else 'started'} run {self.run_id}")
 
     def on_report(self, trainer: Trainer, logs: dict[str, Any]) -> None:
         self._log(metric_values("train", logs), trainer.step)
