@@ -43,7 +43,7 @@ class Grab(Callback):
 
 
 class StopAt(Callback):
-    """Ends a run at ``step``: with an exception (a crash) or with SIGTERM (the interrupt path)."""
+    """Ends a run at ``step``: with an exception (a crash), SIGTERM (the interrupt path) or SIGKILL."""
 
     def __init__(self, step, how):
         self.step, self.how = step, how
@@ -52,7 +52,7 @@ class StopAt(Callback):
         if step == self.step:
             if self.how == "crash":
                 raise RuntimeError("crash")
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGKILL if self.how == "sigkill" else signal.SIGTERM)
 
 
 def _data():
@@ -133,10 +133,32 @@ def test_a_resumed_run_continues_the_mlflow_run_with_each_step_once(tmp_path, ml
     _train(tmp_path / "b", resume="auto" if how == "sigterm" else str(tmp_path / "b" / "ckpt" / "step-00000006"))
     (run,) = _runs(mlflow_db)  # the same run, continued
     assert run.info.run_id == stopped.info.run_id and run.info.status == "FINISHED"
+    _assert_same_metrics(mlflow_db, run.info.run_id, expected.info.run_id)
+
+
+def _assert_same_metrics(client, run_id, expected_id):
     for key in ("train/loss", "train/learning_rate", "val/loss", "val/accuracy", "epoch/train_loss"):
-        got, want = _history(mlflow_db, run.info.run_id, key), _history(mlflow_db, expected.info.run_id, key)
+        got, want = _history(client, run_id, key), _history(client, expected_id, key)
         assert [s for s, _ in got] == [s for s, _ in want], key  # each step once
         assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=1e-6), key
+
+
+@pytest.mark.slow
+def test_a_sigkilled_run_resumes_into_the_same_mlflow_run_with_each_step_once(tmp_path, mlflow_db):
+    _train(tmp_path / "whole", project_name="whole")
+    (expected,) = _runs(mlflow_db, "whole")
+    script = ("import sys, pathlib; sys.path.insert(0, sys.argv[1]); import test_tracking as t; "
+              "t._train(pathlib.Path(sys.argv[2]), [t.StopAt(10, 'sigkill')])")
+    proc = subprocess.run([sys.executable, "-c", script, os.path.dirname(__file__), str(tmp_path / "b")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    (killed,) = _runs(mlflow_db)
+    assert killed.info.status == "RUNNING"  # nobody could close it
+    assert [s for s, _ in _history(mlflow_db, killed.info.run_id, "train/loss")] == [3, 6, 8, 9]  # 8, 9: after step 6
+    _train(tmp_path / "b", resume="auto")
+    (run,) = _runs(mlflow_db)
+    assert run.info.run_id == killed.info.run_id and run.info.status == "FINISHED"
+    _assert_same_metrics(mlflow_db, run.info.run_id, expected.info.run_id)
 
 
 def test_resuming_a_run_the_mlflow_store_does_not_hold_says_which_uri(tmp_path, mlflow_db, monkeypatch, empty_store):
