@@ -191,8 +191,8 @@ class MLflowLogger(Tracker):
 
         # MLflow refuses to change a parameter: a resumed run keeps those of its start, and adds new ones.
         new = [Param(k, _param_text(v)) for k, v in params.items() if k not in self._params]
-        if new:
-            self._client.log_batch(self.run_id, params=new)
+        for start in range(0, len(new), 100):  # MLflow takes at most 100 parameters per batch
+            self._client.log_batch(self.run_id, params=new[start:start + 100])
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         import time
