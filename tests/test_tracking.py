@@ -171,10 +171,11 @@ def test_resuming_a_run_the_mlflow_store_does_not_hold_says_which_uri(tmp_path, 
         _train(tmp_path / "b", resume="auto")
 
 
-def test_only_the_main_process_reports(tmp_path, mlflow_db):
-    class OtherRank:
+@pytest.mark.parametrize("rank", [0, 1])
+def test_only_the_main_process_reports(tmp_path, mlflow_db, rank):
+    class Group:  # the process group of a distributed run, as seen by one rank
         def rank(self):
-            return 1
+            return rank
 
         def size(self):
             return 1
@@ -182,10 +183,13 @@ def test_only_the_main_process_reports(tmp_path, mlflow_db):
     mx.random.seed(0)
     trainer = Trainer(nn.Linear(6, 2), optim.Adam(1e-2), batch_size=16,
                       config=TrainConfig(report_to=["mlflow"], project_name="tests", report_every="3 steps"))
-    trainer.group = OtherRank()
+    trainer.group = Group()
     x, y = _data()
-    trainer.train((x, y), epochs=1)
-    assert mlflow_db.get_experiment_by_name("tests") is None
+    trainer.train((x, y), epochs=1, callbacks=[MLflowLogger(project_name="explicit")])
+    for experiment in ("tests", "explicit"):  # from report_to, and passed as a callback
+        found = mlflow_db.get_experiment_by_name(experiment)
+        runs = mlflow_db.search_runs([found.experiment_id]) if found else []
+        assert len(runs) == (1 if rank == 0 else 0), experiment
 
 
 # ----- W&B, offline: its run files read back -------------------------------------------------
