@@ -62,6 +62,7 @@ SPEC_FIELDS = {
     "checksum_every": ("int | None", None), "checksum_action": ("str", "raise"), "run_dir": ("str | None", None),
     "checkpoint_dir": ("str | None", None), "model": ("str", "mlp"), "model_options": ("dict", {}),
     "dataset": ("str", "digits"), "dataset_options": ("dict", {}),
+    "report_to": ("list", []), "project_name": ("str | None", None), "run_name": ("str | None", None),
 }
 
 

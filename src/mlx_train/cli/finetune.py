@@ -34,7 +34,7 @@ FLAGS = {
     "--steps-per-eval": "steps_per_eval", "--grad-accumulation-steps": "grad_accumulation_steps",
     "--resume-adapter-file": "resume_adapter_file", "--adapter-path": "adapter_path", "--save-every": "save_every",
     "--test-batches": "test_batches", "--max-seq-length": "max_seq_length", "--seed": "seed",
-    "--run-dir": "run_dir", "--resume": "resume",
+    "--run-dir": "run_dir", "--resume": "resume", "--report-to": "report_to", "--project-name": "project_name",
 }
 SWITCHES = {"--mask-prompt": "mask_prompt", "--test": "test", "--grad-checkpoint": "grad_checkpoint",
             "--pack": "pack", "--quantized": "quantized", "--overwrite": "overwrite"}

@@ -30,6 +30,9 @@ FLAGS: dict[str, str] = {
     "--dataset": "dataset",
     "--run-dir": "run_dir",
     "--max-restarts": "max_restarts",
+    "--report-to": "report_to",
+    "--project-name": "project_name",
+    "--run-name": "run_name",
 }
 # Other spellings of a dedicated flag (mlx_lm's scripts say --learning-rate).
 FLAG_ALIASES: dict[str, tuple[str, ...]] = {"--lr": ("--learning-rate",)}

@@ -65,7 +65,10 @@ BACKEND_CHOICES = ("auto",) + BACKENDS
 
 _YAML_HEADER = "mlx-train configuration (TrainConfig), by section"
 #: The YAML sections, in the order ``to_yaml`` writes them.
-SECTIONS = ("training", "optimizer", "checkpoint", "memory", "distributed", "data", "model")
+SECTIONS = ("training", "optimizer", "checkpoint", "memory", "distributed", "data", "model", "tracking")
+
+#: The experiment trackers ``report_to`` names (``mlx_train.training.trackers``).
+TRACKERS = ("tensorboard", "wandb", "mlflow")
 
 # Metric-name words that say which way is better; a word is a run of letters and digits.
 _HIGHER = re.compile(r"acc\w*|f\d*|f1\w*|precision|recall|auc\w*|ap|map|ndcg\w*|bleu\w*|rouge\w*|iou|miou|"
@@ -138,6 +141,19 @@ def _mixed_precision(value: Any) -> str:
     return "bfloat16" if value else "float32"
 
 
+def _trackers(value: Any) -> list[str]:
+    """``report_to``: a list, or mlx-lm's comma-separated text (``"wandb,mlflow"``); ``"none"`` is no tracker."""
+    names = value.split(",") if isinstance(value, str) else value
+    if not isinstance(names, (list, tuple)):
+        raise Invalid(f"must be a list of trackers ({', '.join(TRACKERS)}), got {value!r}")
+    names = [str(name).strip().lower() for name in names if str(name).strip().lower() not in ("", "none")]
+    for name in names:
+        if name not in TRACKERS:
+            raise Invalid(f"names an unknown tracker {name!r}{did_you_mean(name, TRACKERS)}: "
+                          f"the trackers are {', '.join(TRACKERS)}")
+    return list(dict.fromkeys(names))
+
+
 def _epochs_if_number(value: Any) -> Any:
     # The seed schema counts checkpoint_frequency in epochs; "500 steps" passes through.
     return f"{value} epochs" if isinstance(value, int) and not isinstance(value, bool) else value
@@ -150,6 +166,7 @@ in_memory = partial(option, section="memory")
 in_distributed = partial(option, section="distributed")
 in_data = partial(option, section="data")
 in_model = partial(option, section="model")
+in_tracking = partial(option, section="tracking")
 
 
 @dataclass
@@ -157,7 +174,7 @@ class TrainConfig:
     """All training options, flat: ``config.batch_size``, ``TrainConfig(precision="bf16")``.
 
     Each field says which YAML section it belongs to (training, optimizer, checkpoint, memory,
-    distributed, data, model); values are converted and checked whenever a config is made.
+    distributed, data, model, tracking); values are converted and checked whenever a config is made.
 
     Example::
 
@@ -298,6 +315,14 @@ class TrainConfig:
     model: str = in_model("mlp", "Built-in model the CLI trains (YAML: model.name).", key="name")
     model_options: dict = in_model({}, "Keyword arguments of the built-in model (YAML: the other keys of model:).",  # type: ignore[type-arg]
                                 other_keys=True)
+
+    # ----- tracking: experiment trackers (mlx-lm's --report-to, Hugging Face's report_to) -----
+    report_to: list = in_tracking([], "Experiment trackers that receive the config, the metrics and the final "  # type: ignore[type-arg]
+                                      "weights: tensorboard, wandb, mlflow (a list, or comma-separated).",
+                                  parse=_trackers)
+    project_name: str | None = in_tracking(None, "Tracker project (W&B project, MLflow experiment; null: the "
+                                                 "tracker's default).")
+    run_name: str | None = in_tracking(None, "Name of the run in the trackers (null: the run directory's name).")
 
     def __post_init__(self) -> None:
         check_fields(self)

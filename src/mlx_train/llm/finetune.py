@@ -68,15 +68,21 @@ class FineTuneConfig:
     quantized: bool | None = _f(None, "Keep a quantized base quantized (QLoRA). Default: keep it on a GPU, "
                                 "dequantize to float32 on a CPU (quantized matmuls are slow there).")
     num_workers: int = _f(1, "Background threads that prepare batches.")
+    report_to: str | None = _f(None, "Trackers for the config, metrics and adapters: wandb, mlflow, tensorboard, "
+                                     "comma-separated.")
+    project_name: str | None = _f(None, "Tracker project (W&B project, MLflow experiment).")
 
     # mlx_lm.lora YAML keys that have no effect here (accepted so its files load as they are).
-    IGNORED = ("train", "config", "report_to", "project_name", "optimizer_config", "clear_cache_threshold",
-               "trust_remote_code", "wandb")
+    IGNORED = ("train", "config", "optimizer_config", "clear_cache_threshold", "trust_remote_code")
 
     @classmethod
     def from_dict(cls, values: dict, where: str = "config") -> FineTuneConfig:
         """Build from a dict (e.g. an mlx_lm.lora YAML); unknown keys are an error."""
         names = [f.name for f in dataclasses.fields(cls)]
+        if values.get("wandb"):  # older mlx_lm.lora files: "wandb: PROJECT" reports to W&B
+            values = {**values, "report_to": ",".join(filter(None, [values.get("report_to"), "wandb"])),
+                      "project_name": values.get("project_name") or values["wandb"]}
+        values = {k: v for k, v in values.items() if k != "wandb"}
         unknown = [k for k in values if k not in names and k not in cls.IGNORED]
         if unknown:
             raise ConfigError(f"{where}: unknown key '{unknown[0]}'{did_you_mean(unknown[0], names)}; "
@@ -174,7 +180,7 @@ def _train_config(cfg: FineTuneConfig, steps_per_epoch: int) -> Any:
         checkpoint_every=f"{cfg.save_every} steps", run_dir=cfg.run_dir,
         checkpoint_dir=os.path.join(cfg.run_dir, "checkpoints") if cfg.run_dir else None,
         gradient_checkpointing=cfg.grad_checkpoint, num_workers=cfg.num_workers,
-        eval_batch_size=cfg.batch_size, **schedule)
+        eval_batch_size=cfg.batch_size, report_to=cfg.report_to or [], project_name=cfg.project_name, **schedule)
 
 
 def check_before_loading(cfg: FineTuneConfig, log: Any = print) -> None:

@@ -15,6 +15,7 @@ from mlx_train.training.loggers import MetricsLogger, ProgressBar
 from mlx_train.training.losses import CrossEntropyLoss
 from mlx_train.training.pruning import Pruning
 from mlx_train.training.tensorboard import TensorBoardLogger
+from mlx_train.training.trackers import MLflowLogger, WandbLogger
 from mlx_train.training.trainer import Trainer
 
 
@@ -35,10 +36,12 @@ __all__ = [
     "DistributedTrainer",
     "EarlyStopping",
     "Heartbeat",
+    "MLflowLogger",
     "MetricsLogger",
     "ModelCheckpoint",
     "ProgressBar",
     "Pruning",
     "TensorBoardLogger",
     "Trainer",
+    "WandbLogger",
 ]

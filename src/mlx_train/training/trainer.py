@@ -564,6 +564,10 @@ class Trainer:
         callbacks: list[Any] = [ProgressBar()] if self.is_main else []
         if cfg.run_dir and self.is_main:
             callbacks.append(MetricsLogger(cfg.run_dir))
+        if cfg.report_to and self.is_main:
+            from mlx_train.training.trackers import trackers_for
+
+            callbacks += trackers_for(cfg)
         if cfg.run_dir:  # every rank: the monitor shows each one's progress and memory
             callbacks.append(Heartbeat(cfg.run_dir))
         if cfg.early_stopping_patience is not None:

@@ -1,0 +1,266 @@
+"""Experiment trackers: Weights & Biases and MLflow, beside TensorBoard (``report_to`` in TrainConfig).
+
+Each tracker gets the config as parameters when training starts, every report, validation and
+epoch summary as metrics against the optimizer step (the names of ``TensorBoardLogger``:
+``train/loss``, ``val/loss``, ``epoch/train_loss``), and the final weights (``model.safetensors``:
+the trainable parameters, i.e. the adapters of a LoRA fine-tune) as an artifact. Only the main
+process reports. The tracker's run id is saved with each checkpoint, so a resumed run continues
+the same tracker run; steps that tracker already holds (logged by the interrupted run after its
+last checkpoint) are not logged again.
+
+Example::
+
+    trainer = Trainer(model, config=TrainConfig(report_to=["mlflow"], project_name="digits"))
+    trainer.train(data, callbacks=[WandbLogger(project_name="digits")])   # or as a callback
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import tempfile
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+
+from mlx_train.errors import ConfigError, TrainingInterrupted
+from mlx_train.training.callbacks import Callback
+from mlx_train.training.state import saved_parameters
+from mlx_train.training.tensorboard import SKIPPED
+
+if TYPE_CHECKING:
+    from mlx_train.config import TrainConfig
+    from mlx_train.training.trainer import Trainer
+
+MODEL_FILE = "model.safetensors"
+
+
+def _require(package: str, tracker: str, extra: str) -> Any:
+    try:
+        return importlib.import_module(package)
+    except ImportError as error:
+        raise ConfigError(f"{tracker} needs the {extra} package, which is not installed ({error}): "
+                          f"pip install 'mlx-train[{extra}]'") from None
+
+
+def metric_values(prefix: str, values: dict[str, Any]) -> dict[str, float]:
+    """``{"prefix/name": value}`` for the numeric entries of ``values`` (step, epoch and counters left out).
+
+    Example: ``metric_values("val", {"loss": 0.5, "step": 10})  # {"val/loss": 0.5}``
+    """
+    return {f"{prefix}/{name}": float(value) for name, value in values.items()
+            if name not in SKIPPED and isinstance(value, (int, float)) and not isinstance(value, bool)}
+
+
+class Tracker(Callback):
+    """What W&B and MLflow share: when to open, log to and close a tracker run, and its id in checkpoints.
+
+    A subclass implements ``open_run``, ``log_params``, ``log_metrics``, ``log_model`` and ``close_run``.
+    """
+
+    def __init__(self, project_name: str | None = None, run_name: str | None = None) -> None:
+        self.project_name, self.run_name = project_name, run_name
+        self.run_id: str | None = None
+        #: Per metric, the last step the tracker run holds: a resumed run does not log those steps again.
+        self.logged_until: dict[str, int] = {}
+        self._open = False
+
+    # -- what a tracker implements ----------------------------------------------------------------
+
+    def open_run(self, trainer: Trainer, run_id: str | None) -> str:
+        """Start a tracker run (or continue ``run_id``); returns its id."""
+        raise NotImplementedError
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        """Record the configuration."""
+        raise NotImplementedError
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """Record metrics at an optimizer step."""
+        raise NotImplementedError
+
+    def log_model(self, path: str) -> None:
+        """Store the final weights file as an artifact."""
+        raise NotImplementedError
+
+    def close_run(self, status: str) -> None:
+        """End the tracker run: ``status`` is ``finished``, ``failed`` or ``interrupted``."""
+        raise NotImplementedError
+
+    # -- events -----------------------------------------------------------------------------------
+
+    def on_fit_start(self, trainer: Trainer) -> None:
+        if not getattr(trainer, "is_main", True):
+            return
+        config = trainer.config
+        self.project_name = self.project_name or config.project_name
+        self.run_name = self.run_name or config.run_name or (os.path.basename(os.path.normpath(config.run_dir))
+                                                              if config.run_dir else None)
+        # A fresh start (step 0) never reuses a run; a resume continues the checkpoint's run.
+        continued = self.run_id if trainer.step > 0 else None
+        self.run_id = self.open_run(trainer, continued)
+        self._open = True
+        self.log_params(config.to_dict())
+        trainer.log(f"{type(self).__name__}: {'continuing' if continued else 'started'} run {self.run_id}")
+
+    def on_report(self, trainer: Trainer, logs: dict[str, Any]) -> None:
+        self._log(metric_values("train", logs), trainer.step)
+
+    def on_validation_end(self, trainer: Trainer, logs: dict[str, Any]) -> None:
+        self._log(metric_values("val", {k.removeprefix("val_"): v for k, v in logs.items()}), trainer.step)
+
+    def on_epoch_end(self, trainer: Trainer, epoch: int, logs: dict[str, Any]) -> None:
+        self._log(metric_values("epoch", logs), trainer.step)
+
+    def on_fit_end(self, trainer: Trainer, history: dict[str, Any]) -> None:
+        if not self._open:
+            return
+        with tempfile.TemporaryDirectory(prefix="mlx-train-model-") as directory:
+            path = os.path.join(directory, MODEL_FILE)
+            mx.save_safetensors(path, saved_parameters(trainer.model))
+            self.log_model(path)
+        self._close("finished")
+
+    def on_exception(self, trainer: Trainer, error: BaseException) -> None:
+        if self._open:
+            self._close("interrupted" if isinstance(error, (TrainingInterrupted, KeyboardInterrupt)) else "failed")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"run_id": self.run_id} if self.run_id else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.run_id = state.get("run_id")
+
+    # -- helpers ----------------------------------------------------------------------------------
+
+    def _log(self, metrics: dict[str, float], step: int) -> None:
+        new = {k: v for k, v in metrics.items() if step > self.logged_until.get(k, -1)}
+        if self._open and new:
+            self.log_metrics(new, step)
+
+    def _close(self, status: str) -> None:
+        self._open = False
+        self.close_run(status)
+
+
+def _param_text(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+class MLflowLogger(Tracker):
+    """Reports to MLflow (``pip install 'mlx-train[mlflow]'``) at ``MLFLOW_TRACKING_URI`` (a server,
+    or ``sqlite:///mlflow.db``, MLflow's default), in the experiment ``project_name``.
+
+    Example::
+
+        trainer.train(data, callbacks=[MLflowLogger(project_name="digits", run_name="lr-1e-3")])
+    """
+
+    def __init__(self, project_name: str | None = None, run_name: str | None = None,
+                 tracking_uri: str | None = None) -> None:
+        self._mlflow = _require("mlflow", "MLflowLogger (report_to: mlflow)", "mlflow")
+        super().__init__(project_name, run_name)
+        self.tracking_uri = tracking_uri
+        self._client: Any = None
+        self._params: dict[str, str] = {}  # the parameters the run holds
+
+    def open_run(self, trainer: Trainer, run_id: str | None) -> str:
+        from mlflow.tracking import MlflowClient
+
+        self._client = client = MlflowClient(self.tracking_uri)
+        if run_id is not None:
+            try:
+                run = client.get_run(run_id)
+            except self._mlflow.exceptions.MlflowException as error:
+                raise ConfigError(f"MLflow run {run_id} of the checkpoint is not at {client.tracking_uri} "
+                                  f"({error}): resume with the MLFLOW_TRACKING_URI of the first run") from None
+            client.update_run(run_id, status="RUNNING")
+            self._params = run.data.params
+            self.logged_until = {key: max(m.step for m in client.get_metric_history(run_id, key))
+                                 for key in run.data.metrics}
+            return run_id
+        name = self.project_name or os.environ.get("MLFLOW_EXPERIMENT_NAME") or "Default"
+        experiment = client.get_experiment_by_name(name)
+        experiment_id = experiment.experiment_id if experiment else client.create_experiment(name)
+        self._params, self.logged_until = {}, {}
+        return str(client.create_run(experiment_id, run_name=self.run_name).info.run_id)
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        from mlflow.entities import Param
+
+        # MLflow refuses to change a parameter: a resumed run keeps those of its start, and adds new ones.
+        new = [Param(k, _param_text(v)) for k, v in params.items() if k not in self._params]
+        for start in range(0, len(new), 100):  # MLflow takes at most 100 parameters per batch
+            self._client.log_batch(self.run_id, params=new[start:start + 100])
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        import time
+
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self._client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in metrics.items()])
+
+    def log_model(self, path: str) -> None:
+        self._client.log_artifact(self.run_id, path, artifact_path="model")
+
+    def close_run(self, status: str) -> None:
+        mlflow_status = {"finished": "FINISHED", "failed": "FAILED", "interrupted": "KILLED"}[status]
+        self._client.set_terminated(self.run_id, mlflow_status)
+
+
+class WandbLogger(Tracker):
+    """Reports to Weights & Biases (``pip install 'mlx-train[wandb]'``); ``WANDB_MODE=offline`` writes the
+    run locally for ``wandb sync``. Its files go to ``WANDB_DIR``, else to the run directory.
+
+    Online, W&B itself ignores steps below those a resumed run already holds. Offline, W&B cannot
+    continue a run: a resumed run is a second offline run with the same id.
+
+    Example::
+
+        trainer.train(data, callbacks=[WandbLogger(project_name="digits")])
+    """
+
+    def __init__(self, project_name: str | None = None, run_name: str | None = None) -> None:
+        self._wandb = _require("wandb", "WandbLogger (report_to: wandb)", "wandb")
+        super().__init__(project_name, run_name)
+        self._run: Any = None
+
+    def open_run(self, trainer: Trainer, run_id: str | None) -> str:
+        # W&B reads its environment once per process: WANDB_DIR is passed on, so a later change counts.
+        directory = os.environ.get("WANDB_DIR") or trainer.config.run_dir
+        if directory:
+            os.makedirs(directory, exist_ok=True)
+        # The config goes with the run record (a config update just before a quick finish can be lost).
+        self._run = self._wandb.init(project=self.project_name, name=self.run_name, id=run_id,
+                                     resume="allow" if run_id else None, dir=directory, reinit="create_new",
+                                     config=trainer.config.to_dict())
+        self.logged_until = {}
+        return str(self._run.id)
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        self._run.config.update(params, allow_val_change=True)
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self._run.log(metrics, step=step)
+
+    def log_model(self, path: str) -> None:
+        artifact = self._wandb.Artifact(f"model-{self._run.id}", type="model")
+        artifact.add_file(path)  # copied to W&B's staging area now: the file may go afterwards
+        self._run.log_artifact(artifact)
+
+    def close_run(self, status: str) -> None:
+        self._run.finish(exit_code=0 if status == "finished" else 1)
+        self._run = None
+
+
+def trackers_for(config: TrainConfig) -> list[Callback]:
+    """The callbacks of ``config.report_to``, in its order.
+
+    Example: ``trackers_for(TrainConfig(report_to=["mlflow"]))  # [MLflowLogger()]``
+    """
+    from mlx_train.training.tensorboard import TensorBoardLogger
+
+    made: dict[str, Any] = {"tensorboard": TensorBoardLogger, "wandb": WandbLogger, "mlflow": MLflowLogger}
+    return [made[name]() for name in config.report_to]
