@@ -237,6 +237,15 @@ def test_dpo_learns_an_obvious_preference_that_mlx_lm_sees(setup, tmp_path, toke
                         "logps_rejected"} <= set(reports[-1])
     assert reports[-1]["reward_accuracy"] == 1.0
     assert any("val_reward_accuracy" in r for r in val)
+    from rich.console import Console
+
+    from mlx_train.monitor.dashboard import render
+    from mlx_train.monitor.run import RunReader
+
+    console = Console(record=True, width=140)
+    console.print(render(RunReader(tmp_path / "run").read(), width=140))
+    screen = console.export_text()
+    assert screen.count("reward accuracy") >= 2 and "val reward accuracy" in screen  # train and validation rows
 
     def gap(model):  # log p(chosen) - log p(rejected) over the validation pairs
         total = 0.0

@@ -1,9 +1,12 @@
 """Fine-tune a language model (LoRA, DoRA or full) on jsonl data, with mlx_lm.lora's flags.
 
 Flags and YAML keys are mlx_lm.lora's (-c/--config takes its YAML files as they are), plus
---epochs, --pack, --resume, --run-dir, --quantized and --fuse. Adapters are written in mlx-lm's
-format, so `mlx_lm.generate --model BASE --adapter-path RUN_DIR/adapters` uses them. The run
-directory gets metrics.jsonl, train.log and resumable checkpoints.
+--epochs, --pack, --resume, --run-dir, --quantized and --fuse; preference tuning takes
+mlx-lm-lora's --train-mode dpo|orpo, --beta, --dpo-loss-type and --reference-model-path, and
+--label-smoothing and --reference-free. Adapters are written in mlx-lm's
+format, with a model card (README.md), so `mlx_lm.generate --model BASE --adapter-path
+RUN_DIR/adapters` uses them. The run directory gets metrics.jsonl, train.log and resumable
+checkpoints.
 
 Example::
 

@@ -33,7 +33,8 @@ def _f(default: Any, help: str) -> Any:
 @dataclass
 class FineTuneConfig:
     """Every fine-tuning knob, with mlx_lm.lora's names and defaults (plus epochs, pack, resume,
-    run_dir, quantized)."""
+    run_dir, quantized), and mlx-lm-lora's for preference tuning (train_mode, beta, dpo_loss_type,
+    reference_model_path; label_smoothing and reference_free are ours)."""
 
     model: str | None = _f(None, "Base model: an mlx-lm/Hugging Face directory, a Hugging Face repo id or a "
                                  ".gguf file.")
@@ -309,7 +310,8 @@ def finetune(cfg: FineTuneConfig, callbacks: list | None = None) -> dict[str, An
 
 def fuse_model(model_path: str, adapter_path: str, save_path: str, dequantize: bool = False) -> str:
     """Load a base model, add the adapters of ``adapter_path``, fold them in and write an mlx-lm
-    model directory (``mlx_lm.load(save_path)`` reads it). Works for GGUF bases too.
+    model directory (``mlx_lm.load(save_path)`` reads it), with the adapters' model card when they
+    have one. Works for GGUF bases too.
 
     Example: ``fuse_model("SmolLM2-135M-Instruct.Q4_1.gguf", "runs/a/adapters", "smol-tuned")``.
     """
