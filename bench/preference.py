@@ -9,7 +9,8 @@ same BLAS), --steps steps, the first (compilation) left out of the step time. Pr
   (a) correctness: our DPO loss and gradient against a hand-written per-sequence loss on the base
       model; after training, the validation reward accuracy and how much log p(chosen) - log
       p(rejected) of the saved adapters, loaded with mlx_lm.load, rose above the base
-  (b) step time ratio (theirs / ours, > 1: we are faster) and peak memory ratio (ours / theirs)
+  (b) step time ratio (theirs / ours, > 1: we are faster) and peak memory ratio (ours / theirs), with
+      the reference pass in each step (the default) and with --precompute-ref-log-probs
 
 Loss definitions: both score only the reply tokens (mlx-lm-lora 5.10.2 masks from the prompt's
 length) with summed log-probabilities; mlx-lm-lora's reference is a second full copy of the
@@ -88,7 +89,8 @@ def side_mlx_train(args: argparse.Namespace) -> None:
     cfg = FineTuneConfig(model=args.model_dir, data=args.data, train_mode="dpo", beta=0.1, iters=args.steps,
                          batch_size=2, num_layers=args.layers, learning_rate=args.lr, max_seq_length=256,
                          lora_parameters=dict(LORA), steps_per_report=1, steps_per_eval=10**6, val_batches=-1,
-                         save_every=10**6, adapter_path=os.path.join(args.work, "ours"), num_workers=0)
+                         save_every=10**6, adapter_path=os.path.join(args.work, "ours"), num_workers=0,
+                         precompute_ref_log_probs=args.precompute)
     result = finetune(cfg, callbacks=[Clock()])
     _emit({"step_times": [b - a for a, b in zip(stamps[:-1], stamps[1:], strict=False)], "peak_gb": peak[-1],
            "val": result["val_metrics"], "train_loss": losses})
@@ -195,9 +197,9 @@ def side_correctness(args: argparse.Namespace) -> None:
 # -- the driver ------------------------------------------------------------------------------
 
 
-def _run(python: str, side: str, args: argparse.Namespace, env: dict | None = None) -> dict:
+def _run(python: str, side: str, args: argparse.Namespace, env: dict | None = None, precompute: bool = False) -> dict:
     command = [python, os.path.abspath(__file__), "--side", side, "--work", args.work, "--steps", str(args.steps),
-               "--layers", str(args.layers), "--lr", str(args.lr)]
+               "--layers", str(args.layers), "--lr", str(args.lr), *(["--precompute"] if precompute else [])]
     proc = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           env={**os.environ, **(env or {})})
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
@@ -248,6 +250,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--lr", type=float, default=5e-4)
+    parser.add_argument("--precompute", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.side:
         args.model_dir, args.data = os.path.join(args.work, "smollm2"), os.path.join(args.work, "data")
@@ -258,11 +261,12 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as work:
         args.work = work
         _prepare(work)
+        stored = _run(sys.executable, "mlx-train", args, precompute=True)
         ours = _run(sys.executable, "mlx-train", args)
         theirs = _run(VENV_PYTHON, "mlx-lm-lora", args, _their_env(work))
         check = _run(sys.executable, "correctness", args)
     mean = lambda xs: sum(xs) / max(len(xs), 1)  # noqa: E731
-    t_ours, t_theirs = mean(ours["step_times"]), mean(theirs["step_times"])
+    t_ours, t_theirs, t_stored = mean(ours["step_times"]), mean(theirs["step_times"]), mean(stored["step_times"])
     print(f"\nSmolLM2-135M float32, LoRA rank 8 on the last {args.layers} layers, batch 2 pairs, {args.steps} steps "
           f"(step time over steps 2..{args.steps}), 16 train / 4 valid pairs\n")
     print("(a) correctness")
@@ -273,11 +277,15 @@ def main() -> int:
     print(f"  log p(chosen) - log p(rejected), valid    base {check['gap_base']:.3f} -> tuned {check['gap_tuned']:.3f}"
           " (adapters loaded with mlx_lm.load)")
     print("\n(b) against mlx-lm-lora 5.10.2 train_dpo")
-    print(f"  {'':<22}{'mlx-train':>12}{'mlx-lm-lora':>14}{'ratio':>10}")
-    print(f"  {'step time (s)':<22}{t_ours:>12.3f}{t_theirs:>14.3f}{t_theirs / t_ours:>10.2f}  (theirs / ours)")
-    print(f"  {'peak memory (GB)':<22}{ours['peak_gb']:>12.3f}{theirs['peak_gb']:>14.3f}"
-          f"{ours['peak_gb'] / theirs['peak_gb']:>10.2f}  (ours / theirs)")
-    print(f"  {'first-step loss':<22}{ours['train_loss'][0]:>12.4f}"
+    print(f"  {'':<40}{'mlx-train':>12}{'mlx-lm-lora':>14}{'ratio':>10}")
+    for name, t in (("step time (s), reference in the step", t_ours),
+                    ("step time (s), precomputed reference", t_stored)):
+        print(f"  {name:<40}{t:>12.3f}{t_theirs:>14.3f}{t_theirs / t:>10.2f}  (theirs / ours)")
+    for name, side in (("peak memory (GB), reference in the step", ours),
+                       ("peak memory (GB), precomputed reference", stored)):
+        print(f"  {name:<40}{side['peak_gb']:>12.3f}{theirs['peak_gb']:>14.3f}"
+              f"{side['peak_gb'] / theirs['peak_gb']:>10.2f}  (ours / theirs)")
+    print(f"  {'first-step loss':<40}{ours['train_loss'][0]:>12.4f}"
           f"{theirs['train_loss'][0]:>14.4f}")
     print("  loss: -log sigmoid(beta * ((pi_c - pi_r) - (ref_c - ref_r))), pi = summed log-probability of the reply "
           "tokens (prompt not scored), both sides")

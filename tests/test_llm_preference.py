@@ -269,6 +269,18 @@ def test_accumulation_counts_pairs(setup, tmp_path):
     assert _max_rel_err(halves, whole) < 1e-5
 
 
+def test_a_precomputed_reference_trains_like_the_in_step_one(setup, tmp_path, capsys):
+    sgd = {"iters": 2, "steps_per_eval": 100, "optimizer": "sgd", "learning_rate": 0.5}
+    in_step = finetune(_config(setup, tmp_path / "a", **sgd))
+    stored = finetune(_config(setup, tmp_path / "b", precompute_ref_log_probs=True, **sgd))
+    out = capsys.readouterr().out
+    assert "computing reference log-probabilities with the model with its adapters off" in out
+    assert stored["trainer"]._loaders[0].dataset.reference is not None
+    assert in_step["trainer"]._loaders[0].dataset.reference is None
+    assert _max_rel_err(_adapters(stored), _adapters(in_step)) < 1e-5
+    assert stored["val_loss"] == pytest.approx(in_step["val_loss"], rel=1e-5)
+
+
 def test_out_of_memory_halves_the_batch_with_pairs_whole(setup, tmp_path):
     simulated = SimulatedOutOfMemory(steps=[2])
     sgd = {"iters": 3, "steps_per_eval": 100, "optimizer": "sgd", "learning_rate": 0.5}

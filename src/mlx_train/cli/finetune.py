@@ -3,7 +3,7 @@
 Flags and YAML keys are mlx_lm.lora's (-c/--config takes its YAML files as they are), plus
 --epochs, --pack, --resume, --run-dir, --quantized and --fuse; preference tuning takes
 mlx-lm-lora's --train-mode dpo|orpo, --beta, --dpo-loss-type and --reference-model-path, and
---label-smoothing and --reference-free. Adapters are written in mlx-lm's
+--label-smoothing, --reference-free and --precompute-ref-log-probs. Adapters are written in mlx-lm's
 format, with a model card (README.md), so `mlx_lm.generate --model BASE --adapter-path
 RUN_DIR/adapters` uses them. The run directory gets metrics.jsonl, train.log and resumable
 checkpoints.
@@ -42,7 +42,8 @@ FLAGS = {
     "--reference-model-path": "reference_model_path",
 }
 SWITCHES = {"--mask-prompt": "mask_prompt", "--test": "test", "--grad-checkpoint": "grad_checkpoint",
-            "--pack": "pack", "--quantized": "quantized", "--reference-free": "reference_free"}
+            "--pack": "pack", "--quantized": "quantized", "--reference-free": "reference_free",
+            "--precompute-ref-log-probs": "precompute_ref_log_probs"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

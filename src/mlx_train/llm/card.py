@@ -23,7 +23,8 @@ CARD_FILE = "README.md"
 FACTS_FILE = "model_card.json"  # the card's facts, so a fused model's card can be written from the adapters'
 _HYPER = ("train_mode", "fine_tune_type", "num_layers", "lora_parameters", "learning_rate", "optimizer", "batch_size",
           "grad_accumulation_steps", "iters", "epochs", "max_seq_length", "mask_prompt", "pack", "seed")
-_PREFERENCE = ("beta", "dpo_loss_type", "label_smoothing", "reference_free", "reference_model_path")
+_PREFERENCE = ("beta", "dpo_loss_type", "label_smoothing", "reference_free", "reference_model_path",
+               "precompute_ref_log_probs")
 
 
 def card_facts(cfg: Any, result: dict[str, Any]) -> dict[str, Any]:

@@ -34,7 +34,7 @@ def _f(default: Any, help: str) -> Any:
 class FineTuneConfig:
     """Every fine-tuning knob, with mlx_lm.lora's names and defaults (plus epochs, pack, resume,
     run_dir, quantized), and mlx-lm-lora's for preference tuning (train_mode, beta, dpo_loss_type,
-    reference_model_path; label_smoothing and reference_free are ours)."""
+    reference_model_path; label_smoothing, reference_free and TRL's precompute_ref_log_probs)."""
 
     model: str | None = _f(None, "Base model: an mlx-lm/Hugging Face directory, a Hugging Face repo id or a "
                                  ".gguf file.")
@@ -76,6 +76,9 @@ class FineTuneConfig:
     reference_model_path: str | None = _f(None, "DPO reference model (default: the base model; with LoRA/DoRA "
                                           "the adapters are switched off, with full fine-tuning its "
                                           "log-probabilities are computed once before training).")
+    precompute_ref_log_probs: bool = _f(False, "DPO with LoRA/DoRA: compute the reference log-probabilities once "
+                                         "before training (adapters off) instead of in every step: less memory "
+                                         "and time per step, one forward pass over the data first.")
 
     # mlx_lm.lora YAML keys that have no effect here (accepted so its files load as they are).
     IGNORED = ("train", "config", "report_to", "project_name", "optimizer_config", "clear_cache_threshold",
