@@ -281,6 +281,21 @@ def test_a_precomputed_reference_trains_like_the_in_step_one(setup, tmp_path, ca
     assert stored["val_loss"] == pytest.approx(in_step["val_loss"], rel=1e-5)
 
 
+def test_a_reference_model_path_is_scored_once_and_the_test_split_reports_rewards(setup, tmp_path, capsys):
+    data = write_pairs(str(tmp_path / "data"))
+    with open(os.path.join(data, "test.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in pair_rows(4, 200))
+    other = tmp_path / "other"
+    llm_tiny.write_model_dir(str(other), seed=11)
+    result = finetune(_config(setup, tmp_path / "run", data=data, iters=1, reference_model_path=str(other),
+                              test=True))
+    assert f"computing reference log-probabilities with {other}" in capsys.readouterr().out
+    rows = result["trainer"]._loaders[0].dataset
+    base, _ = llm_tiny.make_model(len(llm_tiny.make_tokenizer()._tokenizer), seed=11)
+    np.testing.assert_allclose(rows.reference, reference_logps(base, rows), rtol=1e-5)
+    assert {"loss", "reward_accuracy", "reward_margin"} <= set(result["test_metrics"])
+
+
 def test_out_of_memory_halves_the_batch_with_pairs_whole(setup, tmp_path):
     simulated = SimulatedOutOfMemory(steps=[2])
     sgd = {"iters": 3, "steps_per_eval": 100, "optimizer": "sgd", "learning_rate": 0.5}
