@@ -187,7 +187,7 @@ def _one_step_changes(model, loss, pairs):
 
 @pytest.mark.parametrize("method,loss_type,kind", [
     ("dpo", "sigmoid", "lora"), ("dpo", "ipo", "lora"), ("dpo", "hinge", "lora"), ("orpo", "sigmoid", "lora"),
-    ("dpo", "sigmoid", "dora"), ("dpo", "sigmoid", "full"), ("orpo", "sigmoid", "full"),
+    ("cpo", "sigmoid", "lora"), ("dpo", "sigmoid", "dora"), ("dpo", "sigmoid", "full"), ("orpo", "sigmoid", "full"),
 ])
 def test_every_trained_parameter_moves_on_the_first_step(tokenizer, method, loss_type, kind):
     pairs = PairDataset.from_records(pair_rows(4), tokenizer, 128, list("abcd"))
@@ -199,6 +199,17 @@ def test_every_trained_parameter_moves_on_the_first_step(tokenizer, method, loss
         model = _lora_model(tokenizer, kind)
     frozen, total = _one_step_changes(model, PreferenceLoss(PreferenceConfig(method, loss_type=loss_type)), pairs)
     assert total >= 9 and not frozen, f"{len(frozen)} of {total} parameters had no gradient, e.g. {frozen[:3]}"
+
+
+def test_cpo_is_the_reference_free_dpo_loss_as_in_mlx_lm_lora(tokenizer):
+    model = _lora_model(tokenizer)
+    batch = _batch(PairDataset.from_records(pair_rows(3), tokenizer, 128, list("abc")).samples())
+    for loss_type in ("sigmoid", "ipo"):
+        cpo = PreferenceLoss(PreferenceConfig("cpo", beta=0.3, loss_type=loss_type))(model, batch)
+        free = PreferenceLoss(PreferenceConfig("dpo", beta=0.3, loss_type=loss_type, reference_free=True))(model, batch)
+        assert cpo[0].item() == free[0].item() and cpo[2]["reward_margin"].item() == free[2]["reward_margin"].item()
+    dpo = PreferenceLoss(PreferenceConfig("dpo", beta=0.3, loss_type="ipo"))(model, batch)
+    assert abs(dpo[0].item() - cpo[0].item()) > 1e-4  # the reference matters for DPO
 
 
 def test_full_fine_tuning_without_a_stored_reference_is_refused(tokenizer):

@@ -36,7 +36,7 @@ def card_facts(cfg: Any, result: dict[str, Any]) -> dict[str, Any]:
     if cfg.fine_tune_type == "full":
         hyper.pop("lora_parameters")
     if cfg.train_mode != "sft":
-        hyper.update({k: getattr(cfg, k) for k in _PREFERENCE if k != "dpo_loss_type" or cfg.train_mode == "dpo"})
+        hyper.update({k: getattr(cfg, k) for k in _PREFERENCE if k != "dpo_loss_type" or cfg.train_mode != "orpo"})
     metrics = {"steps": result["trainer"].step}
     for key, value in result.get("val_metrics", {}).items():
         if isinstance(value, float) and math.isfinite(value):

@@ -68,9 +68,10 @@ class FineTuneConfig:
                                 "dequantize to float32 on a CPU (quantized matmuls are slow there).")
     num_workers: int = _f(1, "Background threads that prepare batches.")
     # preference tuning (mlx-lm-lora's names; llm/preference.py)
-    train_mode: str = _f("sft", "sft (next-token loss), dpo or orpo (preference rows: prompt, chosen, rejected).")
+    train_mode: str = _f("sft", "sft (next-token loss), dpo, orpo or cpo (preference rows: prompt, chosen, "
+                                "rejected).")
     beta: float = _f(0.1, "DPO: temperature of the implicit reward; ORPO: weight of the odds-ratio term.")
-    dpo_loss_type: str = _f("sigmoid", "DPO loss: sigmoid, hinge or ipo (YAML alias: dpo_cpo_loss_type).")
+    dpo_loss_type: str = _f("sigmoid", "DPO/CPO loss: sigmoid, hinge or ipo (YAML alias: dpo_cpo_loss_type).")
     label_smoothing: float = _f(0.0, "DPO sigmoid: share of preference labels assumed wrong (conservative DPO).")
     reference_free: bool = _f(False, "DPO against a uniform reference (reference log-probabilities 0).")
     reference_model_path: str | None = _f(None, "DPO reference model (default: the base model; with LoRA/DoRA "

@@ -1,5 +1,5 @@
-"""Preference tuning on the Trainer: DPO (sigmoid, hinge, IPO losses) and ORPO, from pairs of
-replies to one prompt.
+"""Preference tuning on the Trainer: DPO (sigmoid, hinge, IPO losses), ORPO and CPO, from pairs
+of replies to one prompt.
 
 Rows are ``{"prompt": str, "chosen": str, "rejected": str}`` (optionally ``"system"``), or chat
 rows whose prompt is a conversation -- ``{"messages" or "prompt": [{"role", "content"}, ...],
@@ -47,7 +47,7 @@ import numpy as np
 
 from mlx_train.errors import ConfigError, DataError
 
-TRAIN_MODES = ("sft", "dpo", "orpo")
+TRAIN_MODES = ("sft", "dpo", "orpo", "cpo")
 DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo")
 METRICS = ("rewards_chosen", "rewards_rejected", "reward_accuracy", "reward_margin", "logps_chosen",
            "logps_rejected")
@@ -56,9 +56,11 @@ SIDES = ("chosen", "rejected")
 
 @dataclass(frozen=True)
 class PreferenceConfig:
-    """What a preference loss computes: ``method`` (dpo or orpo); ``beta`` (DPO's temperature, ORPO's
-    weight of the odds-ratio term, as in mlx-lm-lora); DPO's ``loss_type`` (sigmoid, hinge, ipo),
-    ``label_smoothing`` (sigmoid only: the assumed share of flipped labels) and ``reference_free``.
+    """What a preference loss computes: ``method`` (dpo, orpo, or cpo: mlx-lm-lora's CPO, the DPO loss
+    against no reference -- TRL's CPO adds an NLL term on the chosen reply, this does not); ``beta``
+    (DPO's temperature, ORPO's weight of the odds-ratio term, as in mlx-lm-lora); the DPO/CPO
+    ``loss_type`` (sigmoid, hinge, ipo), ``label_smoothing`` (sigmoid only: the assumed share of
+    flipped labels) and ``reference_free``.
 
     Example: ``PreferenceConfig("dpo", beta=0.1, loss_type="ipo")``.
     """
@@ -78,13 +80,13 @@ class PreferenceConfig:
             raise ConfigError(f"beta must be positive, got {self.beta}")
         if not 0.0 <= self.label_smoothing < 0.5:
             raise ConfigError(f"label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
-        if self.label_smoothing and (self.method != "dpo" or self.loss_type != "sigmoid"):
+        if self.label_smoothing and (self.method == "orpo" or self.loss_type != "sigmoid"):
             raise ConfigError("label_smoothing applies to the DPO sigmoid loss only; set it to 0 or use "
                               "--dpo-loss-type sigmoid")
 
     @property
     def needs_reference(self) -> bool:
-        """DPO compares with a reference policy unless ``reference_free``; ORPO needs none."""
+        """DPO compares with a reference policy unless ``reference_free``; ORPO and CPO need none."""
         return self.method == "dpo" and not self.reference_free
 
     @classmethod
@@ -326,6 +328,7 @@ class PreferenceLoss:
     (``e`` = label_smoothing), hinge ``max(0, 1 - beta h)``, ipo ``(h - 1/(2 beta))^2``. Rewards are
     ``beta (pi - ref)``. ORPO, with per-token mean log-probabilities ``p``:
     ``-p_c - beta log s(log(p_c / (1 - p_c)) - log(p_r / (1 - p_r)))`` in log space; rewards ``beta p``.
+    CPO: the DPO loss with reference log-probabilities 0.
     Metrics (means over pairs): rewards chosen/rejected, reward accuracy (chosen above rejected),
     reward margin, summed reply log-probabilities of chosen and rejected.
 
