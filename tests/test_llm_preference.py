@@ -305,6 +305,7 @@ def test_a_reference_model_path_is_scored_once_and_the_test_split_reports_reward
     base, _ = llm_tiny.make_model(len(llm_tiny.make_tokenizer()._tokenizer), seed=11)
     np.testing.assert_allclose(rows.reference, reference_logps(base, rows), rtol=1e-5)
     assert {"loss", "reward_accuracy", "reward_margin"} <= set(result["test_metrics"])
+    assert len(result["history"]["train_reward_margin"]) == 1  # the epoch the run stopped in (1 of 2 steps)
 
 
 def test_out_of_memory_halves_the_batch_with_pairs_whole(setup, tmp_path):

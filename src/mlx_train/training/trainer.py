@@ -280,6 +280,7 @@ class Trainer:
         if not totals["items"]:
             return state.history
         logs: dict[str, Any] = {"epoch": state.epoch, "train_loss": totals["loss_sum"] / max(totals["items"], 1.0)}
+        logs.update(metric_means(totals, totals["items"], "train_"))
         logs.update({k: v for k, v in state.last_val.items() if k not in ("step", "epoch", "val_time")})
         logs["learning_rate"] = float(self.optimizer.learning_rate.item())
         history = {k: list(v) for k, v in state.history.items()}
