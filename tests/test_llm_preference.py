@@ -308,6 +308,16 @@ def test_a_reference_model_path_is_scored_once_and_the_test_split_reports_reward
     assert len(result["history"]["train_reward_margin"]) == 1  # the epoch the run stopped in (1 of 2 steps)
 
 
+def test_the_precomputed_reference_is_the_model_with_its_adapters_off(setup, tokenizer):
+    from mlx_train.llm.preference import build_splits
+
+    model = _lora_model(tokenizer)  # adapters that change the output (as after --resume-adapter-file)
+    base, _ = llm_tiny.make_model(len(tokenizer._tokenizer), seed=3)
+    splits = build_splits(_config(setup, "unused", precompute_ref_log_probs=True), model, tokenizer, log=lambda m: None)
+    np.testing.assert_allclose(splits["train"].reference, reference_logps(base, splits["train"]), rtol=1e-5)
+    assert not np.allclose(splits["train"].reference, reference_logps(model, splits["train"]), rtol=1e-3)
+
+
 def test_out_of_memory_halves_the_batch_with_pairs_whole(setup, tmp_path):
     simulated = SimulatedOutOfMemory(steps=[2])
     sgd = {"iters": 3, "steps_per_eval": 100, "optimizer": "sgd", "learning_rate": 0.5}
