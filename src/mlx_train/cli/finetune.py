@@ -3,9 +3,11 @@
 Flags and YAML keys are mlx_lm.lora's (-c/--config takes its YAML files as they are), plus
 --epochs, --pack, --resume, --run-dir, --overwrite, --quantized and --fuse. A --run-dir that
 holds a run is continued with --resume auto, or moved aside first with --overwrite; --fuse never
-writes into the base model's directory. Adapters are written in mlx-lm's
-format, so `mlx_lm.generate --model BASE --adapter-path RUN_DIR/adapters` uses them. The run
-directory gets metrics.jsonl, train.log and resumable checkpoints.
+writes into the base model's directory. Preference tuning takes mlx-lm-lora's --train-mode
+dpo|orpo|cpo, --beta, --dpo-loss-type and --reference-model-path, and --label-smoothing,
+--reference-free and --precompute-ref-log-probs. Adapters are written in mlx-lm's format, with a
+model card (README.md), so `mlx_lm.generate --model BASE --adapter-path RUN_DIR/adapters` uses
+them. The run directory gets metrics.jsonl, train.log and resumable checkpoints.
 
 Example::
 
@@ -24,6 +26,7 @@ EPILOG = """examples:
   mlx-train finetune --model SmolLM2-135M-Instruct.Q4_1.gguf --data data/ --iters 200 --num-layers 8
   mlx-train finetune -c lora_config.yaml --pack --run-dir runs/a      # an mlx_lm.lora YAML
   mlx-train finetune -c lora_config.yaml --run-dir runs/a --resume auto   # continue after a crash
+  mlx-train finetune --model BASE --data prefs/ --train-mode dpo --beta 0.1   # rows: prompt, chosen, rejected
 """
 
 # flag -> FineTuneConfig field (help text comes from the field)
@@ -35,9 +38,13 @@ FLAGS = {
     "--resume-adapter-file": "resume_adapter_file", "--adapter-path": "adapter_path", "--save-every": "save_every",
     "--test-batches": "test_batches", "--max-seq-length": "max_seq_length", "--seed": "seed",
     "--run-dir": "run_dir", "--resume": "resume", "--report-to": "report_to", "--project-name": "project_name",
+    "--train-mode": "train_mode", "--beta": "beta", "--dpo-loss-type": "dpo_loss_type",
+    "--dpo-cpo-loss-type": "dpo_loss_type", "--label-smoothing": "label_smoothing",
+    "--reference-model-path": "reference_model_path",
 }
 SWITCHES = {"--mask-prompt": "mask_prompt", "--test": "test", "--grad-checkpoint": "grad_checkpoint",
-            "--pack": "pack", "--quantized": "quantized", "--overwrite": "overwrite"}
+            "--pack": "pack", "--quantized": "quantized", "--overwrite": "overwrite",
+            "--reference-free": "reference_free", "--precompute-ref-log-probs": "precompute_ref_log_probs"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -97,14 +104,21 @@ def main(args: argparse.Namespace) -> int:
                               f"{cfg.path_in_run('checkpoints')}; start a new run without --resume")
     result = finetune(cfg)
     trainer = result["trainer"]
-    lines = [f"finetune: {trainer.step} steps, {result['trained_tokens']:,} trained tokens"]
+    unit = "trained tokens" if cfg.train_mode == "sft" else "preference pairs"
+    name = "finetune" if cfg.train_mode == "sft" else f"finetune {cfg.train_mode}"
+    lines = [f"{name}: {trainer.step} steps, {result['trained_tokens']:,} {unit}"]
     if result.get("tokens_per_second"):
         lines[0] += f", {result['tokens_per_second']:.1f} trained tokens/s"
-    if "val_loss" in result:
+    if "val_perplexity" in result:
         lines.append(f"  validation: loss {result['val_loss']:.4f}, perplexity {result['val_perplexity']:.3f}")
-    if "test_loss" in result:
+    elif "val_loss" in result:
+        val = result["val_metrics"]
+        lines.append(f"  validation: loss {val['loss']:.4f}, reward accuracy {val['reward_accuracy']:.3f}, "
+                     f"reward margin {val['reward_margin']:.4f}, rewards chosen {val['rewards_chosen']:.4f} / "
+                     f"rejected {val['rewards_rejected']:.4f}")
+    if "test_perplexity" in result:
         lines.append(f"  test: loss {result['test_loss']:.4f}, perplexity {result['test_perplexity']:.3f}")
-    lines.append(f"  adapters: {result['adapter_path']} (mlx-lm format)")
+    lines.append(f"  adapters: {result['adapter_path']} (mlx-lm format, model card README.md)")
     if args.fuse:
         fuse_model(cfg.model, result["adapter_path"], args.fuse, dequantize=not is_quantized(result["model"]))
         lines.append(f"  fused model: {args.fuse} (mlx_lm.load / mlx_lm.generate --model {args.fuse})")

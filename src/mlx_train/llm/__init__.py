@@ -13,10 +13,11 @@ from mlx_train.llm.data import SequenceDataset, collate, load_records, make_load
 from mlx_train.llm.finetune import FineTuneConfig, finetune
 from mlx_train.llm.loss import document_attention_mask, lm_loss
 from mlx_train.llm.models import base_reference, load_model, save_model
+from mlx_train.llm.preference import PairDataset, PreferenceConfig, PreferenceLoss
 
 __all__ = [
     "AdapterConfig", "apply_adapters", "fuse_adapters", "load_adapters", "save_adapters",
     "SequenceDataset", "collate", "load_records", "make_loader", "pack_documents", "tokenize",
     "FineTuneConfig", "finetune", "document_attention_mask", "lm_loss",
-    "base_reference", "load_model", "save_model",
+    "base_reference", "load_model", "save_model", "PairDataset", "PreferenceConfig", "PreferenceLoss",
 ]

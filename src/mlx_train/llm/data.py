@@ -66,6 +66,14 @@ def load_records(data: str) -> dict[str, list[dict]]:
 
 
 def _read_jsonl(path: str) -> list[dict]:
+    return [record for _, record in read_jsonl_lines(path)]
+
+
+def read_jsonl_lines(path: str) -> list[tuple[int, dict]]:
+    """``(line number, record)`` of each non-blank line of a jsonl file, for errors that name the line.
+
+    Example: ``read_jsonl_lines("data/train.jsonl")[0] -> (1, {"prompt": ..., "chosen": ..., "rejected": ...})``.
+    """
     records = []
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
@@ -78,7 +86,7 @@ def _read_jsonl(path: str) -> list[dict]:
                                 "JSON object like {\"text\": ...}") from None
             if not isinstance(record, dict):
                 raise DataError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
-            records.append(record)
+            records.append((number, record))
     return records
 
 
@@ -267,15 +275,18 @@ class SequenceDataset:
 
 
 def collate(samples: Sequence[dict], multiple: int = PAD_MULTIPLE) -> dict[str, np.ndarray]:
-    """Pad rows to the longest one rounded up to ``multiple`` and stack them (padding: token 0,
-    loss_mask 0, segment 0).
+    """Pad rows to the longest sequence rounded up to ``multiple`` and stack them (padding: token 0,
+    loss_mask 0, segment 0); 0-d values (a preference pair's reference log-probabilities) are stacked.
 
     Example: ``collate([ds[0], ds[1]])["inputs"].shape -> (2, 64)``.
     """
-    longest = max(len(s["inputs"]) for s in samples)
+    longest = max(len(v) for s in samples for v in s.values() if np.ndim(v) == 1)
     width = -(-longest // multiple) * multiple
     batch = {}
     for key in samples[0]:
+        if np.ndim(samples[0][key]) == 0:
+            batch[key] = np.array([s[key] for s in samples], dtype=np.float32)
+            continue
         out = np.zeros((len(samples), width), dtype=np.int32)
         for j, s in enumerate(samples):
             out[j, : len(s[key])] = s[key]
@@ -283,9 +294,10 @@ def collate(samples: Sequence[dict], multiple: int = PAD_MULTIPLE) -> dict[str, 
     return batch
 
 
-def make_loader(dataset: SequenceDataset, batch_size: int, seed: int = 0, shuffle: bool = True,
+def make_loader(dataset: Any, batch_size: int, seed: int = 0, shuffle: bool = True,
                 num_workers: int = 1, multiple: int = PAD_MULTIPLE, drop_last: bool = True) -> Any:
-    """A DataLoader over ``dataset``: batches of rows of similar token length, padded to ``multiple``.
+    """A DataLoader over ``dataset`` (a :class:`SequenceDataset`, or preference pairs): batches of rows
+    of similar token length, padded to ``multiple``.
 
     Example: ``loader = make_loader(train_rows, batch_size=4, seed=0)``.
     """

@@ -33,7 +33,8 @@ def _f(default: Any, help: str) -> Any:
 @dataclass
 class FineTuneConfig:
     """Every fine-tuning knob, with mlx_lm.lora's names and defaults (plus epochs, pack, resume,
-    run_dir, quantized)."""
+    run_dir, quantized), and mlx-lm-lora's for preference tuning (train_mode, beta, dpo_loss_type,
+    reference_model_path; label_smoothing, reference_free and TRL's precompute_ref_log_probs)."""
 
     model: str | None = _f(None, "Base model: an mlx-lm/Hugging Face directory, a Hugging Face repo id or a "
                                  ".gguf file.")
@@ -72,8 +73,24 @@ class FineTuneConfig:
                                      "comma-separated.")
     project_name: str | None = _f(None, "Tracker project (W&B project, MLflow experiment).")
 
+    # preference tuning (mlx-lm-lora's names; llm/preference.py)
+    train_mode: str = _f("sft", "sft (next-token loss), dpo, orpo or cpo (preference rows: prompt, chosen, "
+                                "rejected).")
+    beta: float = _f(0.1, "DPO: temperature of the implicit reward; ORPO: weight of the odds-ratio term.")
+    dpo_loss_type: str = _f("sigmoid", "DPO/CPO loss: sigmoid, hinge or ipo (YAML alias: dpo_cpo_loss_type).")
+    label_smoothing: float = _f(0.0, "DPO sigmoid: share of preference labels assumed wrong (conservative DPO).")
+    reference_free: bool = _f(False, "DPO against a uniform reference (reference log-probabilities 0).")
+    reference_model_path: str | None = _f(None, "DPO reference model (default: the base model; with LoRA/DoRA "
+                                          "the adapters are switched off, with full fine-tuning its "
+                                          "log-probabilities are computed once before training).")
+    precompute_ref_log_probs: bool = _f(False, "DPO with LoRA/DoRA: compute the reference log-probabilities once "
+                                         "before training (adapters off) instead of in every step: less memory "
+                                         "and time per step, one forward pass over the data first.")
+
     # mlx_lm.lora YAML keys that have no effect here (accepted so its files load as they are).
     IGNORED = ("train", "config", "optimizer_config", "clear_cache_threshold", "trust_remote_code")
+    # mlx-lm-lora's YAML names of the same settings
+    ALIASES = {"dpo_cpo_loss_type": "dpo_loss_type"}
 
     @classmethod
     def from_dict(cls, values: dict, where: str = "config") -> FineTuneConfig:
@@ -83,6 +100,7 @@ class FineTuneConfig:
             values = {**values, "report_to": ",".join(filter(None, [values.get("report_to"), "wandb"])),
                       "project_name": values.get("project_name") or values["wandb"]}
         values = {k: v for k, v in values.items() if k != "wandb"}
+        values = {cls.ALIASES.get(k, k): v for k, v in values.items()}
         unknown = [k for k in values if k not in names and k not in cls.IGNORED]
         if unknown:
             raise ConfigError(f"{where}: unknown key '{unknown[0]}'{did_you_mean(unknown[0], names)}; "
@@ -252,6 +270,10 @@ def prepare(cfg: FineTuneConfig, log: Any = print) -> dict[str, Any]:
 
     if not cfg.model or not cfg.data:
         raise ConfigError("fine-tuning needs a base model and data: pass --model PATH and --data DIR")
+    if cfg.train_mode != "sft":  # a wrong preference setting fails before the model loads
+        from mlx_train.llm.preference import PreferenceConfig
+
+        PreferenceConfig.from_finetune(cfg)
     spec = adapters.AdapterConfig.from_mlx_lm(
         {"fine_tune_type": cfg.fine_tune_type, "num_layers": cfg.num_layers, "lora_parameters": cfg.lora_parameters})
     quantized = cfg.quantized if cfg.quantized is not None else mx.default_device() == mx.gpu
@@ -268,6 +290,8 @@ def prepare(cfg: FineTuneConfig, log: Any = print) -> dict[str, Any]:
         log(f"continuing from the adapters in {directory}")
     else:
         adapters.apply_adapters(model, spec)
+    if cfg.train_mode != "sft":
+        return _preference_parts(cfg, model, tokenizer, model_config, spec, log)
     document_mask = loss.supports_document_mask(model)
     if cfg.pack and not document_mask:
         log("packing: this model takes no attention mask, so a token may attend to earlier documents of its "
@@ -287,13 +311,40 @@ def prepare(cfg: FineTuneConfig, log: Any = print) -> dict[str, Any]:
     return {"model": model, "tokenizer": tokenizer, "model_config": model_config, "spec": spec, "splits": splits}
 
 
+def _preference_parts(cfg: FineTuneConfig, model: Any, tokenizer: Any, model_config: dict, spec: Any,
+                      log: Any) -> dict[str, Any]:
+    """:func:`prepare` for DPO/ORPO: preference pairs instead of documents."""
+    from mlx_train.llm import adapters, preference
+
+    splits = preference.build_splits(cfg, model, tokenizer, log)
+    trainable, total = adapters.trainable_count(model)
+    log(f"{cfg.train_mode} with {spec.fine_tune_type}: training {trainable:,} of {total:,} parameters")
+    return {"model": model, "tokenizer": tokenizer, "model_config": model_config, "spec": spec, "splits": splits}
+
+
+class PairCounter(TokenCounter):
+    """TokenCounter for preference runs: the validation line shows reward accuracy and margin."""
+
+    def on_validation_end(self, trainer, logs: dict) -> None:
+        trainer.log(f"step {logs['step']}: val loss {logs['val_loss']:.4f}, val reward accuracy "
+                    f"{logs['val_reward_accuracy']:.3f}, val reward margin {logs['val_reward_margin']:.4f}")
+
+
+def _loss_for(cfg: FineTuneConfig) -> Any:
+    from mlx_train.llm import loss, preference
+
+    if cfg.train_mode == "sft":
+        return loss.lm_loss
+    return preference.PreferenceLoss(preference.PreferenceConfig.from_finetune(cfg))
+
+
 def finetune(cfg: FineTuneConfig, callbacks: list | None = None) -> dict[str, Any]:
     """Fine-tune ``cfg.model`` on ``cfg.data``; returns the trainer, model, history and final
     validation loss/perplexity. Adapters are written to ``cfg.adapter_path`` in mlx-lm's format.
 
     Example: ``finetune(FineTuneConfig(model="base", data="data", iters=50))["val_perplexity"]``.
     """
-    from mlx_train.llm import data, loss, models
+    from mlx_train.llm import card, data, models
     from mlx_train.training import Trainer
 
     log = print
@@ -304,13 +355,15 @@ def finetune(cfg: FineTuneConfig, callbacks: list | None = None) -> dict[str, An
         raise ConfigError(f"--test: {cfg.data} has no test records to evaluate on; add some, or leave --test out")
     train_rows, valid_rows = splits["train"], splits.get("valid")
     loader = data.make_loader(train_rows, cfg.batch_size, seed=cfg.seed, num_workers=cfg.num_workers)
-    trainer = Trainer(model, loss_fn=loss.lm_loss, config=_train_config(cfg, len(loader)))
+    trainer = Trainer(model, loss_fn=_loss_for(cfg), config=_train_config(cfg, len(loader)))
     # Checkpoints of a run with a frozen base hold the trained parameters and this reference.
     trainer.base_model = models.base_reference(cfg.model) if os.path.exists(cfg.model) else {"path": cfg.model}
-    counter = TokenCounter()
+    counter = TokenCounter() if cfg.train_mode == "sft" else PairCounter()
     adapter_dir = cfg.path_in_run(cfg.adapter_path)
     extra = {"model": cfg.model, "data": cfg.data, "max_seq_length": cfg.max_seq_length, "seed": cfg.seed,
              "mask_prompt": cfg.mask_prompt, "pack": cfg.pack}
+    if cfg.train_mode != "sft":
+        extra.update({"train_mode": cfg.train_mode, "beta": cfg.beta, "dpo_loss_type": cfg.dpo_loss_type})
     writer = AdapterWriter(parts["spec"], adapter_dir, extra)
     val = None
     if valid_rows is not None:  # the same collate (padding to a multiple of 8) as training, in file order
@@ -323,25 +376,39 @@ def finetune(cfg: FineTuneConfig, callbacks: list | None = None) -> dict[str, An
                               "tokens_per_second": (sum(counter.tokens_per_second) / len(counter.tokens_per_second)
                                                     if counter.tokens_per_second else None)}
     if val is not None:
-        result["val_loss"] = trainer.evaluate(val)["loss"]
-        result["val_perplexity"] = math.exp(min(result["val_loss"], 50))
-    if cfg.test:
-        result["test_loss"] = trainer.evaluate(splits["test"].head(cfg.test_batches * cfg.batch_size).samples())["loss"]
-        result["test_perplexity"] = math.exp(min(result["test_loss"], 50))
+        result["val_metrics"] = trainer.evaluate(val)
+        result["val_loss"] = result["val_metrics"]["loss"]
+        if cfg.train_mode == "sft":
+            result["val_perplexity"] = math.exp(min(result["val_loss"], 50))
+    if cfg.test and "test" in splits:
+        test_rows = splits["test"].head(cfg.test_batches * cfg.batch_size)
+        if cfg.train_mode == "sft":
+            result["test_loss"] = trainer.evaluate(test_rows.samples())["loss"]
+            result["test_perplexity"] = math.exp(min(result["test_loss"], 50))
+        else:
+            result["test_metrics"] = trainer.evaluate(data.make_loader(test_rows, cfg.batch_size, shuffle=False,
+                                                                       num_workers=0, drop_last=False))
+            result["test_loss"] = result["test_metrics"]["loss"]
+    if trainer.is_main:
+        result["card"] = card.card_facts(cfg, result)
+        card.write_model_card(adapter_dir, result["card"])
     return result
 
 
 def fuse_model(model_path: str, adapter_path: str, save_path: str, dequantize: bool = False) -> str:
     """Load a base model, add the adapters of ``adapter_path``, fold them in and write an mlx-lm
-    model directory (``mlx_lm.load(save_path)`` reads it). Works for GGUF bases too.
+    model directory (``mlx_lm.load(save_path)`` reads it), with the adapters' model card when they
+    have one. Works for GGUF bases too.
 
     Example: ``fuse_model("SmolLM2-135M-Instruct.Q4_1.gguf", "runs/a/adapters", "smol-tuned")``.
     """
-    from mlx_train.llm import adapters, models
+    from mlx_train.llm import adapters, card, models
 
     model, tokenizer, config = models.load_model(model_path, quantized=not dequantize)
     adapters.load_adapters(model, adapter_path)
     adapters.fuse_adapters(model, dequantize=dequantize)
     if dequantize:
         config = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
-    return models.save_model(model, tokenizer, config, save_path)
+    models.save_model(model, tokenizer, config, save_path)
+    card.write_fused_card(adapter_path, save_path)
+    return save_path

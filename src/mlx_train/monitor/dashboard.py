@@ -145,6 +145,9 @@ def _latest(snap: RunSnapshot, width: int, height: int) -> RenderableType:
         table.add_row("grad norm", f"{last['grad_norm']:.4f}")
     if "sparsity" in last:  # reported by the Pruning callback
         table.add_row("sparsity", f"{last['sparsity']:.1%}")
+    if "reward_accuracy" in last:  # reported by a preference loss (DPO, ORPO)
+        table.add_row("reward accuracy", f"{last['reward_accuracy']:.3f}")
+        table.add_row("reward margin", _metric(last.get("reward_margin")))
     if "samples_per_second" in last:
         table.add_row("samples/s", f"{last['samples_per_second']:,.0f}")
     if "tokens_per_second" in last:

@@ -24,7 +24,7 @@ import mlx.nn as nn
 from mlx_train.data import DataLoader
 from mlx_train.errors import DataError, MLXTrainError, OutOfMemoryError
 from mlx_train.training.labels import LabelCheck
-from mlx_train.training.losses import Loss, split_parts
+from mlx_train.training.losses import METRIC_PREFIX, Loss, split_parts
 from mlx_train.training.oom import array_slots, is_out_of_memory
 from mlx_train.training.state import set_rng_key
 from mlx_train.training.step import build_eval_step, describe_shapes, split_batch
@@ -46,6 +46,7 @@ class Evaluator:
             self._step = build_eval_step(self.model, self.loss, self.precision, self.compile)
         step = self._step
         sums = {"loss_sum": mx.array(0.0), "items": mx.array(0.0)}
+        sums.update({METRIC_PREFIX + name: mx.array(0.0) for name in self.loss.metric_names})
         labels = LabelCheck.for_run(self.loss, self.model, loader)
         self.model.eval()
         try:

@@ -4,8 +4,12 @@ A loss is written one of two ways, and the Trainer tells them apart by the name 
 first parameter:
 
 - ``loss_fn(model, batch)`` -- the first parameter is named ``model`` (as in mlx-lm). It
-  returns ``loss`` or ``(loss, n_items)``. If it takes more than two parameters and the
-  batch is a tuple, it is called as ``loss_fn(model, *batch)``.
+  returns ``loss``, ``(loss, n_items)`` or ``(loss, n_items, metrics)``: ``metrics`` is a dict
+  of scalar means over the same items (e.g. a preference loss's reward accuracy), summed on the
+  device like the loss and reported under their names (``val_<name>`` in validation); a loss
+  that lists their names in a ``metric_names`` attribute saves one retrace of the step. If it
+  takes more than two parameters and the batch is a tuple, it is called as
+  ``loss_fn(model, *batch)``.
 - ``loss_fn(predictions, targets)`` -- anything else (Keras / PyTorch style, e.g.
   ``mlx.nn.losses.cross_entropy``). The Trainer runs ``model(inputs)``; per-sample losses
   are averaged (over the mask, when the batch has one).
@@ -30,6 +34,8 @@ from mlx_train.errors import DataError
 
 _INPUT_KEYS = ("inputs", "x", "input_ids", "input", "features", "image", "images")
 _TARGET_KEYS = ("targets", "y", "labels", "label", "target")
+#: Running-sum keys of a loss's extra metrics: ``metric:<name>`` holds the metric times the items.
+METRIC_PREFIX = "metric:"
 
 
 @dataclass(frozen=True)
@@ -129,11 +135,28 @@ def _positional_count(fn: Callable[..., Any]) -> int:
     return sum(1 for p in params if p.kind in kinds and p.default is inspect.Parameter.empty)
 
 
+def add_metrics(sums: dict[str, Any], metrics: dict[str, mx.array], n: mx.array,
+                keep: mx.array | None = None) -> dict[str, Any]:
+    """``sums`` with each metric times ``n`` added under ``metric:<name>`` (nothing where ``keep`` is False)."""
+    sums = dict(sums)
+    for name, value in metrics.items():
+        key = METRIC_PREFIX + name
+        weighted = value.astype(mx.float32) * n
+        sums[key] = sums.get(key, mx.array(0.0)) + (weighted if keep is None else mx.where(keep, weighted, 0.0))
+    return sums
+
+
+def metric_means(sums: dict[str, float], items: float, prefix: str = "") -> dict[str, float]:
+    """The mean of each ``metric:<name>`` sum over ``items``, named ``prefix + name``."""
+    return {prefix + k[len(METRIC_PREFIX):]: v / max(items, 1e-9) for k, v in sums.items()
+            if k.startswith(METRIC_PREFIX)}
+
+
 class Loss:
-    """Wraps a user loss so the step can call ``loss(model, batch) -> (mean, n_items, outputs)``.
+    """Wraps a user loss so the step can call ``loss(model, batch) -> (mean, n_items, outputs, metrics)``.
 
     ``outputs`` are the model's predictions when the Trainer ran the model itself (used for
-    accuracy), else None.
+    accuracy), else None; ``metrics`` the extra means a ``loss_fn(model, batch)`` returned ({} if none).
     """
 
     def __init__(self, loss_fn: Callable[..., Any] | None = None) -> None:
@@ -141,8 +164,9 @@ class Loss:
         self.model_style = loss_fn is not None and takes_model_first(loss_fn)
         self.unpack = self.model_style and _positional_count(loss_fn) > 2  # type: ignore[arg-type]  # model_style: set
         self.name = getattr(loss_fn, "__name__", type(loss_fn).__name__) if loss_fn else "cross_entropy"
+        self.metric_names: tuple[str, ...] = tuple(getattr(loss_fn, "metric_names", ()))
 
-    def __call__(self, model: nn.Module, batch: Any) -> tuple[mx.array, mx.array, mx.array | None]:
+    def __call__(self, model: nn.Module, batch: Any) -> tuple[mx.array, mx.array, mx.array | None, dict[str, mx.array]]:
         if self.model_style:
             return self._call_model_style(model, batch)
         parts = split_parts(batch)
@@ -158,16 +182,17 @@ class Loss:
         value = mx.array(value) if not isinstance(value, mx.array) else value
         if value.ndim == 0:
             n = mx.array(parts.targets.shape[0] if parts.targets is not None else outputs.shape[0], mx.float32)
-            return value.astype(mx.float32), n, outputs
+            return value.astype(mx.float32), n, outputs, {}
         if parts.targets is not None and value.shape[0] != parts.targets.shape[0]:
             raise DataError(
                 f"loss '{self.name}' returned shape {tuple(value.shape)}; expected a scalar or one value "
                 f"per sample (first axis {parts.targets.shape[0]})"
             )
         mean, n = _masked_mean(value.astype(mx.float32), parts.mask)
-        return mean, n, outputs
+        return mean, n, outputs, {}
 
-    def _call_model_style(self, model: nn.Module, batch: Any) -> tuple[mx.array, mx.array, mx.array | None]:
+    def _call_model_style(self, model: nn.Module,
+                          batch: Any) -> tuple[mx.array, mx.array, mx.array | None, dict[str, mx.array]]:
         try:
             # model_style implies a loss_fn: it is never None here.
             out = (self.loss_fn(model, *batch)  # type: ignore[misc]
@@ -178,10 +203,13 @@ class Loss:
                 f"loss '{self.name}' was called as loss_fn(model, batch) (its first parameter is named "
                 f"'model') and failed: {e}. Rename the first parameter if it expects (predictions, targets)"
             ) from e
+        metrics: dict[str, mx.array] = {}
         if isinstance(out, (tuple, list)):
-            if len(out) != 2:
-                raise DataError(f"loss '{self.name}' returned {len(out)} values; expected loss or (loss, n_items)")
-            value, n = out
+            if len(out) not in (2, 3) or (len(out) == 3 and not isinstance(out[2], dict)):
+                raise DataError(f"loss '{self.name}' returned {len(out)} values; expected loss, (loss, n_items) "
+                                "or (loss, n_items, {metric name: mean})")
+            value, n = out[0], out[1]
+            metrics = dict(out[2]) if len(out) == 3 else {}
         else:
             value, n = out, batch_size_of(batch)
         value = value if isinstance(value, mx.array) else mx.array(value)
@@ -191,7 +219,7 @@ class Loss:
                 "mean loss (and optionally the number of items it averages over)"
             )
         n = n if isinstance(n, mx.array) else mx.array(n)
-        return value.astype(mx.float32), n.astype(mx.float32), None
+        return value.astype(mx.float32), n.astype(mx.float32), None, metrics
 
 
 def count_correct(outputs: mx.array | None, batch: Any) -> tuple[mx.array, mx.array] | None:

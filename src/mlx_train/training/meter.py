@@ -20,7 +20,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlx_train.training.losses import batch_size_of
+from mlx_train.training.losses import METRIC_PREFIX, batch_size_of, metric_means
 
 
 class Meter:
@@ -83,7 +83,8 @@ class Meter:
         return self.pending_steps > 0
 
     def report(self, totals: dict[str, float], learning_rate: float, grad_norm: float | None = None) -> dict[str, Any]:
-        """The report's logs. ``totals``: the epoch's ``loss_sum`` and ``items`` summed over ranks."""
+        """The report's logs. ``totals``: the epoch's ``loss_sum`` and ``items`` (and a loss's ``metric:<name>``
+        sums) summed over ranks; each metric is reported as its mean over the report's items."""
         state, now = self.state, self.clock()
         seconds = max(now - self.start - self.paused, 1e-9)
         base = state.report_base
@@ -99,6 +100,8 @@ class Meter:
             "trained_samples": state.trained_samples,
             "peak_memory_gb": self.peak_memory() / 1e9,
         }
+        logs.update(metric_means({k: v - base.get(k, 0.0) for k, v in totals.items() if k.startswith(METRIC_PREFIX)},
+                                 d_items))
         state.trained_items += d_items
         if d_items > samples * 1.5:  # sequences: items are tokens
             logs["tokens_per_second"] = d_items / seconds
@@ -106,7 +109,7 @@ class Meter:
         if grad_norm is not None:
             logs["grad_norm"] = grad_norm
         logs.update(self._step_times(seconds))
-        state.report_base = {"loss_sum": totals["loss_sum"], "items": totals["items"], "step": state.step}
+        state.report_base = {**totals, "step": state.step}
         self.pending_samples = self.pending_steps = 0
         self.start, self.paused = now, 0.0
         self.data_seconds = self.step_seconds = self.checkpoint_seconds = 0.0

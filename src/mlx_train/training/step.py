@@ -29,7 +29,7 @@ import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_map
 
 from mlx_train.errors import DataError
-from mlx_train.training.losses import Loss, count_correct
+from mlx_train.training.losses import METRIC_PREFIX, Loss, add_metrics, count_correct
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
@@ -117,6 +117,7 @@ class TrainStep:
         """Fresh on-device sums for an epoch's reported training metrics (``nonfinite``, in guarded steps,
         counts the steps whose loss or gradient was NaN/Inf and were undone)."""
         running = {"loss_sum": mx.array(0.0), "items": mx.array(0.0)}
+        running.update({METRIC_PREFIX + name: mx.array(0.0) for name in self.loss.metric_names})
         if self._guarded:
             running["nonfinite"] = mx.array(0.0)
         if self.options.max_grad_norm is not None:
@@ -149,20 +150,20 @@ class TrainStep:
 
     # -- traced bodies ------------------------------------------------------------------
 
-    def _objective(self, params: Any, batch: Any, weighted: bool) -> tuple[mx.array, tuple[mx.array, mx.array]]:
+    def _objective(self, params: Any, batch: Any, weighted: bool) -> tuple[mx.array, tuple[Any, ...]]:
         if self.compute_dtype != mx.float32:
             params = _cast(params, self.compute_dtype)
         self.model.update(params)
-        value, n, _ = self.loss(self.model, batch)
+        value, n, _, metrics = self.loss(self.model, batch)
         objective = value * n if weighted else value
         if self.dynamic_scaling:
             objective = objective * self.loss_scale["scale"]
-        return objective, (value, n)
+        return objective, (value, n, metrics)
 
     def _micro(self, batch: Any, grad_sum: Any, running: dict[str, Any], update: bool,
                weighted: bool) -> tuple[Any, dict[str, Any]]:
         params = self.model.trainable_parameters()
-        (_, (value, n)), grads = mx.value_and_grad(self._objective)(params, batch, weighted)
+        (_, (value, n, metrics)), grads = mx.value_and_grad(self._objective)(params, batch, weighted)
         self.model.update(params)  # back to the float32 master weights
         if grad_sum is not None:
             grads = tree_map(mx.add, grad_sum, grads)
@@ -176,6 +177,7 @@ class TrainStep:
             # a finite loss (without clipping) makes the weights non-finite, which the next step's loss shows.
             running["loss_sum"] = running["loss_sum"] + value * n
             running["items"] = running["items"] + n
+            running = add_metrics(running, metrics, n)
             if not update:
                 running["pending_items"] = n_total
                 return grads, running
@@ -191,6 +193,7 @@ class TrainStep:
         # A non-finite micro-batch adds nothing to the sums: the reported loss stays readable.
         running["loss_sum"] = running["loss_sum"] + mx.where(finite, value * n, 0.0)
         running["items"] = running["items"] + mx.where(finite, n, 0.0)
+        running = add_metrics(running, metrics, n, finite)
         if not update:
             running["pending_items"], running["pending_finite"] = n_total, finite
             return grads, running
@@ -269,9 +272,9 @@ def build_eval_step(model: nn.Module, loss: Loss, precision: str = "float32",
         params = model.parameters()
         if dtype != mx.float32:
             model.update(_cast(params, dtype))
-        value, n, outputs = loss(model, batch)
+        value, n, outputs, metrics = loss(model, batch)
         model.update(params)
-        sums = dict(sums)
+        sums = add_metrics(sums, metrics, n)
         sums["loss_sum"] = sums["loss_sum"] + value * n
         sums["items"] = sums["items"] + n
         correct = count_correct(outputs, batch)

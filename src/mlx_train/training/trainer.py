@@ -32,7 +32,7 @@ from mlx_train.training.heartbeat import Heartbeat
 from mlx_train.training.interrupt import StopSignals
 from mlx_train.training.labels import LabelCheck
 from mlx_train.training.loggers import MetricsLogger, ProgressBar
-from mlx_train.training.losses import Loss
+from mlx_train.training.losses import METRIC_PREFIX, Loss, metric_means
 from mlx_train.training.meter import Meter
 from mlx_train.training.oom import MemoryGuard, MemoryPolicy, any_rank
 from mlx_train.training.resume import keep_global_batch, make_room, refuse_fresh_start, resume_candidates, run_locks
@@ -297,6 +297,7 @@ class Trainer:
         if not totals["items"]:
             return state.history
         logs: dict[str, Any] = {"epoch": state.epoch, "train_loss": totals["loss_sum"] / max(totals["items"], 1.0)}
+        logs.update(metric_means(totals, totals["items"], "train_"))
         logs.update({k: v for k, v in state.last_val.items() if k not in ("step", "epoch", "val_time")})
         logs["learning_rate"] = float(self.optimizer.learning_rate.item())
         history = {k: list(v) for k, v in state.history.items()}
@@ -319,6 +320,7 @@ class Trainer:
             self._report(callbacks, meter)
         totals = self._totals()
         logs = {"train_loss": totals["loss_sum"] / max(totals["items"], 1.0)}
+        logs.update(metric_means(totals, totals["items"], "train_"))
         if val_loader is not None and every.validate.by_epoch(state.epoch + 1):
             self._validate(val_loader, callbacks, meter)
         logs.update({k: v for k, v in state.last_val.items() if k not in ("step", "epoch", "val_time")})
@@ -535,14 +537,16 @@ class Trainer:
             self.evaluator.parts = max(self.evaluator.parts, needed)
         values = self._reduce(self.evaluator.sums(loader, max_batches))
         out = {"val_loss": values["loss_sum"] / max(values["items"], 1.0)}
+        out.update(metric_means(values, values["items"], "val_"))
         if "correct" in values:
             out["val_accuracy"] = values["correct"] / max(values["counted"], 1.0)
         out["val_time"] = time.perf_counter() - start
         return out
 
     def _totals(self) -> dict[str, float]:
-        """The epoch's loss sum and item count, summed over ranks (report time only)."""
-        return self._reduce({k: self.state.running[k] for k in RUNNING_KEYS})
+        """The epoch's loss sum and item count (and a loss's metric sums), summed over ranks (report time only)."""
+        return self._reduce({k: v for k, v in self.state.running.items()
+                             if k in RUNNING_KEYS or k.startswith(METRIC_PREFIX)})
 
     def _reduce(self, values: dict[str, mx.array]) -> dict[str, float]:
         """Sum on-device values over ranks and read them: the one place metrics cross processes."""

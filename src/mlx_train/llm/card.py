@@ -1,0 +1,97 @@
+"""A model card (``README.md`` with Hugging Face front matter) for fine-tuned adapters and fused models.
+
+The front matter says ``library_name: mlx``, the ``base_model`` and tags (mlx, the method, the
+training mode); the body gives the base model, the method, the data, the hyper-parameters, the
+final metrics and how to load the result with mlx-lm.
+
+Example::
+
+    write_model_card("runs/a/adapters", card_facts(cfg, result))
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import yaml
+
+from mlx_train import rundir
+
+CARD_FILE = "README.md"
+FACTS_FILE = "model_card.json"  # the card's facts, so a fused model's card can be written from the adapters'
+_HYPER = ("train_mode", "fine_tune_type", "num_layers", "lora_parameters", "learning_rate", "optimizer", "batch_size",
+          "grad_accumulation_steps", "iters", "epochs", "max_seq_length", "mask_prompt", "pack", "seed")
+_PREFERENCE = ("beta", "dpo_loss_type", "label_smoothing", "reference_free", "reference_model_path",
+               "precompute_ref_log_probs")
+
+
+def card_facts(cfg: Any, result: dict[str, Any]) -> dict[str, Any]:
+    """What a card says about a finished :func:`~mlx_train.llm.finetune.finetune` run.
+
+    Example: ``card_facts(cfg, finetune(cfg))["metrics"]["val_loss"]``.
+    """
+    hyper = {k: getattr(cfg, k) for k in _HYPER}
+    if cfg.fine_tune_type == "full":
+        hyper.pop("lora_parameters")
+    if cfg.train_mode != "sft":
+        hyper.update({k: getattr(cfg, k) for k in _PREFERENCE if k != "dpo_loss_type" or cfg.train_mode != "orpo"})
+    metrics = {"steps": result["trainer"].step}
+    for key, value in result.get("val_metrics", {}).items():
+        if isinstance(value, float) and math.isfinite(value):
+            metrics[f"val_{key}"] = round(value, 6)
+    if "val_perplexity" in result:
+        metrics["val_perplexity"] = round(result["val_perplexity"], 6)
+    return {"base_model": cfg.model, "data": cfg.data, "method": cfg.fine_tune_type, "train_mode": cfg.train_mode,
+            "hyperparameters": hyper, "metrics": metrics}
+
+
+def _base_model_id(path: str) -> str:
+    """A Hugging Face repo id stays as it is; a local directory or file is named by its base name."""
+    return os.path.basename(os.path.normpath(path)) if os.path.exists(path) else path
+
+
+def model_card(facts: dict[str, Any], fused: bool = False) -> str:
+    """The card's text (see :func:`card_facts` for ``facts``)."""
+    base, mode, method = facts["base_model"], facts["train_mode"], facts["method"]
+    front = {"library_name": "mlx", "base_model": _base_model_id(base), "pipeline_tag": "text-generation",
+             "tags": ["mlx", "mlx-train", method, mode] + (["fused"] if fused else [])}
+    what = f"{method.upper() if method != 'full' else 'full'} fine-tuning, {mode.upper()}"
+    lines = ["---", yaml.safe_dump(front, sort_keys=False).strip(), "---", "",
+             f"# {_base_model_id(base)} ({mode}, {method})", "",
+             f"- **Base model:** `{base}`", f"- **Method:** {what}", f"- **Data:** `{facts['data']}`", "",
+             "## Hyper-parameters", "", "| name | value |", "| --- | --- |"]
+    lines += [f"| {k} | `{v}` |" for k, v in facts["hyperparameters"].items()]
+    lines += ["", "## Final metrics", "", "| metric | value |", "| --- | --- |"]
+    lines += [f"| {k} | {v} |" for k, v in facts["metrics"].items()]
+    lines += ["", "## Use", "", "```python", "from mlx_lm import load, generate", ""]
+    if fused:
+        lines.append('model, tokenizer = load("path/to/this/directory")')
+    else:
+        lines.append(f'model, tokenizer = load("{base}", adapter_path="path/to/this/directory")')
+    lines += ['print(generate(model, tokenizer, prompt="Hello"))', "```", ""]
+    return "\n".join(lines)
+
+
+def write_model_card(directory: str, facts: dict[str, Any], fused: bool = False) -> str:
+    """Write ``directory/README.md`` and its facts as ``model_card.json`` (atomically); returns the
+    card's path.
+
+    Example: ``write_model_card("fused-model", facts, fused=True)``.
+    """
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, CARD_FILE)
+    rundir.atomic_write(path, model_card(facts, fused))
+    rundir.atomic_write_json(os.path.join(directory, FACTS_FILE), facts)
+    return path
+
+
+def write_fused_card(adapter_path: str, fused_path: str) -> str | None:
+    """The card of the adapters in ``adapter_path``, written for the model fused from them (None when
+    the adapters have no card).
+
+    Example: ``write_fused_card("runs/a/adapters", "fused-model")``.
+    """
+    facts = rundir.read_json(os.path.join(adapter_path, FACTS_FILE))
+    return write_model_card(fused_path, facts, fused=True) if isinstance(facts, dict) else None

@@ -1,0 +1,56 @@
+"""A DPO fine-tuning run for the exact-resume test: LoRA with dropout, shuffled token-length
+buckets, gradient accumulation, checkpoints every 2 steps.
+
+    python llm_preference_run.py BASE_DIR DATA_DIR RUN_DIR OUT.safetensors [--kill-at STEP]
+
+--kill-at sends SIGKILL to the process itself after that optimizer step (no warning, no cleanup).
+"""
+
+import argparse
+import json
+import os
+import signal
+
+import mlx_train  # noqa: F401  (before mlx.core: BLAS preload)
+
+# isort: split
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from mlx_train.llm import FineTuneConfig, finetune
+from mlx_train.training import Callback
+
+
+class KillAt(Callback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_batch_end(self, trainer, step):
+        if step == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    for name in ("base", "data", "run_dir", "out"):
+        parser.add_argument(name)
+    parser.add_argument("--kill-at", type=int)
+    parser.add_argument("--fine-tune-type", default="lora")
+    args = parser.parse_args()
+    cfg = FineTuneConfig(model=args.base, data=args.data, run_dir=args.run_dir, resume="auto", iters=7,
+                         batch_size=4, grad_accumulation_steps=2, num_layers=2, learning_rate=3e-3,
+                         max_seq_length=128, train_mode="dpo", beta=0.5, fine_tune_type=args.fine_tune_type,
+                         lora_parameters={"rank": 4, "scale": 10.0, "dropout": 0.1},
+                         steps_per_report=2, steps_per_eval=3, save_every=2, val_batches=2)
+    result = finetune(cfg, callbacks=[KillAt(args.kill_at)] if args.kill_at else [])
+    trainer = result["trainer"]
+    arrays = dict(tree_flatten(result["model"].trainable_parameters()))
+    arrays.update({f"optimizer.{k}": v for k, v in tree_flatten(trainer.optimizer.state)})
+    mx.save_safetensors(args.out, arrays)
+    with open(args.out + ".json", "w") as f:
+        json.dump({"step": trainer.step, "history": result["history"], "val_loss": result["val_loss"]}, f)
+
+
+if __name__ == "__main__":
+    main()
