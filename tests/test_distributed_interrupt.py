@@ -80,6 +80,8 @@ def test_sigterm_to_the_supervisor_saves_at_one_step_and_the_resumed_run_ends_bi
     assert f"the newest checkpoint is {newest} (step {step})" in stopped.stderr
     again = stopped.stderr.strip().splitlines()[-1]
     assert again == f"to continue: mlx-train train --distributed -n 2 --run-dir {run_dir} --resume"
+    # the ranks leave the command to the supervisor: theirs would lack --distributed
+    assert stopped.stderr.count("to continue:") == 1, stopped.stderr
 
     assert main(shlex.split(again.removeprefix("to continue: mlx-train "))) == 0
     assert f"resumed from {newest} (step {step}" in (run_dir / "logs" / "rank-0.log").read_text()

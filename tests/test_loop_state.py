@@ -9,6 +9,7 @@ from mlx.utils import tree_flatten
 
 from mlx_train.errors import CheckpointError, OutOfMemoryError
 from mlx_train.training.callbacks import Callback, CallbackList
+from mlx_train.training.losses import METRIC_PREFIX
 from mlx_train.training.meter import Meter
 from mlx_train.training.oom import CPU_MESSAGE, MemoryGuard, MemoryPolicy
 from mlx_train.training.state import LoopState, assign_leaves, saved_parameters
@@ -114,11 +115,11 @@ def test_capture_and_restore_round_trip_any_tree_in_place(frozen):
 def test_restore_off_rank_zero_starts_running_sums_at_zero():
     model, optimizer = _trained(False)
     state = LoopState(step=2)
-    arrays, saved = state.capture(model, optimizer, Loader(), CallbackList([]), Config(), {"loss_sum": 4.0,
-                                                                                          "items": 2.0})
+    sums = {"loss_sum": 4.0, "items": 2.0, METRIC_PREFIX + "reward_accuracy": 1.5}  # a loss's metric sums too
+    arrays, saved = state.capture(model, optimizer, Loader(), CallbackList([]), Config(), sums)
     restored = LoopState()
     restored.restore("ckpt", arrays, saved, model, optimizer, Loader(), CallbackList([]), rank=1)
-    assert float(restored.running["loss_sum"].item()) == 0.0
+    assert {k: float(v.item()) for k, v in restored.running.items()} == dict.fromkeys(sums, 0.0)
 
 
 def test_a_different_base_model_is_refused():

@@ -287,13 +287,23 @@ def _make_room(config: Any, args: argparse.Namespace) -> None:
 
 
 def _how_to_continue(config: Any) -> str:
-    """The command that continues an interrupted run, only when it would: a checkpoint or config.yaml exists."""
+    """The command that continues an interrupted run, only when it would: a checkpoint or config.yaml exists.
+    A rank of a launched group says nothing: its supervisor prints the command with --distributed."""
+    from mlx_train.distributed.rank import in_group
+
+    if in_group():
+        return ""
     run_dir = Path(config.run_dir)
     checkpoint_dir = Path(config.checkpoint_dir or run_dir / rundir.CHECKPOINTS_DIR)
     if (run_dir / rundir.CONFIG_FILE).is_file() or any(checkpoint_dir.glob("step-*")):
         return f"to continue: mlx-train train --run-dir {config.run_dir} --resume"
     return ("nothing of this run was saved yet (no checkpoint, no config.yaml): to start it, run the same "
             "command again")
+
+
+def _say(line: str) -> None:
+    if line:
+        print(line, file=sys.stderr)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -307,9 +317,9 @@ def main(args: argparse.Namespace) -> int:
     try:
         run(config, resume=args.resume)
     except TrainingInterrupted as stop:  # the Trainer saved a checkpoint and said so: say how to go on
-        print(_how_to_continue(config), file=sys.stderr)
+        _say(_how_to_continue(config))
         return int(stop.code)  # 128 + signal, as schedulers expect
     except KeyboardInterrupt:
-        print(_how_to_continue(config), file=sys.stderr)
+        _say(_how_to_continue(config))
         raise
     return 0

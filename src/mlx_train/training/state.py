@@ -30,9 +30,17 @@ from mlx.utils import tree_flatten
 from mlx_train.checkpointing.format import read_history, write_history_chunk
 from mlx_train.checkpointing.storage import split_location
 from mlx_train.errors import CheckpointError
+from mlx_train.training.losses import METRIC_PREFIX
 
 FORMAT_VERSION = 3  # 3: the history in chunk files beside the checkpoints
 RUNNING_KEYS = ("loss_sum", "items")
+
+
+def summed_over_ranks(key: str) -> bool:
+    """Whether running value ``key`` is a per-rank sum that reports add up over the ranks (the loss sum, the
+    item count, a loss's metric sums): rank 0's checkpoint holds the total, so other ranks restart it at zero."""
+    return key in RUNNING_KEYS or key.startswith(METRIC_PREFIX)
+
 #: History entries (per key) a checkpoint's trainer_state.json holds at most; older ones are in chunk files.
 HISTORY_CHUNK = 64
 
@@ -257,7 +265,7 @@ class LoopState:
         self.history_chunks, self.history = chunks, history
         self.stop_training = state.get("stop_training", False)
         running = state["running"]
-        self.running = {k: mx.array(0.0 if rank and k in RUNNING_KEYS else v) for k, v in running.items()}
+        self.running = {k: mx.array(0.0 if rank and summed_over_ranks(k) else v) for k, v in running.items()}
         self.report_base = state.get("report_base") or {"loss_sum": running.get("loss_sum", 0.0),
                                                         "items": running.get("items", 0.0), "step": self.step}
         self.trained_samples = state.get("trained_samples", 0)

@@ -32,7 +32,7 @@ from mlx_train.training.heartbeat import Heartbeat
 from mlx_train.training.interrupt import StopSignals
 from mlx_train.training.labels import LabelCheck
 from mlx_train.training.loggers import MetricsLogger, ProgressBar
-from mlx_train.training.losses import METRIC_PREFIX, Loss, metric_means
+from mlx_train.training.losses import Loss, metric_means
 from mlx_train.training.meter import Meter
 from mlx_train.training.oom import MemoryGuard, MemoryPolicy, any_rank
 from mlx_train.training.resume import keep_global_batch, make_room, refuse_fresh_start, resume_candidates, run_locks
@@ -43,7 +43,7 @@ from mlx_train.training.schedule import (
     nonfinite_inputs,
     total_steps,
 )
-from mlx_train.training.state import RUNNING_KEYS, LoopState
+from mlx_train.training.state import LoopState, summed_over_ranks
 from mlx_train.training.step import Reduction, StepOptions, TrainStep, build_step
 
 
@@ -545,8 +545,7 @@ class Trainer:
 
     def _totals(self) -> dict[str, float]:
         """The epoch's loss sum and item count (and a loss's metric sums), summed over ranks (report time only)."""
-        return self._reduce({k: v for k, v in self.state.running.items()
-                             if k in RUNNING_KEYS or k.startswith(METRIC_PREFIX)})
+        return self._reduce({k: v for k, v in self.state.running.items() if summed_over_ranks(k)})
 
     def _reduce(self, values: dict[str, mx.array]) -> dict[str, float]:
         """Sum on-device values over ranks and read them: the one place metrics cross processes."""
