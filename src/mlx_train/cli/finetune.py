@@ -38,6 +38,7 @@ FLAGS = {
     "--resume-adapter-file": "resume_adapter_file", "--adapter-path": "adapter_path", "--save-every": "save_every",
     "--test-batches": "test_batches", "--max-seq-length": "max_seq_length", "--seed": "seed",
     "--run-dir": "run_dir", "--resume": "resume", "--report-to": "report_to", "--project-name": "project_name",
+    "--run-name": "run_name",
     "--train-mode": "train_mode", "--beta": "beta", "--dpo-loss-type": "dpo_loss_type",
     "--dpo-cpo-loss-type": "dpo_loss_type", "--label-smoothing": "label_smoothing",
     "--reference-model-path": "reference_model_path",

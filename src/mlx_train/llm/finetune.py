@@ -72,6 +72,7 @@ class FineTuneConfig:
     report_to: str | None = _f(None, "Trackers for the config, metrics and adapters: wandb, mlflow, tensorboard, "
                                      "comma-separated.")
     project_name: str | None = _f(None, "Tracker project (W&B project, MLflow experiment).")
+    run_name: str | None = _f(None, "Tracker run name (default: the run directory's name).")
 
     # preference tuning (mlx-lm-lora's names; llm/preference.py)
     train_mode: str = _f("sft", "sft (next-token loss), dpo, orpo or cpo (preference rows: prompt, chosen, "
@@ -198,7 +199,8 @@ def _train_config(cfg: FineTuneConfig, steps_per_epoch: int) -> Any:
         checkpoint_every=f"{cfg.save_every} steps", run_dir=cfg.run_dir,
         checkpoint_dir=os.path.join(cfg.run_dir, "checkpoints") if cfg.run_dir else None,
         gradient_checkpointing=cfg.grad_checkpoint, num_workers=cfg.num_workers,
-        eval_batch_size=cfg.batch_size, report_to=cfg.report_to or [], project_name=cfg.project_name, **schedule)
+        eval_batch_size=cfg.batch_size, report_to=cfg.report_to or [], project_name=cfg.project_name,
+        run_name=cfg.run_name, **schedule)
 
 
 def check_before_loading(cfg: FineTuneConfig, log: Any = print) -> None:
