@@ -10,10 +10,11 @@ SIGINT) at a moment drawn from one of three kinds:
 - first save: when the first checkpoint save is half-way (the writer's test hook
   MLX_TRAIN_SAVE_PAUSE_AFTER announces it: after model.safetensors on a local disk, after the data
   files were moved but not the manifest on S3);
-- random: uniform over the uninterrupted run's duration.
+- random: uniform over the uninterrupted run's training, counted from its first reported step (a
+  moment in start-up is the 'startup' kind's).
 
 Then ``--resume`` attempts follow, the first ``--kills-per-trial - 1`` of them signalled at a random
-moment too, until one ends by itself. The trial's outcome:
+moment of their training too, until one ends by itself. The trial's outcome:
 
 - bit-exact: the last attempt exits 0 and the newest checkpoint holds the uninterrupted run's final
   step and parameters, bit for bit;
@@ -53,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from chaos import CLEAN_EXIT, RESUMED, SIGNALS  # noqa: E402  (bench/ is not a package)
 
 ROOT = Path(__file__).resolve().parent.parent
-TRAIN = ["--epochs", "3", "--seed", "42", "--set", "model_options.hidden_dims=[16]", "--set", "checkpoint_every=5",
+TRAIN = ["--epochs", "6", "--seed", "42", "--set", "model_options.hidden_dims=[16]", "--set", "checkpoint_every=5",
          "--set", "keep_last=2", "--set", "report_every=1"]
 STEP_LINE = re.compile(r"^step (\d+) \|", re.M)
 STOPPED = re.compile(r"stopped by SIG\w+ at step (\d+)")
@@ -70,6 +71,7 @@ class Attempt:
     output: str
     signal_name: str | None = None
     sent: bool = False
+    training_seconds: float = 0.0  # from the first reported step to the last
 
     @property
     def landed(self) -> bool:
@@ -105,21 +107,26 @@ class Trial:
 
 
 def run_attempt(run_dir: Path, log: Path, env: dict[str, str], resume: bool, signal_name: str | None = None,
-                delay: float | None = None, at_first_save: bool = False) -> Attempt:
-    """Run ``mlx-train train`` once; send ``signal_name`` after ``delay`` s, or when the first save pauses."""
+                delay: float | None = None, at_first_save: bool = False, from_training: bool = False) -> Attempt:
+    """Run ``mlx-train train`` once; send ``signal_name`` after ``delay`` s (counted from the first reported
+    step with ``from_training``), or when the first save pauses."""
     command = [sys.executable, "-m", "mlx_train", "train", "--run-dir", str(run_dir)]
     command += ["--resume"] if resume else TRAIN
     if env.get("CHECKPOINT_URL") and not resume:
         command += ["--set", f"checkpoint_dir={env['CHECKPOINT_URL']}"]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines: list[str] = []
-    paused = threading.Event()
+    paused, training = threading.Event(), threading.Event()
+    steps_seen: list[float] = []  # when each step line arrived
 
     def read() -> None:
         for line in proc.stdout:  # type: ignore[union-attr]
             lines.append(line)
             if line.startswith(PAUSED):
                 paused.set()
+            if STEP_LINE.match(line):
+                steps_seen.append(time.perf_counter())
+                training.set()
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
@@ -131,6 +138,10 @@ def run_attempt(run_dir: Path, log: Path, env: dict[str, str], resume: bool, sig
                 while not paused.wait(0.01) and proc.poll() is None:
                     pass
             else:
+                if from_training:  # the delay counts from the first reported step
+                    while not training.wait(0.005) and proc.poll() is None:
+                        pass
+                    started = time.perf_counter()
                 while proc.poll() is None and time.perf_counter() - started < (delay or 0.0):
                     time.sleep(0.002)
             if proc.poll() is None:
@@ -144,7 +155,8 @@ def run_attempt(run_dir: Path, log: Path, env: dict[str, str], resume: bool, sig
     reader.join(timeout=10)
     output = "".join(lines)
     log.write_text(output)
-    return Attempt(proc.returncode, output, signal_name, sent)
+    trained = steps_seen[-1] - steps_seen[0] if steps_seen else 0.0
+    return Attempt(proc.returncode, output, signal_name, sent, trained)
 
 
 def final_parameters(checkpoint_dir: str) -> tuple[int, dict[str, np.ndarray]]:
@@ -173,9 +185,11 @@ def run_trial(storage: str, kind: str, signals: list[str], reference: tuple[int,
         if name is not None and first and kind == "first save":
             attempt_env["MLX_TRAIN_SAVE_PAUSE_AFTER"] = "files moved" if storage == "s3" else "model.safetensors"
             attempt_env["MLX_TRAIN_SAVE_PAUSE_SECONDS"] = "0.5"
-        delay = rng.uniform(0.0, 0.3) if first and kind == "startup" else rng.uniform(0.0, window)
+        in_startup = first and kind == "startup"
+        delay = rng.uniform(0.0, 0.3) if in_startup else rng.uniform(0.0, window)
         attempt = run_attempt(run_dir, trial_dir / f"attempt-{len(attempts)}.log", attempt_env, resume=not first,
-                              signal_name=name, delay=delay, at_first_save=first and kind == "first save")
+                              signal_name=name, delay=delay, at_first_save=first and kind == "first save",
+                              from_training=not in_startup)
         attempts.append(attempt)
         if not attempt.sent and attempt.returncode != 0:
             break  # ended by itself with an error: a refusal or a failure, judged below
@@ -289,11 +303,13 @@ def main() -> None:
 
     started = time.perf_counter()
     ref_run = run_attempt(workdir / "reference" / "run", workdir / "reference.log", env, resume=False)
-    window = time.perf_counter() - started
+    elapsed = time.perf_counter() - started
+    window = ref_run.training_seconds  # signals of the 'random' kind land within this much training
     if ref_run.returncode != 0:
         sys.exit(f"the uninterrupted run failed (exit {ref_run.returncode}):\n{ref_run.output[-2000:]}")
     reference = final_parameters(str(workdir / "reference" / "run" / "checkpoints"))
-    print(f"uninterrupted run: {reference[0]} steps, {window:.1f} s through the CLI", flush=True)
+    print(f"uninterrupted run: {reference[0]} steps, {elapsed:.1f} s through the CLI, {window:.1f} s of them "
+          "training", flush=True)
 
     storages = [("local", env)]
     server = None
