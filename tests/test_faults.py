@@ -3,6 +3,7 @@ process on one run, failed and damaged checkpoints. Each test fails without the 
 
 import json
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -256,12 +257,17 @@ def freeze(tmp_path):
             os.chmod(path, 0o500)
         frozen.append(path)
 
-    yield make_unwritable
-    for path in frozen:
+    def make_writable(path):
         if root:
             subprocess.run(["chattr", "-i", str(path)], check=True)
         else:
             os.chmod(path, 0o700)
+        frozen.remove(path)
+
+    make_unwritable.undo = make_writable
+    yield make_unwritable
+    for path in list(frozen):
+        make_writable(path)
 
 
 class _FreezeAt(Callback):
@@ -296,6 +302,105 @@ def test_a_run_directory_that_becomes_unwritable_only_warns_at_the_end(tmp_path,
         history = trainer.train(data, epochs=1, checkpoint_dir=str(tmp_path / "ck"),
                                 callbacks=[_FreezeAt(freeze, run)])
     assert len(history["train_loss"]) == 1 and "loss" in trainer.evaluate(data)  # the run's result stands
+
+
+class _FreezeRunAt(Callback):
+    """Makes the run directory and every file in it unwritable after step ``step``; with ``thaw_at``, writable
+    again after that step."""
+
+    def __init__(self, freeze, run_dir, step, thaw_at=None):
+        self.freeze, self.run_dir, self.step, self.thaw_at = freeze, run_dir, step, thaw_at
+
+    def on_batch_end(self, trainer, step):
+        paths = [self.run_dir / name for name in os.listdir(self.run_dir)] + [self.run_dir]
+        if step == self.step:
+            for path in paths:
+                self.freeze(path)
+        if step == self.thaw_at:
+            for path in paths:
+                self.freeze.undo(path)
+
+
+def _run_file_warnings(caught):
+    from mlx_train.rundir import RunFileWarning
+
+    return [str(w.message) for w in caught if issubclass(w.category, RunFileWarning)]
+
+
+def test_a_run_directory_that_becomes_unwritable_mid_run_warns_once_and_training_goes_on(tmp_path, freeze):
+    run, checkpoints = tmp_path / "run", tmp_path / "ck"
+    trainer = Trainer(_mlp(), optim.SGD(0.1), batch_size=8, num_workers=0, run_dir=str(run), report_every="1 steps",
+                      checkpoint_every="2 steps", keep_last=100)
+    data = (np.zeros((64, 4), np.float32), np.zeros(64, np.int32))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train(data, data, epochs=2, checkpoint_dir=str(checkpoints),
+                      callbacks=[_FreezeRunAt(freeze, run, step=3)])
+        trainer.log("a message for train.log")
+    assert trainer.step == 16  # the last step
+    assert {f"step-{n:08d}" for n in (4, 8, 12, 16)} <= set(os.listdir(checkpoints))
+    assert "loss" in trainer.evaluate(data)
+    [message] = _run_file_warnings(caught)  # one warning, not one per step or per file
+    assert re.fullmatch(rf"cannot write {run}/metrics\.jsonl \(PermissionError: .+\); training goes on, but {run}'s "
+                        rf"metrics, train\.log and heartbeat are not updated while this lasts .*: fix the permissions "
+                        rf"of {run}, or make room on its disk\. Reported once per run\.", message)
+    assert [r["step"] for r in _rows(run) if r["kind"] == "train"] == [1, 2]  # frozen before the report of step 3
+
+
+def test_metrics_files_come_back_whole_once_the_run_directory_is_writable_again(tmp_path, freeze):
+    run = tmp_path / "run"
+    trainer = Trainer(_mlp(), optim.SGD(0.1), batch_size=8, num_workers=0, run_dir=str(run), report_every="1 steps")
+    with pytest.warns(UserWarning, match="cannot write"):
+        trainer.train((np.zeros((64, 4), np.float32), np.zeros(64, np.int32)), epochs=1,
+                      callbacks=[_FreezeRunAt(freeze, run, step=2, thaw_at=5)])
+    assert [r["step"] for r in _rows(run) if r["kind"] == "train"] == list(range(1, 9))
+    import csv
+
+    assert [row["step"] for row in csv.DictReader(open(run / "metrics.csv"))] == [str(n) for n in range(1, 9)] + ["8"]
+
+
+_FREEZING_CLI = """
+import os, subprocess, sys
+from mlx_train.cli.main import main
+from mlx_train.training import Callback, Trainer
+
+run, train = sys.argv[1], Trainer.train
+
+class FreezeRun(Callback):  # the run directory and its files become unwritable after step 2
+    def on_batch_end(self, trainer, step):
+        if step == 2:
+            for path in [os.path.join(run, name) for name in os.listdir(run)] + [run]:
+                subprocess.run(["chattr", "+i", path], check=True) if os.geteuid() == 0 else os.chmod(path, 0o500)
+
+def train_and_freeze(self, *args, callbacks=(), **kwargs):
+    return train(self, *args, callbacks=[*callbacks, FreezeRun()], **kwargs)
+
+Trainer.train = train_and_freeze
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.slow
+def test_the_cli_finishes_and_evaluates_when_its_run_directory_becomes_unwritable(tmp_path, freeze):
+    run, checkpoints = tmp_path / "run", tmp_path / "ck"
+    try:
+        done = subprocess.run([sys.executable, "-c", _FREEZING_CLI, str(run), "train", "--run-dir", str(run),
+                               "--set", f"checkpoint_dir={checkpoints}", "--max-steps", "6",
+                               "--set", "model_options.hidden_dims=[16]", "--set", "report_every=1",
+                               "--set", "checkpoint_every=2", "--set", "keep_last=10"],
+                              capture_output=True, text=True, timeout=300)
+    finally:  # the child froze them: writable again for the cleanup of tmp_path
+        for path in [run, *run.iterdir()] if run.exists() else []:
+            if os.geteuid() == 0:
+                subprocess.run(["chattr", "-i", str(path)], check=True)
+            else:
+                os.chmod(path, 0o700)
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stdout + done.stderr and "unexpected error" not in done.stderr
+    assert "step 6 |" in done.stdout and re.search(r"^test: loss \d+\.\d+ \| accuracy", done.stdout, re.MULTILINE)
+    assert {"step-00000004", "step-00000006"} <= set(os.listdir(checkpoints))
+    assert done.stderr.count("mlx-train: warning: cannot write") == 1
+    assert f"mlx-train: warning: cannot write {run}/metrics.jsonl (PermissionError: " in done.stderr
 
 
 # -- failed and damaged checkpoints -----------------------------------------------------------

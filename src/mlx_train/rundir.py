@@ -36,6 +36,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, TypeGuard
@@ -207,6 +208,56 @@ def read_json(path: str | os.PathLike[str]) -> Any | None:
         return json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
+
+
+class RunFileWarning(UserWarning):
+    """A file of the run directory (metrics, train.log, a heartbeat) could not be written; training went on."""
+
+
+_failed_dirs: set[Path] = set()  # run directories whose failed write was reported (once each)
+_failed_lock = threading.Lock()
+
+
+def write_failed(path: str | os.PathLike[str], error: OSError) -> None:
+    """Warn that the run's file ``path`` could not be written, once per run directory: those files are
+    copies for people and monitors (checkpoints are the run's record), so training goes on.
+
+    Example: ``except OSError as error: write_failed("runs/a/metrics.jsonl", error)``
+    """
+    directory = Path(os.path.abspath(path)).parent
+    with _failed_lock:
+        if directory in _failed_dirs:
+            return
+        _failed_dirs.add(directory)
+    warnings.warn(f"cannot write {path} ({type(error).__name__}: {error.strerror or error}); training goes on, "
+                  f"but {directory}'s metrics, train.log and heartbeat are not updated while this lasts "
+                  "(checkpoints are the run's record, and one that cannot be saved still stops the run): fix the "
+                  f"permissions of {directory}, or make room on its disk. Reported once per run.",
+                  RunFileWarning, stacklevel=2)
+
+
+def reset_write_failed(run_dir: str | os.PathLike[str]) -> None:
+    """Report the next failed write in ``run_dir`` again (a new run starts there)."""
+    with _failed_lock:
+        _failed_dirs.discard(Path(os.path.abspath(run_dir)))
+
+
+def write_run_file(path: str | os.PathLike[str], text: str, append: bool = False) -> bool:
+    """Replace (atomically, not fsync'ed) or append to a file of the run directory that people and monitors
+    read; False, after ``write_failed``'s one warning, when the disk refused it.
+
+    Example: ``write_run_file("runs/a/metrics.jsonl", json.dumps(row) + "\\n", append=True)``
+    """
+    try:
+        if append:
+            with open(path, "a", encoding="utf-8", newline="") as file:
+                file.write(text)
+        else:
+            atomic_write(path, text, durable=False)
+    except OSError as error:
+        write_failed(path, error)
+        return False
+    return True
 
 
 # ---------------------------------------------------------------------------------- heartbeats
@@ -383,8 +434,9 @@ class HeartbeatWriter:
             try:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 atomic_write_json(self.path, data, durable=False)  # rewritten every few seconds
-            except OSError:
-                return False  # a full disk must not stop training; readers see the heartbeat go stale
+            except OSError as error:
+                write_failed(self.path, error)  # a full disk must not stop training; readers see it go stale
+                return False
         return True
 
 
@@ -403,6 +455,32 @@ class _ConsoleHandler(logging.StreamHandler[Any]):
     def emit(self, record: logging.LogRecord) -> None:
         self.stream = sys.stdout  # not setStream(): it flushes the previous stream, which may be closed by now
         super().emit(record)
+
+
+class _RunLogHandler(logging.FileHandler):
+    """``train.log``: a write the disk refuses (an unwritable run directory) warns once and never stops a run."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            super().emit(record)  # opening the file (delayed to the first message) is outside handleError
+        except OSError as error:
+            self._failed(error)
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        error = sys.exc_info()[1]
+        if isinstance(error, OSError):
+            self._failed(error)
+        else:
+            super().handleError(record)
+
+    def _failed(self, error: OSError) -> None:
+        write_failed(self.baseFilename, error)
+        stream, self.stream = self.stream, None  # reopened at the next message; the refused text is dropped
+        if stream is not None:
+            try:
+                stream.close()  # closes the file even when flushing the refused text fails
+            except OSError:
+                pass
 
 
 def get_logger() -> logging.Logger:
@@ -433,7 +511,7 @@ def attach_run_log(run_dir: str | os.PathLike[str]) -> Path:
             logger.removeHandler(_log_state["file"])
             _log_state["file"].close()
         path.parent.mkdir(parents=True, exist_ok=True)
-        handler = logging.FileHandler(path, encoding="utf-8", delay=True)
+        handler = _RunLogHandler(path, encoding="utf-8", delay=True)
         handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%Y-%m-%d %H:%M:%S"))
         handler.addFilter(_SameRun(str(path.parent)))
         logger.addHandler(handler)

@@ -136,7 +136,9 @@ class MetricsLogger(Callback):
 
     Each line of ``metrics.jsonl`` is one JSON object with ``"kind"`` (``train``, ``val`` or
     ``epoch``), ``step``, ``epoch``, ``time`` and the metrics. ``metrics.csv`` has the same rows
-    with the union of columns seen so far (rewritten when a new column appears).
+    with the union of columns seen so far (rewritten when a new column appears). A write the disk
+    refuses during training warns once (``rundir.RunFileWarning``) and training goes on; once the
+    files can be written again they are rewritten whole, with the rows they missed.
 
     Example::
 
@@ -149,9 +151,11 @@ class MetricsLogger(Callback):
         self.csv_path = os.path.join(run_dir, rundir.METRICS_CSV)
         self._rows: list[dict[str, Any]] = []
         self._columns: list[str] = []
+        self._behind = False  # a write failed: the files miss rows until they are rewritten whole
 
     def on_fit_start(self, trainer: Trainer) -> None:
         os.makedirs(self.run_dir, exist_ok=True)
+        rundir.reset_write_failed(self.run_dir)  # a new run: its first failed write is reported
         config = getattr(trainer, "config", None)
         if config is not None:  # the config this run actually uses, for the monitor and for people
             rundir.write_config(self.run_dir, config)  # atomic: a resume after a kill may need it
@@ -164,29 +168,30 @@ class MetricsLogger(Callback):
             with open(self.jsonl_path) as f:
                 rows = [row for row in map(_parse_row, f) if row is not None]
             self._rows = [r for r in rows if r.get("step", 0) <= trainer.step]
-            # Like the appended rows, not fsync'ed: a reader sees the old or the new file, never half.
-            rundir.atomic_write(self.jsonl_path, "".join(json.dumps(r) + "\n" for r in self._rows), durable=False)
-            self._rewrite_csv()
+            self._rewrite()
 
     def _write(self, kind: str, logs: dict[str, Any]) -> None:
         row = {"kind": kind, "time": time.time(), **logs}
-        with open(self.jsonl_path, "a") as f:
-            f.write(json.dumps(row) + "\n")
         self._rows.append(row)
+        if self._behind:
+            self._rewrite()
+            return
+        wrote = rundir.write_run_file(self.jsonl_path, json.dumps(row) + "\n", append=True)
         if any(k not in self._columns for k in row):
-            self._rewrite_csv()
+            wrote = self._rewrite_csv() and wrote
         else:
-            with open(self.csv_path, "a", newline="") as f:
-                csv.DictWriter(f, fieldnames=self._columns).writerow(row)
+            wrote = rundir.write_run_file(self.csv_path, _csv_text(self._columns, [row]), append=True) and wrote
+        self._behind = not wrote
 
-    def _rewrite_csv(self) -> None:
+    def _rewrite(self) -> None:
+        """Both files whole from the rows kept (atomic; like the appended rows, not fsync'ed)."""
+        wrote = rundir.write_run_file(self.jsonl_path, "".join(json.dumps(r) + "\n" for r in self._rows))
+        self._behind = not (self._rewrite_csv() and wrote)
+
+    def _rewrite_csv(self) -> bool:
         for r in self._rows:
             self._columns += [k for k in r if k not in self._columns]
-        text = io.StringIO(newline="")
-        writer = csv.DictWriter(text, fieldnames=self._columns)
-        writer.writeheader()
-        writer.writerows(self._rows)
-        rundir.atomic_write(self.csv_path, text.getvalue(), durable=False)
+        return rundir.write_run_file(self.csv_path, _csv_text(self._columns, self._rows, header=True))
 
     def on_report(self, trainer: Trainer, logs: dict[str, Any]) -> None:
         self._write("train", logs)
@@ -196,6 +201,15 @@ class MetricsLogger(Callback):
 
     def on_epoch_end(self, trainer: Trainer, epoch: int, logs: dict[str, Any]) -> None:
         self._write("epoch", {"step": trainer.step, "epoch": epoch, **logs})
+
+
+def _csv_text(columns: list[str], rows: list[dict[str, Any]], header: bool = False) -> str:
+    text = io.StringIO(newline="")
+    writer = csv.DictWriter(text, fieldnames=columns)
+    if header:
+        writer.writeheader()
+    writer.writerows(rows)
+    return text.getvalue()
 
 
 def _parse_row(line: str) -> dict[str, Any] | None:
