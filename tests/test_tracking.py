@@ -4,10 +4,10 @@ step once, and the train / finetune command lines reaching the trackers."""
 
 import json
 import os
+import pathlib
 import shutil
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import time
@@ -22,6 +22,7 @@ import pytest
 from mlx_train.config import TrainConfig
 from mlx_train.errors import ConfigError, TrainingInterrupted
 from mlx_train.training import Callback, MLflowLogger, Trainer, WandbLogger
+from mlx_train.training.trackers import wandb_records
 
 mlflow = pytest.importorskip("mlflow")  # extras, in dev
 wandb = pytest.importorskip("wandb")
@@ -61,7 +62,7 @@ def _data():
     return x, (x[:, 0] > 0).astype(np.int32)
 
 
-def _train(run_dir, callbacks=(), resume=None, **options):
+def _train(run_dir, callbacks=(), resume=None, epochs=3, **options):
     """8 steps per epoch, reports every 3 steps, validation every 4, a checkpoint every 6."""
     mx.random.seed(0)
     options = {"report_to": ["mlflow"], "project_name": "tests", "run_dir": str(run_dir),
@@ -70,7 +71,7 @@ def _train(run_dir, callbacks=(), resume=None, **options):
     trainer = Trainer(nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 2)), optim.Adam(1e-2),
                       batch_size=16, config=TrainConfig(**options))
     x, y = _data()
-    trainer.train((x, y), (x[:32], y[:32]), epochs=3, callbacks=list(callbacks), resume=resume)
+    trainer.train((x, y), (x[:32], y[:32]), epochs=epochs, callbacks=list(callbacks), resume=resume)
     return trainer
 
 
@@ -195,36 +196,13 @@ def test_only_the_main_process_reports(tmp_path, mlflow_db, rank):
 # ----- W&B, offline: its run files read back -------------------------------------------------
 
 
-def _wandb_records(path):
-    """The records of a ``.wandb`` file: W&B's header, then LevelDB-style blocks of 32 KiB whose chunks
-    (crc32, length, type: 1 full, 2 first, 3 middle, 4 last) carry ``wandb_internal_pb2.Record``."""
-    from wandb.proto import wandb_internal_pb2
-
-    data = open(path, "rb").read()
-    assert data[:4] == b":W&B"
-    pos, block, pending, records = 7, 32768, b"", []
-    while pos + 7 <= len(data):
-        if block - pos % block < 7:
-            pos += block - pos % block
-            continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        pending += data[pos + 7:pos + 7 + length]
-        pos += 7 + length
-        if kind in (1, 4):
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(pending)
-            records.append(record)
-            pending = b""
-    return records
-
-
 def _wandb_runs(root):
     """Per offline run directory under ``root``: (run id, config, {step: {key: value}}, artifact names)."""
     runs = []
     for directory in sorted(d for d in os.listdir(root / "wandb") if d.startswith("offline-run-")):
         (name,) = [f for f in os.listdir(root / "wandb" / directory) if f.endswith(".wandb")]
         run_id, config, steps, artifacts = None, {}, {}, []
-        for record in _wandb_records(root / "wandb" / directory / name):
+        for record in wandb_records(str(root / "wandb" / directory / name)):
             kind = record.WhichOneof("record_type")
             if kind == "run":
                 run_id = record.run.run_id
@@ -238,6 +216,11 @@ def _wandb_runs(root):
                 artifacts.append(record.artifact.name)
         runs.append((run_id, config, steps, artifacts))
     return runs
+
+
+def _finished_wandb_runs(root):
+    wandb.teardown()  # waits for W&B's service: run.finish() may return before the last block is written
+    return _wandb_runs(root)
 
 
 @pytest.fixture
@@ -259,7 +242,7 @@ def test_wandb_offline_run_holds_config_metrics_and_the_model(tmp_path, wandb_of
     root = wandb_offline("wandb-a")
     grab = Grab()
     _train(tmp_path / "a", [grab], report_to=["wandb"])
-    ((run_id, config, steps, artifacts),) = _wandb_runs(root)
+    ((run_id, config, steps, artifacts),) = _finished_wandb_runs(root)
     assert config["learning_rate"] == 0.001 and config["report_to"] == ["wandb"] and config["batch_size"] == 16
     assert {s: v["train/loss"] for s, v in steps.items() if "train/loss" in v} == \
         {r["step"]: pytest.approx(r["loss"]) for r in grab.train}
@@ -273,12 +256,12 @@ def test_wandb_offline_run_holds_config_metrics_and_the_model(tmp_path, wandb_of
 def test_a_resumed_run_continues_the_wandb_run_with_each_step_once(tmp_path, wandb_offline):
     whole = wandb_offline("wandb-whole")
     _train(tmp_path / "whole", report_to=["wandb"])
-    ((_, _, expected, _),) = _wandb_runs(whole)
+    ((_, _, expected, _),) = _finished_wandb_runs(whole)
     root = wandb_offline("wandb-b")
     with pytest.raises(TrainingInterrupted):
         _train(tmp_path / "b", [StopAt(10, "sigterm")], report_to=["wandb"])
     _train(tmp_path / "b", resume="auto", report_to=["wandb"])
-    first, resumed = _wandb_runs(root)  # offline, W&B writes the continued run as a second file
+    first, resumed = _finished_wandb_runs(root)  # offline, W&B writes the continued run as a second file
     assert first[0] == resumed[0]  # the same run id
     assert not set(first[2]) & set(resumed[2])  # no step twice
     merged = {**first[2], **resumed[2]}
@@ -287,6 +270,72 @@ def test_a_resumed_run_continues_the_wandb_run_with_each_step_once(tmp_path, wan
         for key in ("train/loss", "train/learning_rate", "val/loss", "epoch/train_loss"):
             if key in values:
                 assert merged[step][key] == pytest.approx(values[key], rel=1e-6), (step, key)
+
+
+class PauseOnDisk(Callback):
+    """Writes ``ready`` and waits to be killed once the newest checkpoint is written and the W&B file under
+    WANDB_DIR holds a step logged after it (W&B writes its run file in blocks of 32 KiB, not at each log)."""
+
+    def __init__(self, ready):
+        self.ready, self.checkpoint = ready, None
+
+    def on_checkpoint(self, trainer, path):
+        self.checkpoint = (trainer.step, path)  # saved in the background: complete once renamed to path
+
+    def on_report(self, trainer, logs):
+        ((_, _, steps, _),) = _wandb_runs(pathlib.Path(os.environ["WANDB_DIR"]))
+        if self.checkpoint and os.path.isdir(self.checkpoint[1]) and max(steps, default=0) > self.checkpoint[0]:
+            pathlib.Path(self.ready).touch()
+            while True:
+                signal.pause()
+
+
+def _complete_checkpoints(directory):
+    return [int(name[5:]) for name in os.listdir(directory) if name[5:].isdigit()]  # step-N, not step-N.tmp
+
+
+def _children(pid):
+    return [int(child) for task in os.listdir(f"/proc/{pid}/task")
+            for child in open(f"/proc/{pid}/task/{task}/children").read().split()]
+
+
+@pytest.mark.slow
+def test_a_sigkilled_run_resumes_into_the_same_wandb_run_with_each_step_once(tmp_path, wandb_offline):
+    """Killed once its W&B file holds steps after the newest checkpoint; across the offline files of the run
+    id, each (step, metric) of an uninterrupted run appears once, with its value."""
+    long = {"report_to": ["wandb"], "report_every": "1 steps", "eval_every": "10 steps",
+            "checkpoint_every": "20 steps", "max_steps": 400, "epochs": 50}
+    whole = wandb_offline("wandb-whole")
+    _train(tmp_path / "whole", **long)
+    ((_, _, expected, _),) = _finished_wandb_runs(whole)
+    root = wandb_offline("wandb-b")
+    script = ("import sys, pathlib, json, mlx_train; sys.path.insert(0, sys.argv[1]); import test_tracking as t; "
+              "t._train(pathlib.Path(sys.argv[2]), [t.PauseOnDisk(sys.argv[3])], **json.loads(sys.argv[4]))")
+    ready, log = tmp_path / "ready", tmp_path / "stderr"
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}  # its own W&B service, as a new command
+    with open(log, "w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-c", script, os.path.dirname(__file__), str(tmp_path / "b"),
+                                 str(ready), json.dumps(long)], env=env, stdout=subprocess.DEVNULL, stderr=stderr)
+    while not ready.exists():
+        assert proc.poll() is None, log.read_text()[-2000:]
+        time.sleep(0.1)
+    service = _children(proc.pid)  # W&B's writer, which must be gone before the resume reads its file
+    proc.kill()
+    proc.wait()
+    while any(os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().split()[2] != "Z"
+              for pid in service):
+        time.sleep(0.1)
+    ((killed_id, _, killed, _),) = _wandb_runs(root)
+    assert max(killed) > max(_complete_checkpoints(tmp_path / "b" / "ckpt"))  # logged after the resume's start
+    _train(tmp_path / "b", resume="auto", **long)
+    runs = _finished_wandb_runs(root)
+    assert len(runs) == 2 and {run[0] for run in runs} == {killed_id}
+    logged = [(step, key, value) for run in runs for step, values in run[2].items() for key, value in values.items()]
+    assert sorted((step, key) for step, key, _ in logged) == sorted(
+        (step, key) for step, values in expected.items() for key in values)  # each once, none missing
+    for step, key, value in logged:
+        if key in ("train/loss", "train/learning_rate", "val/loss", "val/accuracy", "epoch/train_loss"):
+            assert value == pytest.approx(expected[step][key], rel=1e-6), (step, key)
 
 
 # ----- errors and configuration ----------------------------------------------------------------

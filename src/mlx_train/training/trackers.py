@@ -16,10 +16,13 @@ Example::
 
 from __future__ import annotations
 
+import glob
 import importlib
 import json
 import os
+import struct
 import tempfile
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
@@ -215,7 +218,8 @@ class WandbLogger(Tracker):
     run locally for ``wandb sync``. Its files go to ``WANDB_DIR``, else to the run directory.
 
     Online, W&B itself ignores steps below those a resumed run already holds. Offline, W&B cannot
-    continue a run: a resumed run is a second offline run with the same id.
+    continue a run: a resumed run is a second offline run with the same id, which leaves out the steps
+    the earlier offline runs of that id hold (read from their ``.wandb`` files).
 
     Example::
 
@@ -236,8 +240,16 @@ class WandbLogger(Tracker):
         self._run = self._wandb.init(project=self.project_name, name=self.run_name, id=run_id,
                                      resume="allow" if run_id else None, dir=directory, reinit="create_new",
                                      config=trainer.config.to_dict())
-        self.logged_until = {}
+        self.logged_until = self._offline_steps() if run_id else {}
         return str(self._run.id)
+
+    def _offline_steps(self) -> dict[str, int]:
+        # The earlier offline parts of this run (W&B joins them only on sync): every offline run directory
+        # of this id beside the new one.
+        own = os.path.normpath(self._run.settings.sync_dir)
+        parts = [path for path in glob.glob(os.path.join(os.path.dirname(own), f"offline-run-*-{self._run.id}"))
+                 if os.path.normpath(path) != own]
+        return wandb_logged_steps(parts, self._run.id)
 
     def log_params(self, params: dict[str, Any]) -> None:
         self._run.config.update(params, allow_val_change=True)
@@ -253,6 +265,60 @@ class WandbLogger(Tracker):
     def close_run(self, status: str) -> None:
         self._run.finish(exit_code=0 if status == "finished" else 1)
         self._run = None
+
+
+def wandb_records(path: str) -> Iterator[Any]:
+    """The complete records of a W&B run file (``run-ID.wandb``) as ``wandb_internal_pb2.Record``.
+
+    The file is W&B's header, then LevelDB-style blocks of 32 KiB whose chunks (crc32, length, type:
+    1 full, 2 first, 3 middle, 4 last) carry the records. W&B writes whole blocks while a run goes on,
+    so a killed run's file ends at a block: a record cut there is left out.
+
+    Example: ``[r.WhichOneof("record_type") for r in wandb_records("run-abc.wandb")]  # ["run", ...]``
+    """
+    from wandb.proto import wandb_internal_pb2
+
+    with open(path, "rb") as file:
+        data = file.read()
+    if data[:4] != b":W&B":
+        raise ConfigError(f"{path} is not a W&B run file (it does not start with ':W&B'): remove it or "
+                          "move it out of the W&B directory")
+    pos, block, pending = 7, 32768, b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a chunk header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if pos + 7 + length > len(data):
+            return
+        pending += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()  # type: ignore[attr-defined]  # made by protobuf at import
+            record.ParseFromString(pending)
+            yield record
+            pending = b""
+
+
+def wandb_logged_steps(run_dirs: list[str], run_id: str) -> dict[str, int]:
+    """Per metric, the last step the ``run-ID.wandb`` files in ``run_dirs`` hold (W&B's ``_`` keys left out).
+
+    Example: ``wandb_logged_steps(["wandb/offline-run-20250101_120000-abc"], "abc")  # {"train/loss": 9}``
+    """
+    until: dict[str, int] = {}
+    for directory in run_dirs:
+        path = os.path.join(directory, f"run-{run_id}.wandb")
+        if not os.path.exists(path):
+            continue
+        for record in wandb_records(path):
+            if record.WhichOneof("record_type") != "history":
+                continue
+            step = record.history.step.num
+            for item in record.history.item:
+                key = item.key or "/".join(item.nested_key)
+                if not key.startswith("_"):
+                    until[key] = max(step, until.get(key, -1))
+    return until
 
 
 def trackers_for(config: TrainConfig) -> list[Callback]:
