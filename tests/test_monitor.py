@@ -23,6 +23,7 @@ from mlx_train.monitor import RunReader, Series, line_chart, rank_status
 from mlx_train.training import Callback, Heartbeat, Trainer
 
 LIVE_EPOCHS = "100000"  # the background run trains until the test stops it
+FRAME_START = b"\x1b[H"  # the live monitor (rich's Live on the alternate screen) begins each frame at home
 
 
 def _rows(run_dir, kind=None):
@@ -33,7 +34,7 @@ def _rows(run_dir, kind=None):
     return [r for r in rows if kind is None or r["kind"] == kind]
 
 
-def _wait_for(predicate, what, timeout=60.0):
+def _wait_for(predicate, what, timeout=600.0):  # only ends a hung run
     deadline = time.time() + timeout
     while time.time() < deadline:
         try:
@@ -318,29 +319,33 @@ def test_live_dashboard_in_a_pseudo_terminal(live_run):
     child = pexpect.spawn(sys.executable, ["-m", "mlx_train", "monitor", str(live_run["run_dir"]), "--interval",
                                            "0.2", "--performance"], dimensions=(rows, cols), env=env)
 
-    def capture(seconds):
-        end = time.time() + seconds
-        while time.time() < end:
+    frames = bytearray()  # the monitor's output not yet fed to the screen: a frame starts at cursor-home
+
+    def screen_when(done, what):
+        """The screen of the first whole frame that satisfies ``done`` (a frame is whole once the next begins)."""
+        deadline = time.monotonic() + 600  # only ends a hung monitor or run: both report as they go
+        while True:
             try:
-                stream.feed(child.read_nonblocking(1 << 16, timeout=0.1))
+                frames.extend(child.read_nonblocking(1 << 16, timeout=0.1))
             except pexpect.TIMEOUT:
                 pass
-        return "\n".join(screen.display)
+            while (end := frames.find(FRAME_START, 1)) != -1:
+                stream.feed(bytes(frames[:end]))
+                del frames[:end]
+                text = "\n".join(screen.display)
+                if done(text):
+                    return text
+            assert time.monotonic() < deadline, f"the monitor never showed {what}:\n" + "\n".join(screen.display)
 
     def latest_step(text):
         found = re.search(r"latest \(step (\d+)\)", text)
         return int(found.group(1)) if found else None
 
     try:
-        _wait = time.time() + 30
-        first = capture(1.0)
-        while latest_step(first) is None and time.time() < _wait:
-            first = capture(0.5)
-        second = capture(1.5)
-        while latest_step(second) == latest_step(first) and time.time() < _wait:
-            second = capture(0.5)
+        first = screen_when(lambda text: latest_step(text) is not None, "a step")
+        second = screen_when(lambda text: (latest_step(text) or 0) > latest_step(first), "a later step")
         child.sendintr()
-        child.expect(pexpect.EOF, timeout=10)
+        child.expect(pexpect.EOF, timeout=60)
     finally:
         child.close(force=True)
     Path(os.environ.get("MLX_TRAIN_SCREEN", os.devnull)).write_text(second)
@@ -360,7 +365,7 @@ def test_status_lists_the_run_in_progress(live_run, capsys):
     assert main(["status", "--runs", str(live_run["root"])]) == 0
     out = capsys.readouterr().out
     line = next(line for line in out.splitlines() if line.strip().startswith("live "))
-    assert re.search(r"running\s+\d+/\d+\s+[\d,.]+\s+[\d,]+\s+\ds ago\s+1$", line.strip()), line
+    assert re.search(r"running\s+\d+/\d+\s+[\d,.]+\s+[\d,]+\s+\d+s ago\s+1$", line.strip()), line
     assert "backends:" in out and "default device:" in out
 
 

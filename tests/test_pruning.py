@@ -265,17 +265,17 @@ def uninterrupted(tmp_path_factory):
 def test_sigkill_mid_schedule_then_resume_is_bit_exact(tmp_path, uninterrupted, kill_after_step):
     full_params, full_extra, full_info = uninterrupted
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, SCRIPT, str(run_dir), str(tmp_path / "unused"), "--slow", "0.02"],
-                            stdout=subprocess.DEVNULL)
-    deadline = time.time() + 240
-    while time.time() < deadline and proc.poll() is None:
-        if any(s >= kill_after_step for s in _saved_steps(run_dir / "checkpoints")):
-            break
+    proc = subprocess.Popen([sys.executable, SCRIPT, str(run_dir), str(tmp_path / "unused"),
+                             "--hold-after-save", str(kill_after_step)], stdout=subprocess.DEVNULL)
+    deadline = time.monotonic() + 600  # only ends a hung child: the run waits at the checkpoint to be killed
+    while proc.poll() is None and not (run_dir / "held").exists():
+        assert time.monotonic() < deadline, "the run never reached the checkpoint to kill it at"
         time.sleep(0.02)
     assert proc.poll() is None, "the run finished before it could be killed"
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     killed_at = max(_saved_steps(run_dir / "checkpoints"))
+    assert killed_at == kill_after_step, "the run was not held at the checkpoint it was to be killed after"
     assert killed_at < 200, "killed after the pruning schedule ended: not a mid-schedule resume"
 
     params, extra, info = _run(run_dir, tmp_path / "resumed.safetensors", "--resume")

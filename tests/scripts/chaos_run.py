@@ -26,7 +26,6 @@ import json
 import os
 import signal
 import threading
-import time
 
 import mlx_train  # noqa: F401  (before mlx.core: BLAS preload)
 
@@ -40,6 +39,9 @@ from mlx_train.builtin.models import MLP, CharTransformerLM, SmallCNN
 from mlx_train.checkpointing import CheckpointManager
 from mlx_train.optim import build_optimizer
 from mlx_train.training import Callback, Trainer
+
+# isort: split
+from hold import Hold  # tests/scripts/hold.py, next to this script
 
 MODELS = ("mlp", "cnn", "transformer")
 TRAIN_SAMPLES, VAL_SAMPLES, STEP_SAMPLES, ACCUMULATION, EPOCHS = 384, 48, 16, 2, 3
@@ -61,22 +63,6 @@ class Progress:
             with open(tmp, "w") as f:
                 json.dump(self.fields, f)
             os.replace(tmp, self.path)
-
-
-class Hold:
-    """Holds the run once at ``PHASE:STEP`` until the file ``go`` exists (no hold without a spec)."""
-
-    def __init__(self, spec: str | None, go: str | None, progress: Progress) -> None:
-        phase, _, step = (spec or ":").partition(":")
-        self.phase, self.step, self.go, self.progress = phase, int(step or -1), go, progress
-
-    def at(self, phase: str, step: int | None) -> None:
-        if phase != self.phase or step != self.step:
-            return
-        self.phase = None  # once
-        self.progress.update(held=f"{phase}:{step}")
-        while not os.path.exists(self.go):
-            time.sleep(0.005)
 
 
 class ReportProgress(Callback):
@@ -164,7 +150,7 @@ def main() -> None:
     args = parser.parse_args()
 
     progress = Progress(args.progress)
-    hold = Hold(args.hold, args.go, progress)
+    hold = Hold(args.hold, args.go, lambda point: progress.update(held=point))
     mark_saves(progress, hold)
     config = TrainConfig(
         batch_size=STEP_SAMPLES // ACCUMULATION, gradient_accumulation=ACCUMULATION, epochs=EPOCHS,

@@ -2,14 +2,19 @@
 gradual magnitude pruning to 80% (masks every 10 steps from step 5 to 200), an EMA of the
 weights masked like them, checkpoints every 5 steps.
 
-    python prune_resume_run.py RUN_DIR OUT.safetensors [--resume] [--slow SECONDS]
+    python prune_resume_run.py RUN_DIR OUT.safetensors [--resume] [--hold-after-save STEP]
 
 OUT holds the parameters, OUT.ema.safetensors the EMA weights and the masks, OUT.json the history.
+
+``--hold-after-save STEP`` stops the run once the checkpoint of that step is written (committed,
+old ones deleted), writes "saved:STEP" to RUN_DIR/held and waits there to be killed: a test kills
+it at that point however fast or slow the machine is.
 """
 
 import argparse
 import json
-import time
+import os
+import threading
 
 import mlx_train  # noqa: F401  (before mlx.core: BLAS preload)
 
@@ -20,18 +25,47 @@ from mlx.utils import tree_flatten
 from mlx_train import TrainConfig
 from mlx_train.builtin.datasets import load_dataset
 from mlx_train.builtin.models import build_model
+from mlx_train.checkpointing import CheckpointManager
 from mlx_train.optim import build_optimizer
 from mlx_train.training import EMA, Callback, Pruning, Trainer
 
+# isort: split
+from hold import Hold  # tests/scripts/hold.py, next to this script
 
-class Slow(Callback):
-    """Sleeps after each step so a test can kill the run mid-way (does not touch numerics)."""
 
-    def __init__(self, seconds):
-        self.seconds = seconds
+class HoldAfterSave(Callback):
+    """Holds the training thread at the checkpoint of the hold's step once its background writer
+    has finished it (no numerics touched)."""
 
-    def on_batch_end(self, trainer, step):
-        time.sleep(self.seconds)
+    def __init__(self, hold):
+        self.hold, self.written, self.changed = hold, set(), threading.Condition()
+        write = CheckpointManager._write
+
+        def reported(manager, job):
+            try:
+                return write(manager, job)
+            finally:  # a failed save must not leave the training thread waiting: its error is raised
+                with self.changed:
+                    self.written.add(job.step)
+                    self.changed.notify_all()
+
+        CheckpointManager._write = reported
+
+    def on_checkpoint(self, trainer, path):
+        if self.hold.due("saved", trainer.step):
+            with self.changed:
+                self.changed.wait_for(lambda: trainer.step in self.written)
+        self.hold.at("saved", trainer.step)
+
+
+def announce_in(run_dir):
+    """Write the point the run holds at to RUN_DIR/held, atomically."""
+    def announce(point):
+        with open(os.path.join(run_dir, "held.tmp"), "w") as f:
+            f.write(point)
+        os.replace(os.path.join(run_dir, "held.tmp"), os.path.join(run_dir, "held"))
+
+    return announce
 
 
 def main():
@@ -39,7 +73,7 @@ def main():
     parser.add_argument("run_dir")
     parser.add_argument("out")
     parser.add_argument("--resume", action="store_true")
-    parser.add_argument("--slow", type=float, default=0.0)
+    parser.add_argument("--hold-after-save", type=int, metavar="STEP", default=None)
     args = parser.parse_args()
 
     data = load_dataset("digits", seed=0)
@@ -50,7 +84,9 @@ def main():
     model = build_model("mlp", data["info"], hidden_dims=[64], dropout=0.2)
     pruning = Pruning(sparsity=0.8, start_step=5, end_step=200, frequency=10)
     ema = EMA(decay=0.95, pruning=pruning)
-    callbacks = [pruning, ema] + ([Slow(args.slow)] if args.slow else [])
+    callbacks = [pruning, ema]
+    if args.hold_after_save is not None:
+        callbacks.append(HoldAfterSave(Hold(f"saved:{args.hold_after_save}", None, announce_in(args.run_dir))))
     trainer = Trainer(model, build_optimizer(config), config=config)
     history = trainer.train(data["train"], data["val"], checkpoint_dir=f"{args.run_dir}/checkpoints",
                             callbacks=callbacks, resume="auto" if args.resume else None)
