@@ -32,6 +32,7 @@ from mlx_train.llm.preference import (  # noqa: E402
     PreferenceLoss,
     encode_pair,
     reference_logps,
+    sequence_logps,
 )
 from mlx_train.training import Trainer  # noqa: E402
 from mlx_train.training.oom import SimulatedOutOfMemory  # noqa: E402
@@ -120,6 +121,46 @@ def _hand_dpo(model, base, encoded, beta, loss_type, smoothing):
         else:
             losses.append((h - 1 / (2 * beta)) ** 2)
     return sum(losses) / len(losses)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_reply_log_probabilities_and_their_gradient_equal_cross_entropy_bit_for_bit(compiled):
+    # sequence_logps has its own backward pass (one logits-sized array); it must give exactly what
+    # autodiff of nn.losses.cross_entropy gives, compiled or not, with and without an `after` array
+    mx.random.seed(0)
+    model = nn.Linear(8, 11)
+    hidden = mx.random.normal((4, 5, 8)) * 3
+    targets = mx.random.randint(0, 11, (4, 5))
+    mask = (mx.arange(5) >= mx.array([[1], [2], [0], [4]])).astype(mx.int32)
+    batch = {"chosen_inputs": hidden[:2], "rejected_inputs": hidden[2:], "chosen_targets": targets[:2],
+             "rejected_targets": targets[2:], "chosen_mask": mask[:2], "rejected_mask": mask[2:]}
+    weights = mx.array([1.0, -2.0, 0.5, 3.0])
+    mx.eval(model, hidden, targets, mask)
+
+    def ours(linear):
+        logps, _ = sequence_logps(linear, batch, after=mx.ones(2))
+        return (logps * weights).sum()
+
+    def autodiff(linear):
+        token = -nn.losses.cross_entropy(linear(hidden), targets) * mask.astype(mx.float32)
+        return (token.sum(axis=-1) * weights).sum()
+
+    params = model.parameters()
+
+    def value_and_grads(fn):
+        def loss(p):
+            model.update(p)
+            return fn(model)
+
+        value_and_grad = mx.value_and_grad(loss)
+        value, grads = (mx.compile(value_and_grad) if compiled else value_and_grad)(params)
+        mx.eval(value, grads)
+        return value, dict(tree_flatten(grads))
+
+    (v_ours, g_ours), (v_auto, g_auto) = value_and_grads(ours), value_and_grads(autodiff)
+    assert v_ours.item() == v_auto.item()
+    for name in g_auto:
+        assert mx.array_equal(g_ours[name], g_auto[name]).item(), name
 
 
 @pytest.mark.parametrize("loss_type,smoothing", [("sigmoid", 0.0), ("sigmoid", 0.2), ("hinge", 0.0), ("ipo", 0.0)])

@@ -39,7 +39,7 @@ import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -257,18 +257,42 @@ def load_pairs(data: str) -> dict[str, tuple[list[dict], list[str]]]:
 # -- log-probabilities and the losses ----------------------------------------------------
 
 
-def sequence_logps(model: nn.Module, batch: dict[str, Any]) -> tuple[mx.array, mx.array]:
+def sequence_logps(model: nn.Module, batch: dict[str, Any],
+                   after: mx.array | None = None) -> tuple[mx.array, mx.array]:
     """Summed reply log-probabilities and reply token counts, chosen rows then rejected rows
-    (``[2 * pairs]`` each), from one forward pass over both.
+    (``[2 * pairs]`` each), from one forward pass over both; the pass starts once ``after`` (if
+    given) is computed, so that the arrays behind ``after`` are freed before this pass builds its own.
 
     Example: ``logps, tokens = sequence_logps(model, batch); chosen = logps[:len(logps) // 2]``.
     """
     inputs = mx.concatenate([batch["chosen_inputs"], batch["rejected_inputs"]])
+    if after is not None:
+        inputs = mx.depends(inputs, after)
     targets = mx.concatenate([batch["chosen_targets"], batch["rejected_targets"]])
     mask = mx.concatenate([batch["chosen_mask"], batch["rejected_mask"]]).astype(mx.float32)
     logits = model(inputs).astype(mx.float32)
-    token_logps = -nn.losses.cross_entropy(logits, targets) * mask
+    score, log_norm = cast(tuple[mx.array, mx.array], _target_logits(logits, targets))
+    token_logps = (score - log_norm) * mask
     return token_logps.sum(axis=-1), mask.sum(axis=-1)
+
+
+@mx.custom_function
+def _target_logits(logits: mx.array, targets: mx.array) -> tuple[mx.array, mx.array]:
+    """Each target's logit and the log of the softmax normaliser (``logsumexp``): their difference
+    is the target's log-probability, taken without a log-softmax copy of the logits."""
+    shifted = logits - mx.max(logits, axis=-1, keepdims=True)  # as nn.losses.cross_entropy, same rounding
+    return mx.take_along_axis(shifted, targets[..., None], axis=-1).squeeze(-1), mx.logsumexp(shifted, axis=-1)
+
+
+@_target_logits.vjp
+def _target_logits_vjp(primals: list[mx.array], cotangents: list[mx.array],
+                       outputs: list[mx.array]) -> tuple[mx.array, mx.array]:
+    # the gradients autodiff gives (a scatter for the gather, softmax for logsumexp) as one
+    # elementwise expression, fused when compiled: the backward holds one logits-sized array, not three
+    logits, targets = primals
+    d_score, d_log_norm = (c[..., None] for c in cotangents)
+    hit = mx.arange(logits.shape[-1], dtype=targets.dtype) == targets[..., None]
+    return mx.where(hit, d_score, 0.0) + d_log_norm * mx.softmax(logits, axis=-1), mx.zeros_like(targets)
 
 
 def _base_layer(module: nn.Module) -> nn.Module | None:
@@ -344,10 +368,14 @@ class PreferenceLoss:
     def __call__(self, model: nn.Module, batch: dict[str, Any]) -> tuple[mx.array, mx.array, dict[str, mx.array]]:
         cfg = self.config
         pairs = batch["chosen_inputs"].shape[0]
-        logps, tokens = sequence_logps(model, batch)
+        # the reference pass first: its activations are gone before the policy's (kept for the
+        # backward pass) are built, so a step holds one forward pass's worth, not two
+        ref = self._reference(model, batch)
+        logps, tokens = sequence_logps(model, batch, after=ref)
         if cfg.method == "orpo":
             return self._orpo(logps, tokens, pairs)
-        ref = self._reference(model, batch, logps)
+        if ref is None:
+            ref = mx.zeros_like(logps)
         policy, reference = logps, ref
         if cfg.loss_type == "ipo":
             policy, reference = logps / mx.maximum(tokens, 1.0), ref / mx.maximum(tokens, 1.0)
@@ -362,9 +390,9 @@ class PreferenceLoss:
         rewards = mx.stop_gradient(cfg.beta * (policy - reference))
         return losses.mean(), mx.array(pairs, mx.float32), _metrics(rewards, logps, pairs)
 
-    def _reference(self, model: nn.Module, batch: dict[str, Any], logps: mx.array) -> mx.array:
+    def _reference(self, model: nn.Module, batch: dict[str, Any]) -> mx.array | None:
         if not self.config.needs_reference:
-            return mx.zeros_like(logps)
+            return None
         if "reference_chosen" in batch:
             return mx.concatenate([batch["reference_chosen"], batch["reference_rejected"]]).astype(mx.float32)
         with adapters_off(model):
