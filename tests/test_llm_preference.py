@@ -37,7 +37,7 @@ from mlx_train.llm.preference import (  # noqa: E402
 from mlx_train.training import Trainer  # noqa: E402
 from mlx_train.training.oom import SimulatedOutOfMemory  # noqa: E402
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "llm_preference_run.py")
+SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "llm_resume_run.py")
 WORDS = ["cat", "dog", "sea", "sun", "tree", "rain", "gold", "road"]
 
 
@@ -422,8 +422,8 @@ def test_sigkill_then_resume_is_bit_exact(setup, tmp_path):
     base, data = str(setup / "base"), str(setup / "data")
 
     def run(run_dir, out, *extra, check=True):
-        proc = subprocess.run([sys.executable, SCRIPT, base, data, str(run_dir), str(out), *extra],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=400)
+        proc = subprocess.run([sys.executable, SCRIPT, base, data, str(run_dir), str(out), "--train-mode", "dpo",
+                               *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=400)
         if check:
             assert proc.returncode == 0, proc.stdout[-3000:]
         return proc

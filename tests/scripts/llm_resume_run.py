@@ -1,9 +1,12 @@
-"""A fine-tuning run for the exact-resume test: LoRA with dropout, packing, prompt masking,
-shuffled token-length buckets, checkpoints every 2 steps.
+"""A fine-tuning run for the exact-resume tests, checkpoints every 2 steps. ``--train-mode sft``
+(the default): LoRA with dropout, packing, prompt masking, shuffled token-length buckets;
+``--train-mode dpo``: DPO pairs with LoRA dropout, shuffled buckets and gradient accumulation.
 
-    python llm_resume_run.py BASE_DIR DATA_DIR RUN_DIR OUT.safetensors [--kill-at STEP]
+    python llm_resume_run.py BASE_DIR DATA_DIR RUN_DIR OUT.safetensors [--kill-at STEP] [--train-mode dpo]
 
 --kill-at sends SIGKILL to the process itself after that optimizer step (no warning, no cleanup).
+OUT holds the trained parameters and the optimizer state (``optimizer.*``); OUT.json the step,
+history and validation loss.
 """
 
 import argparse
@@ -21,6 +24,12 @@ from mlx.utils import tree_flatten
 from mlx_train.llm import FineTuneConfig, finetune
 from mlx_train.training import Callback
 
+SETTINGS = {
+    "sft": {"iters": 9, "batch_size": 2, "max_seq_length": 200, "pack": True, "mask_prompt": True},
+    "dpo": {"iters": 7, "batch_size": 4, "grad_accumulation_steps": 2, "max_seq_length": 128,
+            "train_mode": "dpo", "beta": 0.5},
+}
+
 
 class KillAt(Callback):
     def __init__(self, step):
@@ -36,15 +45,21 @@ def main():
     for name in ("base", "data", "run_dir", "out"):
         parser.add_argument(name)
     parser.add_argument("--kill-at", type=int)
+    parser.add_argument("--train-mode", choices=sorted(SETTINGS), default="sft")
+    parser.add_argument("--fine-tune-type", default="lora")
     args = parser.parse_args()
-    cfg = FineTuneConfig(model=args.base, data=args.data, run_dir=args.run_dir, resume="auto", iters=9,
-                         batch_size=2, num_layers=2, learning_rate=3e-3, max_seq_length=200, pack=True,
-                         mask_prompt=True, lora_parameters={"rank": 4, "scale": 10.0, "dropout": 0.1},
-                         steps_per_report=2, steps_per_eval=3, save_every=2, val_batches=2)
+    cfg = FineTuneConfig(model=args.base, data=args.data, run_dir=args.run_dir, resume="auto", num_layers=2,
+                         learning_rate=3e-3, fine_tune_type=args.fine_tune_type,
+                         lora_parameters={"rank": 4, "scale": 10.0, "dropout": 0.1},
+                         steps_per_report=2, steps_per_eval=3, save_every=2, val_batches=2,
+                         **SETTINGS[args.train_mode])
     result = finetune(cfg, callbacks=[KillAt(args.kill_at)] if args.kill_at else [])
-    mx.save_safetensors(args.out, dict(tree_flatten(result["model"].trainable_parameters())))
+    trainer = result["trainer"]
+    arrays = dict(tree_flatten(result["model"].trainable_parameters()))
+    arrays.update({f"optimizer.{k}": v for k, v in tree_flatten(trainer.optimizer.state)})
+    mx.save_safetensors(args.out, arrays)
     with open(args.out + ".json", "w") as f:
-        json.dump({"step": result["trainer"].step, "history": result["history"], "val_loss": result["val_loss"]}, f)
+        json.dump({"step": trainer.step, "history": result["history"], "val_loss": result["val_loss"]}, f)
 
 
 if __name__ == "__main__":
