@@ -179,6 +179,46 @@ def test_mlxfn_reloads_with_import_function(tmp_path):
     assert report["max_abs_diff"] == 0.0 and mx.array_equal(out, model(x))
 
 
+class MatmulMLP(nn.Module):
+    """A two-layer perceptron written with ``@`` and ``+``, which MLX traces shapelessly (``addmm`` it does not)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w1, self.b1 = mx.random.normal((64, 16)), mx.random.normal((16,))
+        self.w2, self.b2 = mx.random.normal((16, 10)), mx.random.normal((10,))
+
+    def __call__(self, x):
+        return nn.relu(x @ self.w1 + self.b1) @ self.w2 + self.b2
+
+
+def test_mlxfn_of_a_shapeless_model_takes_any_batch_size(tmp_path):
+    model = MatmulMLP()
+    report = export(model, [mx.zeros((1, 64))], tmp_path / "s.mlxfn")
+    reloaded = mx.import_function(str(tmp_path / "s.mlxfn"))
+    assert report["batch_sizes"] == "any"
+    for batch in (3, 359):  # 359: the rows of the digits test set
+        x = random_inputs([mx.zeros((1, 64))], batch, seed=batch)[0]
+        (out,) = reloaded(x)
+        assert out.shape == (batch, 10) and mx.allclose(out, model(x), atol=1e-5)
+
+
+def test_cli_says_which_batch_sizes_an_mlxfn_holds(tmp_path, capsys, monkeypatch):
+    import mlx_train.cli.export as cli_export
+
+    def fake_export_checkpoint(checkpoint, output, format, verify):
+        model = MLP(64, (8,), 10)  # reshape and addmm: MLX cannot trace it shapelessly
+        return {**export(model, [mx.zeros((1, 64))], output, format=format, verify=verify), "checkpoint": checkpoint}
+
+    monkeypatch.setattr(cli_export, "export_checkpoint", fake_export_checkpoint)
+    assert main(["export", "--checkpoint", "runs/a", "-o", str(tmp_path / "m.mlxfn")]) == 0
+    out = capsys.readouterr().out
+    assert "holds batch sizes 1, 2, 4, 8, 16, 32, 64, 128 only" in out
+    reloaded = mx.import_function(str(tmp_path / "m.mlxfn"))
+    reloaded(mx.zeros((4, 64)))
+    with pytest.raises(ValueError):
+        reloaded(mx.zeros((3, 64)))
+
+
 def test_safetensors_writes_weights_and_a_description(tmp_path):
     model = MLP(8, (4,), 3)
     export(model, [mx.zeros((1, 8))], tmp_path / "m.safetensors", description={"task": "digits"})

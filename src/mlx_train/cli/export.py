@@ -1,7 +1,9 @@
 """Export a checkpoint written by ``mlx-train train`` to ONNX, MLX's .mlxfn, or safetensors + JSON.
 
 The model is rebuilt from the checkpoint's training config (like ``evaluate``),
-its weights loaded, and it is exported with a dynamic batch axis. --verify (on
+its weights loaded, and it is exported with a dynamic batch axis (for .mlxfn:
+any batch size when MLX traces the model shapelessly, else only the batch sizes
+the message lists). --verify (on
 by default when onnxruntime is installed) runs the export on fresh random inputs
 of two batch sizes and fails if it differs from MLX by more than 1e-4.
 
@@ -107,4 +109,10 @@ def main(args: argparse.Namespace) -> int:
     if "max_abs_diff" in report:
         line += f"; verified against MLX: max |diff| {report['max_abs_diff']:.2g}"
     print(line)
+    if report.get("batch_sizes") == "any":
+        print("the .mlxfn takes any batch size (traced shapelessly)")
+    elif "batch_sizes" in report:
+        sizes = ", ".join(map(str, report["batch_sizes"]))
+        print(f"the .mlxfn holds batch sizes {sizes} only (MLX cannot trace this model shapelessly): "
+              "mx.import_function refuses others, so split or pad inputs to one of them")
     return 0
