@@ -233,6 +233,36 @@ def test_token_sequences_are_padded_to_multiples_of_32_with_masks():
     assert out["tokens"].dtype == mx.int32 and out["tokens"].shape == (2, 32)
 
 
+def test_float_feature_lists_are_stacked_not_padded():
+    # What a Hugging Face dataset yields in its default (Python) format: dicts of Python lists.
+    rng = np.random.default_rng(0)
+    rows = [{"features": rng.normal(size=8).tolist(), "label": int(i % 3)} for i in range(6)]
+    batch = default_collate(rows[:4])
+    assert set(batch) == {"features", "label"}
+    assert batch["features"].shape == (4, 8) and batch["features"].dtype == np.float32
+    np.testing.assert_allclose(batch["features"], np.array([r["features"] for r in rows[:4]]), rtol=1e-6)
+    loader = DataLoader(rows, batch_size=3, shuffle=False, num_workers=0)
+    assert [b["features"].shape for b in loader] == [(3, 8), (3, 8)]
+    bare = default_collate([[0.5, 1.5], [2.5, 3.5]])
+    assert len(bare) == 1 and bare[0].tolist() == [[0.5, 1.5], [2.5, 3.5]]
+    pairs = default_collate([([0.5, 1.5], 1), ([2.5, 3.5], 0)])
+    assert pairs[0].shape == (2, 2) and pairs[1].tolist() == [1, 0]
+
+
+def test_ragged_float_rows_and_integer_lists_are_still_padded():
+    ragged = default_collate([{"x": [0.5, 1.5, 2.5]}, {"x": [3.5]}])
+    assert ragged["x"].shape == (2, 32) and ragged["x"].dtype == np.float32
+    assert ragged["x_mask"].sum(axis=1).tolist() == [3, 1]
+    same_length_ids = default_collate([{"ids": [1, 2]}, {"ids": [3, 4]}])
+    assert same_length_ids["ids"].shape == (2, 32) and "ids_mask" in same_length_ids
+
+
+def test_refused_padding_names_it_and_the_numpy_format():
+    rows = [{"image": [[0.0, 1.0], [2.0, 3.0]]}, {"image": [[0.0, 1.0]]}]
+    with pytest.raises(DataError, match=r'padded.*with_format\("numpy"\)'):
+        default_collate(rows)
+
+
 def sequence_rows(n: int = 600):
     rng = np.random.default_rng(0)
     sizes = rng.integers(4, 300, n)

@@ -7,7 +7,10 @@ Rules of :func:`pad_collate` (and so of :func:`default_collate`):
 
 - A sample is a tuple of fields ``(x, y, ...)``, a dict of fields, a bare
   array or number, or a bare token sequence.
-- A *token sequence* is a Python list of numbers or a 1-D integer array.
+- A *token sequence* is a Python list of integers or a 1-D integer array, or
+  a Python list of floats whose length differs from another one's in the batch.
+  Equal-length float lists are feature vectors and are stacked like arrays
+  (a Hugging Face dataset's default format yields them as Python lists).
   Token sequences are always padded (never only when their lengths differ, so
   every batch has the same structure) to the longest one rounded up to
   ``multiple`` (32 by default, so ``mx.compile`` sees few shapes):
@@ -111,7 +114,7 @@ def pad_collate(
         out: dict[str, np.ndarray] = {}
         for key in keys:
             values = [_field(s, key, i, label, where) for i, s in enumerate(samples)]
-            if _wants_pad(values[0], key, pad):
+            if _wants_pad(values, key, pad):
                 out[key], out[f"{key}_mask"] = _pad(values, multiple, pad_value, key, label, where)
             else:
                 out[key] = _stack(values, f"field '{key}'", label, where)
@@ -121,15 +124,15 @@ def pad_collate(
         columns = []
         for pos in range(width):
             values = [_field(s, pos, i, label, where, width) for i, s in enumerate(samples)]
-            if _wants_pad(values[0], pos, pad):
+            if _wants_pad(values, pos, pad):
                 columns.append(_pad(values, multiple, pad_value, f"field {pos}", label, where)[0])
             else:
                 columns.append(_stack(values, f"field {pos}", label, where))
         return tuple(columns)
-    if _is_sequence(first) and (pad is None or pad):
+    if _is_sequence(first) and (bool(pad) if pad is not None else _is_tokens(samples)):
         tokens, mask = _pad(samples, multiple, pad_value, "tokens", label, where)
         return {"tokens": tokens, "mask": mask}
-    if isinstance(first, (np.ndarray, *_SCALARS)) or _is_mx(first):
+    if isinstance(first, (np.ndarray, list, *_SCALARS)) or _is_mx(first):
         return (_stack(samples, "the sample", label, where),)
     raise DataError(
         f"{label} {where[0]} is a {type(first).__name__}; expected a tuple of arrays (x, y), "
@@ -143,12 +146,25 @@ def _is_mx(value: Any) -> bool:
 
 
 def _is_sequence(value: Any) -> bool:
-    """A token sequence: a list of numbers or a 1-D integer array."""
+    """A sequence that may be padded: a list of numbers or a 1-D integer array."""
     if isinstance(value, list):
         return all(isinstance(v, _SCALARS) for v in value[:8])
     if isinstance(value, np.ndarray) or _is_mx(value):
         return value.ndim == 1 and np.issubdtype(_np_dtype(value), np.integer)
     return False
+
+
+def _is_integer(value: Any) -> bool:
+    if isinstance(value, list):
+        return all(isinstance(v, (int, np.integer, np.bool_)) for v in value)
+    return bool(np.issubdtype(_np_dtype(value), np.integer))
+
+
+def _is_tokens(values: Sequence[Any]) -> bool:
+    """Token sequences: integer ones, or lists of different lengths (float lists of one length are features)."""
+    if not all(_is_sequence(v) for v in values):
+        return False
+    return any(_is_integer(v) for v in values) or len({len(v) for v in values}) > 1
 
 
 def _np_dtype(value: Any) -> np.dtype:
@@ -158,9 +174,9 @@ def _np_dtype(value: Any) -> np.dtype:
     return np.dtype(name) if name not in ("bfloat16",) else np.dtype(np.float32)
 
 
-def _wants_pad(value: Any, name: str | int, pad: set[Any] | None) -> bool:
+def _wants_pad(values: Sequence[Any], name: str | int, pad: set[Any] | None) -> bool:
     if pad is None:
-        return _is_sequence(value)
+        return _is_tokens(values)
     return name in pad
 
 
@@ -200,7 +216,8 @@ def _stack(values: Sequence[Any], what: str, label: str, where: list[Any]) -> np
             raise DataError(
                 f"{what} of {label} {where[i]} has shape {a.shape} but {label} {where[0]} has "
                 f"{shape}; samples in a batch must have equal shapes: resize them, or give "
-                "variable-length token ids as lists/1-D int arrays so they are padded"
+                "variable-length token ids as lists/1-D int arrays so they are padded (for a Hugging Face "
+                'dataset of nested lists, dataset.with_format("numpy") gives the arrays)'
             )
     return normalize_dtype(np.stack(arrays))
 
@@ -218,8 +235,9 @@ def _pad(
     for i, s in enumerate(seqs):
         if s.ndim != 1:
             raise DataError(
-                f"{what} of {label} {where[i]} has shape {s.shape}; only 1-D sequences can be "
-                "padded: flatten it or leave it out of collate fields="
+                f"{what} of {label} {where[i]} has shape {s.shape}; only 1-D sequences can be padded "
+                "(to a multiple of 32, with a mask): flatten it, leave it out of collate fields=, or give "
+                'arrays instead of Python lists (for a Hugging Face dataset: dataset.with_format("numpy"))'
             )
     lengths = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=len(seqs))
     dtype = np.int32 if all(s.dtype.kind in "iub" for s in seqs) else np.float32
