@@ -63,6 +63,9 @@ SPEC_FIELDS = {
     "checkpoint_dir": ("str | None", None), "model": ("str", "mlp"), "model_options": ("dict", {}),
     "dataset": ("str", "digits"), "dataset_options": ("dict", {}),
     "report_to": ("list", []), "project_name": ("str | None", None), "run_name": ("str | None", None),
+    "ema_decay": ("float | None", None), "prune_sparsity": ("float | None", None), "prune_start": ("int", 0),
+    "prune_end": ("int | None", None), "prune_frequency": ("int", 100), "prune_schedule": ("str", "polynomial"),
+    "prune_scope": ("str", "global"),
 }
 
 

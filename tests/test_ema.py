@@ -145,3 +145,46 @@ def test_in_process_resume_continues_the_average_bit_exact(digits, tmp_path):
 def test_bad_decay_is_a_clear_error():
     with pytest.raises(ConfigError, match=r"EMA decay must be in \[0, 1\), got 1.0"):
         EMA(decay=1.0)
+
+
+def _newest(run_dir):
+    return str(max((run_dir / "checkpoints").glob("step-*")))
+
+
+def test_extensions_are_step_extensions_and_plain_callbacks_are_not():
+    from mlx_train.training.extensions import StepExtension
+
+    assert isinstance(EMA(0.9), StepExtension) and isinstance(Pruning(0.5, end_step=10), StepExtension)
+    assert not isinstance(Record(), StepExtension)
+
+
+@pytest.mark.slow
+def test_set_ema_decay_trains_an_average_that_export_ema_writes(tmp_path, capsys):
+    from mlx_train.checkpointing import load_checkpoint
+    from mlx_train.cli.main import main
+
+    run_dir = tmp_path / "run"
+    assert main(["train", "--max-steps", "6", "--run-dir", str(run_dir), "--set", "ema_decay=0.8"]) == 0
+    path = _newest(run_dir)
+    averaged = {k: np.array(v) for k, v in checkpoint_ema_weights(path).items()}
+    arrays, _ = load_checkpoint(path, groups=["model"])
+    trained = {k.removeprefix("model."): np.array(v) for k, v in arrays["model"].items()}
+    assert set(averaged) <= set(trained)
+    assert all(not np.allclose(averaged[k], trained[k], atol=1e-5) for k in averaged)
+
+    capsys.readouterr()
+    for flags, name in ((["--ema"], "ema"), ([], "raw")):
+        out = str(tmp_path / f"{name}.safetensors")
+        assert main(["export", "--checkpoint", str(run_dir), "-o", out, *flags]) == 0
+        exported = {k: np.array(v) for k, v in mx.load(out).items()}
+        expected = averaged if name == "ema" else trained
+        for key in averaged:
+            assert np.array_equal(exported[key], expected[key]), (name, key)
+
+    plain = tmp_path / "plain"
+    assert main(["train", "--max-steps", "2", "--run-dir", str(plain)]) == 0
+    capsys.readouterr()
+    assert main(["export", "--checkpoint", str(plain), "-o", str(tmp_path / "x.safetensors"), "--ema"]) != 0
+    err = capsys.readouterr().err
+    assert "no EMA weights" in err and "ema_decay" in err and "Traceback" not in err
+    assert not (tmp_path / "x.safetensors").exists()

@@ -288,3 +288,25 @@ def test_sigkill_mid_schedule_then_resume_is_bit_exact(tmp_path, uninterrupted, 
         for name, value in full.items():
             assert np.array_equal(np.array(saved[name]), np.array(value)), f"{name} differs after resume"
     assert _zeros(params["layers.0.weight"]) > 0.75
+
+
+@pytest.mark.slow
+def test_yaml_pruning_and_ema_settings_reach_the_training(tmp_path):
+    from mlx_train.checkpointing import load_checkpoint
+    from mlx_train.cli.main import main
+    from mlx_train.training.ema import checkpoint_ema_weights
+
+    config = tmp_path / "prune.yaml"
+    config.write_text("training:\n  max_steps: 8\n  ema_decay: 0.9\n  prune_sparsity: 0.6\n  prune_start: 2\n"
+                      "  prune_end: 6\n  prune_frequency: 2\n  prune_scope: layer\n")
+    run_dir = tmp_path / "run"
+    assert main(["train", "--config", str(config), "--run-dir", str(run_dir)]) == 0
+    path = str(max((run_dir / "checkpoints").glob("step-*")))
+    arrays, _ = load_checkpoint(path, groups=["model"])
+    weights = {k.removeprefix("model."): np.array(v) for k, v in arrays["model"].items()}
+    pruned = [k for k in weights if k.endswith(".weight") and weights[k].ndim == 2]
+    assert pruned
+    averaged = checkpoint_ema_weights(path)
+    for name in pruned:
+        assert (weights[name] == 0).mean() == pytest.approx(0.6, abs=0.01), name
+        assert np.array_equal(np.array(averaged[name]) == 0, weights[name] == 0), name  # masked like the weights

@@ -40,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="check the export against MLX on random inputs of two batch sizes (max |diff| <= 1e-4); "
         "default: on when onnxruntime is installed (always on for mlxfn)",
     )
+    parser.add_argument("--ema", action="store_true",
+                        help="export the exponential moving average of the weights the checkpoint holds "
+                        "(trained with ema_decay set) instead of the trained weights")
 
 
 def rebuild_model(path: str) -> tuple[Any, Any, dict]:
@@ -73,8 +76,9 @@ def _plain_info(info: dict) -> dict:
 
 
 def export_checkpoint(checkpoint: str, output: str, format: str | None = None,
-                      verify: bool | None = None) -> dict[str, Any]:
-    """Export the model of a checkpoint (or the newest one of a run directory) to ``output``.
+                      verify: bool | None = None, ema: bool = False) -> dict[str, Any]:
+    """Export the model of a checkpoint (or the newest one of a run directory) to ``output``; with
+    ``ema`` its exponential moving average of the weights (a CheckpointError when it holds none).
 
     Example::
 
@@ -85,6 +89,14 @@ def export_checkpoint(checkpoint: str, output: str, format: str | None = None,
 
     path = resolve_checkpoint(checkpoint)
     model, example, description = rebuild_model(path)
+    if ema:
+        import mlx.core as mx
+
+        from mlx_train.training.ema import checkpoint_ema_weights
+
+        model.load_weights(list(checkpoint_ema_weights(path).items()), strict=False)
+        mx.eval(model.parameters())
+        description["weights"] = "ema"
     report = export(model, [example], output, format=format, verify=verify,
                     description={"mlx_train": {**description, "checkpoint": path}})
     return {**report, "checkpoint": path}
@@ -103,7 +115,7 @@ def _check_suffix(output: str, format: str | None) -> None:
 def main(args: argparse.Namespace) -> int:
     """Run ``mlx-train export`` from parsed arguments."""
     _check_suffix(args.output, args.format)
-    report = export_checkpoint(args.checkpoint, args.output, args.format, args.verify)
+    report = export_checkpoint(args.checkpoint, args.output, args.format, args.verify, args.ema)
     size = report["bytes"] / 1024
     line = f"exported {report['checkpoint']} to {report['path']} ({report['format']}, {size:.1f} KiB)"
     if "max_abs_diff" in report:

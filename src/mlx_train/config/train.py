@@ -215,6 +215,21 @@ class TrainConfig:
                                                minimum=0)
     run_dir: str | None = in_training(None, "Directory for this run's metrics.jsonl and logs (null: the Trainer "
                                          "writes none).")
+    ema_decay: float | None = in_training(None, "Keep an exponential moving average of the weights with this decay "
+                                              "(0.999: ~the last 1000 steps); validation and checkpoints use it, "
+                                              "`mlx-train export --ema` exports it (null: off).", minimum=0, below=1)
+    prune_sparsity: float | None = in_training(None, "Magnitude-prune the Linear and convolution weights to this "
+                                                   "fraction of zeros (null: no pruning).", minimum=0, below=1)
+    prune_start: int = in_training(0, "Optimizer step at which pruning starts.", minimum=0)
+    prune_end: int | None = in_training(None, "Step at which prune_sparsity is reached (null: the run's last "
+                                              "step).", minimum=1)
+    prune_frequency: int = in_training(100, "Recompute the pruning masks every this many steps.", minimum=1)
+    prune_schedule: str = in_training("polynomial", "How sparsity grows: 'polynomial' (cubic, from 0 at prune_start "
+                                                    "to prune_sparsity at prune_end) or 'one_shot' (all at "
+                                                    "prune_start).", choices=("polynomial", "one_shot"))
+    prune_scope: str = in_training("global", "'global' (one magnitude threshold over all pruned tensors) or "
+                                             "'layer' (each tensor to the same sparsity).",
+                                   choices=("global", "layer"))
 
     # ----- optimizer: mlx.optimizers class, learning rate and its schedule -----
     optimizer: str = in_optimizer("adamw", "Optimizer from mlx.optimizers (YAML: optimizer.name).",

@@ -24,6 +24,7 @@ from mlx.utils import tree_flatten
 
 from mlx_train.errors import CheckpointError, ConfigError
 from mlx_train.training.callbacks import Callback
+from mlx_train.training.extensions import StepExtension
 
 if TYPE_CHECKING:
     from mlx_train.training.trainer import Trainer
@@ -32,7 +33,7 @@ from mlx_train.training.pruning import trainable_owners
 PREFIX = "EMA/weights."  # where a checkpoint's "callbacks" arrays hold the average
 
 
-class EMA(Callback):
+class EMA(Callback, StepExtension):
     """Exponential moving average of the trainable weights, used for validation and export.
 
     ``decay`` in [0, 1): the weight of the old average at each step (0.999 averages over roughly
@@ -122,9 +123,10 @@ def checkpoint_ema_weights(path: str) -> dict[str, mx.array]:
         arrays, _ = load_checkpoint(path, groups=["callbacks"])
     except CheckpointError as error:
         raise CheckpointError(f"checkpoint {path} holds no callback arrays, so no EMA weights: was it trained "
-                              f"with callbacks=[EMA(...)]? ({error})") from error
+                              f"with ema_decay set (or callbacks=[EMA(...)])? ({error})") from error
     weights = {k[len(PREFIX):]: v for k, v in arrays["callbacks"].items() if k.startswith(PREFIX)}
     if not weights:
-        raise CheckpointError(f"checkpoint {path} holds no EMA weights: it was trained without callbacks=[EMA(...)]")
+        raise CheckpointError(f"checkpoint {path} holds no EMA weights: it was trained without an EMA; train with "
+                              f"--set ema_decay=0.999 (or callbacks=[EMA(...)]), or export without --ema")
     return weights
 

@@ -33,6 +33,7 @@ from mlx.utils import tree_flatten
 
 from mlx_train.errors import ConfigError
 from mlx_train.training.callbacks import Callback
+from mlx_train.training.extensions import StepExtension
 
 if TYPE_CHECKING:
     from mlx_train.training.trainer import Trainer
@@ -90,7 +91,7 @@ def prunable_weights(model: nn.Module, patterns: Sequence[str] | None = None) ->
     return chosen
 
 
-class Pruning(Callback):
+class Pruning(Callback, StepExtension):
     """Magnitude pruning to ``sparsity`` on a schedule; pruned weights stay exactly 0.
 
     ``schedule``: ``"polynomial"`` (Zhu & Gupta: from ``initial_sparsity`` at ``start_step`` to

@@ -29,6 +29,7 @@ import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_map
 
 from mlx_train.errors import DataError
+from mlx_train.training.extensions import StepExtension
 from mlx_train.training.losses import METRIC_PREFIX, Loss, add_metrics, count_correct
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
@@ -94,7 +95,7 @@ class TrainStep:
 
     def __init__(self, model: nn.Module, optimizer: optim.Optimizer, loss: Loss, options: StepOptions,
                  loss_scale: dict[str, mx.array], reduction: Reduction | None = None,
-                 extensions: Sequence[Any] = ()) -> None:
+                 extensions: Sequence[StepExtension] = ()) -> None:
         self.model, self.optimizer, self.loss, self.options = model, optimizer, loss, options
         self.compute_dtype = DTYPES[options.precision]
         self.dynamic_scaling = options.precision == "float16"
@@ -258,7 +259,7 @@ class TrainStep:
 
 def build_step(model: nn.Module, optimizer: optim.Optimizer, loss: Loss, options: StepOptions,
                loss_scale: dict[str, mx.array], reduction: Reduction | None = None,
-               extensions: Sequence[Any] = ()) -> TrainStep:
+               extensions: Sequence[StepExtension] = ()) -> TrainStep:
     """The training step for this model, optimizer, loss and options (see the module docstring)."""
     return TrainStep(model, optimizer, loss, options, loss_scale, reduction, extensions)
 

@@ -28,6 +28,7 @@ from mlx_train.errors import (
 )
 from mlx_train.training.callbacks import CallbackList, EarlyStopping, ModelCheckpoint
 from mlx_train.training.evaluation import Evaluator
+from mlx_train.training.extensions import StepExtension
 from mlx_train.training.heartbeat import Heartbeat
 from mlx_train.training.interrupt import StopSignals
 from mlx_train.training.labels import LabelCheck
@@ -421,7 +422,7 @@ class Trainer:
     def _guard(self, callbacks: CallbackList) -> MemoryGuard:
         """The memory guard around the step function, with the micro-batch settings of the loop state."""
         cfg = self.config
-        extensions = tuple(c for c in callbacks.callbacks if hasattr(c, "in_step"))
+        extensions = tuple(c for c in callbacks.callbacks if isinstance(c, StepExtension))
         previous = self.memory_guard
         settings = self.state.micro_batch or (previous.settings() if previous is not None else {})
         if previous is not None and previous.extensions == extensions and settings == previous.settings():
@@ -576,7 +577,19 @@ class Trainer:
         if cfg.early_stopping_patience is not None:
             callbacks.append(EarlyStopping(monitor=cfg.monitor, patience=cfg.early_stopping_patience,
                                            min_delta=cfg.early_stopping_min_delta, mode=cfg.monitor_mode))
-        return callbacks
+        return callbacks + self._config_extensions()
+
+    def _config_extensions(self) -> list[Any]:
+        """The step extensions the config turns on: ``prune_sparsity`` and ``ema_decay`` (masked like the weights)."""
+        from mlx_train.training.ema import EMA
+        from mlx_train.training.pruning import Pruning
+
+        cfg = self.config
+        pruning = None if cfg.prune_sparsity is None else Pruning(
+            cfg.prune_sparsity, start_step=cfg.prune_start, end_step=cfg.prune_end, frequency=cfg.prune_frequency,
+            schedule=cfg.prune_schedule, scope=cfg.prune_scope)
+        ema = None if cfg.ema_decay is None else EMA(cfg.ema_decay, pruning=pruning)
+        return [c for c in (pruning, ema) if c is not None]
 
     def _checkpoints(self, directory: str | None) -> CheckpointManager | None:
         if not directory:
