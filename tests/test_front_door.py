@@ -9,6 +9,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
+import pytest
 from mlx.utils import tree_flatten
 
 import mlx_train
@@ -25,6 +26,7 @@ def test_training_names_import_from_the_package():
     assert set(names) <= set(mlx_train.__all__) and set(names) <= set(dir(mlx_train))
 
 
+@pytest.mark.slow
 def test_import_stays_light():
     # The CLI's help and the monitor import the package: it must not load the training stack or MLX.
     code = ("import sys, mlx_train; loaded = [m for m in ('mlx_train.training', 'mlx_train.data', 'mlx.core') "
