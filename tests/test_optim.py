@@ -6,6 +6,7 @@ import math
 
 import mlx.core as mx  # conftest imported mlx_train (the BLAS preload) first
 import mlx.optimizers as optim
+import numpy as np
 import pytest
 
 from mlx_train.config import TrainConfig
@@ -100,10 +101,52 @@ def test_the_table_names_real_keyword_arguments():
     import inspect
 
     keywords = {"beta1": "betas", "beta2": "betas", "epsilon": "eps", "weight_decay": "weight_decay",
-                "momentum": "momentum"}
+                "momentum": "momentum", "bias_correction": "bias_correction"}
     for name, (class_name, uses) in OPTIMIZERS.items():
         accepted = inspect.signature(getattr(optim, class_name)).parameters
         assert {keywords[u] for u in uses} <= set(accepted), name
+
+
+def adam_by_hand(params, grads, lr, beta1, beta2, eps, weight_decay, bias_correction):
+    """PyTorch's Adam (weight_decay 0) and AdamW update, written out in float64 numpy."""
+    m, v, out = np.zeros_like(params), np.zeros_like(params), params.copy()
+    for step, g in enumerate(grads, start=1):
+        out = out * (1 - lr * weight_decay)
+        m = beta1 * m + (1 - beta1) * g
+        v = beta2 * v + (1 - beta2) * g * g
+        c1, c2 = (1 - beta1**step, 1 - beta2**step) if bias_correction else (1.0, 1.0)
+        out = out - (lr / c1) * m / (np.sqrt(v) / np.sqrt(c2) + eps)
+    return out
+
+
+@pytest.mark.parametrize("name, weight_decay", [("adam", 0.0), ("adamw", 0.1)])
+@pytest.mark.parametrize("bias_correction", [True, False])
+def test_adam_bias_correction_matches_the_hand_written_update(name, weight_decay, bias_correction):
+    rng = np.random.default_rng(0)
+    params = rng.normal(size=(3, 4))
+    grads = [rng.normal(size=(3, 4)) for _ in range(5)]
+    hyper = {"beta1": 0.8, "beta2": 0.95, "epsilon": 1e-6}
+    decay = {"weight_decay": weight_decay} if name == "adamw" else {}
+    optimizer = build_optimizer(TrainConfig(optimizer=name, learning_rate=0.01, bias_correction=bias_correction,
+                                            **hyper, **decay))
+    w = {"w": mx.array(params.astype(np.float32))}
+    for g in grads:
+        w = optimizer.apply_gradients({"w": mx.array(g.astype(np.float32))}, w)
+    expected = adam_by_hand(params, grads, 0.01, 0.8, 0.95, 1e-6, weight_decay, bias_correction)
+    np.testing.assert_allclose(np.array(w["w"]), expected, atol=1e-6)
+
+
+def test_bias_correction_is_off_by_default_and_refused_where_unused(tmp_path):
+    # MLX's (and mlx-lm's) Adam: the first update is about 3.2x PyTorch's with beta2 = 0.999
+    assert TrainConfig().bias_correction is False and build_optimizer(TrainConfig()).bias_correction is False
+    with pytest.raises(ConfigError, match=r"TrainConfig.bias_correction is set to True, but optimizer 'sgd' does "
+                                          r"not use bias_correction .*an optimizer that uses it: adam and adamw$"):
+        TrainConfig(optimizer="sgd", bias_correction=True)
+    path = tmp_path / "c.yaml"
+    path.write_text("optimizer:\n  name: sgd\n  bias_correction: false\n")
+    with pytest.raises(ConfigError, match=r"c.yaml:3: optimizer.bias_correction is set to False, but optimizer "
+                                          r"'sgd' does not use bias_correction"):
+        TrainConfig.from_yaml(path)
 
 
 def test_unknown_names_and_bad_arguments():

@@ -2,7 +2,7 @@
 
 Example::
 
-    from mlx_train.training import Trainer
+    from mlx_train import Trainer
     trainer = Trainer(model=model, optimizer=optimizer, batch_size=32)
     history = trainer.train(train_dataset=(x, y), val_dataset=(vx, vy), epochs=10)
 """
@@ -30,12 +30,17 @@ from mlx_train.errors import (  # noqa: E402
 
 __version__ = "0.1.0"
 
-# Heavier pieces load on first use so `import mlx_train` stays cheap.
+# Heavier pieces load on first use (PEP 562) so `import mlx_train` stays cheap: the CLI's help and
+# the monitor import this package and must not load the training stack or MLX.
+_TRAINING = ("Trainer", "DataLoader", "ModelCheckpoint", "EarlyStopping", "DistributedTrainer", "Callback",
+             "CrossEntropyLoss", "EMA", "Heartbeat", "MetricsLogger", "ProgressBar", "Pruning",
+             "TensorBoardLogger", "MLflowLogger", "WandbLogger")
 _LAZY = {
     "TrainConfig": "mlx_train.config",
     "DeviceConfig": "mlx_train.device",
     "DistributedConfig": "mlx_train.distributed",
     "MemoryOptimizer": "mlx_train.memory",
+    **{name: "mlx_train.training" for name in _TRAINING},
 }
 
 
@@ -45,6 +50,10 @@ def __getattr__(name: str) -> Any:
 
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'mlx_train' has no attribute '{name}'")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 
 
 __all__ = [
@@ -61,5 +70,6 @@ __all__ = [
     "DeviceConfig",
     "DistributedConfig",
     "MemoryOptimizer",
+    *_TRAINING,
     "__version__",
 ]

@@ -77,7 +77,8 @@ def build_optimizer(config: TrainConfig) -> mlx.optimizers.Optimizer:
     """The ``mlx.optimizers`` optimizer named by ``config.optimizer``, with its learning rate.
 
     Passes each class only the hyper-parameters it uses (see ``OPTIMIZERS``): ``betas=[beta1,
-    beta2]``, ``eps=epsilon``, ``weight_decay``, ``momentum``. Adafactor gets
+    beta2]``, ``eps=epsilon``, ``weight_decay``, ``momentum``, ``bias_correction`` (Adam, AdamW:
+    off by default as in MLX; on, the update is PyTorch's and Hugging Face's). Adafactor gets
     ``relative_step=False`` so that ``learning_rate`` (and its schedule) is used as given.
 
     Example::
@@ -94,9 +95,10 @@ def build_optimizer(config: TrainConfig) -> mlx.optimizers.Optimizer:
     class_name, uses = OPTIMIZERS[name]
     # TrainConfig's names -> the keyword arguments of mlx.optimizers
     keywords = {"beta1": "betas", "beta2": "betas", "epsilon": "eps", "weight_decay": "weight_decay",
-                "momentum": "momentum"}
+                "momentum": "momentum", "bias_correction": "bias_correction"}
     values = {"betas": [float(config.beta1), float(config.beta2)], "eps": float(config.epsilon),
-              "weight_decay": float(config.weight_decay), "momentum": float(config.momentum)}
+              "weight_decay": float(config.weight_decay), "momentum": float(config.momentum),
+              "bias_correction": bool(config.bias_correction)}
     kwargs = {keywords[key]: values[keywords[key]] for key in uses}
     if name == "adafactor":
         kwargs["relative_step"] = False

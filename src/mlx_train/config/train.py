@@ -35,8 +35,8 @@ from mlx_train.errors import ConfigError, did_you_mean
 # betas=[beta1, beta2], epsilon becomes eps). Adafactor's eps is a pair with another meaning, so
 # epsilon is not passed to it.
 OPTIMIZERS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "adam": ("Adam", ("beta1", "beta2", "epsilon")),
-    "adamw": ("AdamW", ("beta1", "beta2", "epsilon", "weight_decay")),
+    "adam": ("Adam", ("beta1", "beta2", "epsilon", "bias_correction")),
+    "adamw": ("AdamW", ("beta1", "beta2", "epsilon", "bias_correction", "weight_decay")),
     "adamax": ("Adamax", ("beta1", "beta2", "epsilon")),
     "lion": ("Lion", ("beta1", "beta2", "weight_decay")),
     "sgd": ("SGD", ("momentum", "weight_decay")),
@@ -253,6 +253,9 @@ class TrainConfig:
                                     "0.99).", minimum=0, below=1, check=_used_by_optimizer("beta2"))
     epsilon: float = in_optimizer(1e-8, f"Added to denominators for numerical stability ({_users('epsilon')}).",
                                minimum=0, check=_used_by_optimizer("epsilon"))
+    bias_correction: bool = in_optimizer(False, "Divide the moments by 1 - beta**step as PyTorch and Hugging Face "
+                                             f"do ({_users('bias_correction')}); false: MLX's and mlx-lm's update.",
+                                         check=_used_by_optimizer("bias_correction"))
     weight_decay: float = in_optimizer(0.01, f"Weight decay of {_users('weight_decay')} (0: none).", minimum=0,
                                     check=_used_by_optimizer("weight_decay"))
     momentum: float = in_optimizer(0.0, f"Momentum of {_users('momentum')} (muon is usually run with 0.95).",
