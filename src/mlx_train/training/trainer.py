@@ -149,8 +149,6 @@ class Trainer:
               resume: str | None = None, overwrite: bool = False) -> dict[str, Any]:
         """Train on a dataset (arrays, map-style, iterable or a DataLoader); returns the per-epoch history.
 
-        A DataLoader's batch is a micro-batch, as in ``fit``; a dataset is batched by ``batch_size``.
-
         Called again without datasets, it continues on the datasets of the previous call
         (``trainer.train(callbacks=[...])`` trains ``epochs`` more epochs). A new run (no ``resume``)
         into a ``checkpoint_dir`` or ``run_dir`` that holds another run is refused; ``resume="auto"``
@@ -164,7 +162,7 @@ class Trainer:
             epochs = _epoch_of(loader, self.state) + (epochs or self.config.epochs)
             return self._run(loader, val_loader, epochs, checkpoint_dir, callbacks or [], resume, overwrite)
         cfg = self.config
-        loader = self._micro_loader(train_dataset) if isinstance(train_dataset, DataLoader) else DataLoader(
+        loader = train_dataset if isinstance(train_dataset, DataLoader) else DataLoader(
             train_dataset, batch_size=cfg.batch_size * cfg.gradient_accumulation, shuffle=cfg.shuffle,
             num_workers=cfg.num_workers, drop_last=cfg.drop_last, seed=cfg.seed)
         val_loader = val_dataset if val_dataset is None or isinstance(val_dataset, DataLoader) else \
