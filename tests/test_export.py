@@ -205,7 +205,7 @@ def test_mlxfn_of_a_shapeless_model_takes_any_batch_size(tmp_path):
 def test_cli_says_which_batch_sizes_an_mlxfn_holds(tmp_path, capsys, monkeypatch):
     import mlx_train.cli.export as cli_export
 
-    def fake_export_checkpoint(checkpoint, output, format, verify):
+    def fake_export_checkpoint(checkpoint, output, format, verify, ema=False):
         model = MLP(64, (8,), 10)  # reshape and addmm: MLX cannot trace it shapelessly
         return {**export(model, [mx.zeros((1, 64))], output, format=format, verify=verify), "checkpoint": checkpoint}
 
