@@ -11,6 +11,7 @@ import copy
 import dataclasses
 import os
 import re
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
@@ -83,7 +84,7 @@ def metric_direction(name: str, mode: str = "auto") -> str:
     An explicit ``mode`` (``"min"``/``"max"``) wins. With ``"auto"``, a name with a loss-like
     word (loss, error, perplexity, mse, ...) goes down; one with a score-like word (accuracy,
     f1, precision, recall, auc, bleu, ...) goes up; any other name is taken to go down, like a
-    loss (set ``mode`` for such metrics).
+    loss, with a warning (set ``mode`` for such metrics).
 
     Example::
 
@@ -97,7 +98,11 @@ def metric_direction(name: str, mode: str = "auto") -> str:
     words = re.findall(r"[a-z0-9]+", name.lower())
     if any(_LOWER.fullmatch(word) for word in words):
         return "min"
-    return "max" if any(_HIGHER.fullmatch(word) for word in words) else "min"
+    if any(_HIGHER.fullmatch(word) for word in words):
+        return "max"
+    warnings.warn(f"mode='auto' cannot tell which way metric '{name}' improves: taking lower as better; "
+                  "pass mode='max' or mode='min'", stacklevel=2)
+    return "min"
 
 
 def _users(name: str) -> str:

@@ -8,7 +8,7 @@ Example::
 from typing import Any
 
 from mlx_train.data import DataLoader
-from mlx_train.training.callbacks import Callback, EarlyStopping, ModelCheckpoint
+from mlx_train.training.callbacks import Callback, EarlyStopping, ModelCheckpoint, ReduceLROnPlateau
 from mlx_train.training.ema import EMA
 from mlx_train.training.heartbeat import Heartbeat
 from mlx_train.training.loggers import MetricsLogger, ProgressBar
@@ -41,6 +41,7 @@ __all__ = [
     "ModelCheckpoint",
     "ProgressBar",
     "Pruning",
+    "ReduceLROnPlateau",
     "TensorBoardLogger",
     "Trainer",
     "WandbLogger",

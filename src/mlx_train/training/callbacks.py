@@ -222,7 +222,11 @@ class _Monitor:
 
 
 class EarlyStopping(Callback, _Monitor):
-    """Stop when a monitored metric stops improving.
+    """Stop when a monitored metric stops improving, with Keras 3's meanings.
+
+    ``baseline``: training stops if the metric does not beat it within ``patience`` epochs.
+    ``start_from_epoch``: epochs to wait before monitoring (a warm-up with no improvement expected).
+    ``restore_best_weights``: the model ends training (stopped early or not) with the best epoch's weights.
 
     Example::
 
@@ -236,11 +240,16 @@ class EarlyStopping(Callback, _Monitor):
         min_delta: float = 0.0,
         mode: str = "auto",
         restore_best_weights: bool = False,
+        baseline: float | None = None,
+        start_from_epoch: int = 0,
     ) -> None:
         _Monitor.__init__(self, monitor, mode, min_delta)
         if patience < 0:
             raise ConfigError(f"EarlyStopping patience must be >= 0, got {patience}")
+        if start_from_epoch < 0:
+            raise ConfigError(f"EarlyStopping start_from_epoch must be >= 0, got {start_from_epoch}")
         self.patience, self.restore_best_weights = patience, restore_best_weights
+        self.baseline, self.start_from_epoch = baseline, start_from_epoch
         self.wait = 0
         self.stopped_epoch: int | None = None
         self.best_epoch: int | None = None
@@ -248,25 +257,37 @@ class EarlyStopping(Callback, _Monitor):
 
     def on_epoch_end(self, trainer: Trainer, epoch: int, logs: dict[str, Any]) -> None:
         value = self.value(logs)
-        if value is None:
+        if value is None or epoch < self.start_from_epoch:
             return
+        self.wait += 1
         if self.improved(value):
-            self.best, self.wait, self.best_epoch = value, 0, epoch
+            self.best, self.best_epoch = value, epoch
             if self.restore_best_weights:
                 # mx arrays are immutable and replaced each step, so keeping references is a snapshot.
                 # Only what trains: a LoRA fine-tune keeps megabytes, not a copy of the frozen base.
                 self.best_weights = saved_parameters(trainer.model)
-            return
-        self.wait += 1
+            if self.baseline is None or self._beats(value, self.baseline):
+                self.wait = 0
+                return
         if self.wait >= self.patience:
             self.stopped_epoch = epoch
             trainer.stop_training = True
-            if self.restore_best_weights and self.best_weights is not None:
-                trainer.model.update(tree_unflatten(list(self.best_weights.items())))
             best = (f"best {self.monitor} {self.best:.4f} at epoch {self.best_epoch + 1}" if self.best_epoch is not None
                     else f"{self.monitor} was never finite")
             trainer.log(f"early stopping at epoch {epoch + 1}: {self.monitor} did not improve for {self.patience} "
                         f"epoch(s); {best}")
+
+    def on_fit_end(self, trainer: Trainer, history: dict[str, Any]) -> None:
+        # As Keras 3: the best weights end the run whether this callback stopped it or not.
+        if self.restore_best_weights and self.best_weights is not None:
+            trainer.model.update(tree_unflatten(list(self.best_weights.items())))
+            trainer.log(f"restored the weights of epoch {cast(int, self.best_epoch) + 1} "
+                        f"(best {self.monitor} {self.best:.4f})")
+
+    def _beats(self, value: float, reference: float) -> bool:
+        if self.mode == "min":
+            return value < reference - self.min_delta
+        return value > reference + self.min_delta
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"best": self.best, "wait": self.wait, "best_epoch": self.best_epoch,
@@ -280,6 +301,71 @@ class EarlyStopping(Callback, _Monitor):
         self.best_epoch, self.stopped_epoch = state.get("best_epoch"), state.get("stopped_epoch")
         weights = state.get("best_weights")
         self.best_weights = dict(tree_flatten(weights)) if weights else None
+
+
+class ReduceLROnPlateau(Callback, _Monitor):
+    """Multiply the learning rate by ``factor`` when a metric stops improving (Keras 3's arguments).
+
+    After ``patience`` epochs without improvement the rate becomes ``max(lr * factor, min_lr)``, then
+    ``cooldown`` epochs pass before counting again. The rate is optimizer state, so the compiled step
+    uses the new value; with a learning-rate schedule the schedule would overwrite it, and that is refused.
+
+    Example::
+
+        ReduceLROnPlateau(monitor="val_loss", factor=0.5, patience=2, min_lr=1e-6)
+    """
+
+    def __init__(
+        self,
+        monitor: str = "val_loss",
+        factor: float = 0.1,
+        patience: int = 10,
+        verbose: int = 0,
+        mode: str = "auto",
+        min_delta: float = 1e-4,
+        cooldown: int = 0,
+        min_lr: float = 0.0,
+    ) -> None:
+        _Monitor.__init__(self, monitor, mode, min_delta)
+        if not 0.0 < factor < 1.0:
+            raise ConfigError(f"ReduceLROnPlateau factor must be between 0 and 1 (exclusive), got {factor}")
+        self.factor, self.patience, self.verbose = factor, patience, verbose
+        self.cooldown, self.min_lr = cooldown, min_lr
+        self.wait = self.cooldown_counter = 0
+
+    def on_fit_start(self, trainer: Trainer) -> None:
+        if "learning_rate" in getattr(trainer.optimizer, "_schedulers", {}):
+            raise ConfigError("ReduceLROnPlateau sets the learning rate, but the optimizer follows a schedule that "
+                              "would overwrite it: use a constant learning rate, or drop ReduceLROnPlateau")
+
+    def on_epoch_end(self, trainer: Trainer, epoch: int, logs: dict[str, Any]) -> None:
+        value = self.value(logs)
+        if value is None:
+            return
+        if self.cooldown_counter > 0:
+            self.cooldown_counter -= 1
+            self.wait = 0
+        if self.improved(value):
+            self.best, self.wait = value, 0
+            return
+        if self.cooldown_counter > 0:
+            return
+        self.wait += 1
+        if self.wait < self.patience:
+            return
+        old = cast(float, trainer.optimizer.learning_rate.item())
+        if old > cast(float, mx.array(self.min_lr, dtype=mx.float32).item()):  # the rate is float32, as in Keras
+            new = max(old * self.factor, self.min_lr)
+            trainer.optimizer.learning_rate = new
+            self.cooldown_counter, self.wait = self.cooldown, 0
+            if self.verbose:
+                trainer.log(f"epoch {epoch + 1}: ReduceLROnPlateau reduced the learning rate to {new:.4g}")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"best": self.best, "wait": self.wait, "cooldown_counter": self.cooldown_counter}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.best, self.wait, self.cooldown_counter = state["best"], state["wait"], state["cooldown_counter"]
 
 
 class ModelCheckpoint(Callback, _Monitor):
