@@ -338,6 +338,7 @@ class Trainer:
         grad_norm = self.state.running.get("grad_norm")
         logs = meter.report(self._totals(), float(self.optimizer.learning_rate.item()),
                             None if grad_norm is None else float(grad_norm.item()))  # type: ignore[arg-type]
+        self.state.reset_window()  # the window's sums were just read (and summed over ranks): start the next
         callbacks.call("on_report", self, {**logs, **callbacks.report_metrics()})
 
     def _validate(self, val_loader: Iterable[Any], callbacks: CallbackList, meter: Meter) -> None:
