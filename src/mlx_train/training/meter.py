@@ -23,8 +23,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlx_train.training.losses import METRIC_PREFIX, batch_size_of, metric_means
-from mlx_train.training.step import WINDOW_PREFIX
+from mlx_train.training.losses import METRIC_PREFIX, WINDOW_PREFIX, batch_size_of, metric_means
 
 
 class Meter:

@@ -30,8 +30,7 @@ from mlx.utils import tree_flatten
 from mlx_train.checkpointing.format import read_history, write_history_chunk
 from mlx_train.checkpointing.storage import split_location
 from mlx_train.errors import CheckpointError
-from mlx_train.training.losses import METRIC_PREFIX
-from mlx_train.training.step import WINDOW_PREFIX
+from mlx_train.training.losses import METRIC_PREFIX, WINDOW_PREFIX
 
 FORMAT_VERSION = 4  # 3: the history in chunk files beside the checkpoints; 4: the report window's own sums
 RUNNING_KEYS = ("loss_sum", "items")

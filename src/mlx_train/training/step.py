@@ -30,12 +30,9 @@ from mlx.utils import tree_flatten, tree_map
 
 from mlx_train.errors import DataError
 from mlx_train.training.extensions import StepExtension
-from mlx_train.training.losses import METRIC_PREFIX, Loss, add_metrics, count_correct
+from mlx_train.training.losses import METRIC_PREFIX, WINDOW_PREFIX, Loss, add_metrics, count_correct
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
-#: Running sums since the last report are ``window:<key>`` beside the epoch's ``<key>``: a report reads its own
-#: window instead of a difference of two large float32 epoch sums, which loses precision late in a long epoch.
-WINDOW_PREFIX = "window:"
 
 
 @dataclass(frozen=True)
