@@ -168,9 +168,10 @@ class HistoryChunks:
 class LoopState:
     """The Trainer's loop state (see the module docstring).
 
-    ``running`` holds the epoch's on-device sums (``loss_sum``, ``items``, ``grad_norm``);
-    ``report_base`` the summed ``loss_sum``/``items`` at the last report, so the first report
-    after a resume covers the same steps as without the interruption. ``loss_scale`` is the
+    ``running`` holds the epoch's on-device sums (``loss_sum``, ``items``, ``grad_norm``) and the
+    report window's (``window:loss_sum``, ...), checkpointed so the first report after a resume
+    covers the same steps as without the interruption; ``report_base`` the summed
+    ``loss_sum``/``items`` at the last report. ``loss_scale`` is the
     container the compiled float16 step reads and writes: it is updated in place, never replaced.
     """
 

@@ -548,7 +548,8 @@ class Trainer:
         return out
 
     def _totals(self) -> dict[str, float]:
-        """The epoch's loss sum and item count (and a loss's metric sums), summed over ranks (report time only)."""
+        """The epoch's and the report window's loss sum and item count (and a loss's metric sums), summed over
+        ranks (report time only)."""
         return self._reduce({k: v for k, v in self.state.running.items() if summed_over_ranks(k)})
 
     def _reduce(self, values: dict[str, mx.array]) -> dict[str, float]:
