@@ -36,6 +36,9 @@ _INPUT_KEYS = ("inputs", "x", "input_ids", "input", "features", "image", "images
 _TARGET_KEYS = ("targets", "y", "labels", "label", "target")
 #: Running-sum keys of a loss's extra metrics: ``metric:<name>`` holds the metric times the items.
 METRIC_PREFIX = "metric:"
+#: The running sums since the last report are ``window:<key>`` beside the epoch's ``<key>``: a report reads its
+#: own window, where a difference of two large float32 epoch sums loses precision late in a long epoch.
+WINDOW_PREFIX = "window:"
 
 
 @dataclass(frozen=True)

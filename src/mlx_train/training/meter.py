@@ -10,6 +10,9 @@ Example::
         state.running = step(state, batch); state.step += 1
         meter.count(batch)
     logs = meter.report({"loss_sum": 12.0, "items": 32.0}, learning_rate=1e-3)
+
+The window's loss is read from the step's window sums (``window:loss_sum``, ``window:items``) when the
+totals hold them: exact, where a difference of two large float32 epoch sums would lose precision.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlx_train.training.losses import METRIC_PREFIX, batch_size_of, metric_means
+from mlx_train.training.losses import METRIC_PREFIX, WINDOW_PREFIX, batch_size_of, metric_means
 
 
 class Meter:
@@ -84,24 +87,24 @@ class Meter:
 
     def report(self, totals: dict[str, float], learning_rate: float, grad_norm: float | None = None) -> dict[str, Any]:
         """The report's logs. ``totals``: the epoch's ``loss_sum`` and ``items`` (and a loss's ``metric:<name>``
-        sums) summed over ranks; each metric is reported as its mean over the report's items."""
+        sums), and the same sums over the report window (``window:<key>``), summed over ranks; each metric is
+        reported as its mean over the report's items."""
         state, now = self.state, self.clock()
         seconds = max(now - self.start - self.paused, 1e-9)
-        base = state.report_base
-        d_items = totals["items"] - base["items"]
+        window = report_window(totals, state.report_base)
+        d_items = window["items"]
         samples = self.pending_samples * self.world_size
         logs = {
             "step": state.step,
             "epoch": state.epoch,
-            "loss": (totals["loss_sum"] - base["loss_sum"]) / max(d_items, 1e-9),
+            "loss": window["loss_sum"] / max(d_items, 1e-9),
             "learning_rate": learning_rate,
             "samples_per_second": samples / seconds,
             "steps_per_second": self.pending_steps / seconds,
             "trained_samples": state.trained_samples,
             "peak_memory_gb": self.peak_memory() / 1e9,
         }
-        logs.update(metric_means({k: v - base.get(k, 0.0) for k, v in totals.items() if k.startswith(METRIC_PREFIX)},
-                                 d_items))
+        logs.update(metric_means(window, d_items))
         state.trained_items += d_items
         if d_items > samples * 1.5:  # sequences: items are tokens
             logs["tokens_per_second"] = d_items / seconds
@@ -109,7 +112,7 @@ class Meter:
         if grad_norm is not None:
             logs["grad_norm"] = grad_norm
         logs.update(self._step_times(seconds))
-        state.report_base = {**totals, "step": state.step}
+        state.report_base = {**{k: v for k, v in totals.items() if not k.startswith(WINDOW_PREFIX)}, "step": state.step}
         self.pending_samples = self.pending_steps = 0
         self.start, self.paused = now, 0.0
         self.data_seconds = self.step_seconds = self.checkpoint_seconds = 0.0
@@ -128,3 +131,18 @@ class Meter:
             "time_comm": comm,
             "time_checkpoint": self.checkpoint_seconds / steps,
         }
+
+
+def report_window(totals: dict[str, float], base: dict[str, float]) -> dict[str, float]:
+    """The loss, item and metric sums since the last report: the step's window sums (``window:<key>``), or,
+    from a step that keeps none, the epoch sums less their values at the last report (``base``).
+
+    Example::
+
+        report_window({"loss_sum": 9.0, "items": 3.0, "window:loss_sum": 2.0, "window:items": 1.0}, base)
+        # {"loss_sum": 2.0, "items": 1.0}
+    """
+    if WINDOW_PREFIX + "items" in totals:
+        return {k.removeprefix(WINDOW_PREFIX): v for k, v in totals.items() if k.startswith(WINDOW_PREFIX)}
+    return {k: v - base.get(k, 0.0) for k, v in totals.items() if k == "loss_sum" or k == "items"
+            or k.startswith(METRIC_PREFIX)}

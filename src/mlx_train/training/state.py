@@ -30,15 +30,17 @@ from mlx.utils import tree_flatten
 from mlx_train.checkpointing.format import read_history, write_history_chunk
 from mlx_train.checkpointing.storage import split_location
 from mlx_train.errors import CheckpointError
-from mlx_train.training.losses import METRIC_PREFIX
+from mlx_train.training.losses import METRIC_PREFIX, WINDOW_PREFIX
 
-FORMAT_VERSION = 3  # 3: the history in chunk files beside the checkpoints
+FORMAT_VERSION = 4  # 3: the history in chunk files beside the checkpoints; 4: the report window's own sums
 RUNNING_KEYS = ("loss_sum", "items")
 
 
 def summed_over_ranks(key: str) -> bool:
     """Whether running value ``key`` is a per-rank sum that reports add up over the ranks (the loss sum, the
-    item count, a loss's metric sums): rank 0's checkpoint holds the total, so other ranks restart it at zero."""
+    item count, a loss's metric sums, and the same over the report window): rank 0's checkpoint holds the total,
+    so other ranks restart it at zero."""
+    key = key.removeprefix(WINDOW_PREFIX)
     return key in RUNNING_KEYS or key.startswith(METRIC_PREFIX)
 
 #: History entries (per key) a checkpoint's trainer_state.json holds at most; older ones are in chunk files.
@@ -166,9 +168,10 @@ class HistoryChunks:
 class LoopState:
     """The Trainer's loop state (see the module docstring).
 
-    ``running`` holds the epoch's on-device sums (``loss_sum``, ``items``, ``grad_norm``);
-    ``report_base`` the summed ``loss_sum``/``items`` at the last report, so the first report
-    after a resume covers the same steps as without the interruption. ``loss_scale`` is the
+    ``running`` holds the epoch's on-device sums (``loss_sum``, ``items``, ``grad_norm``) and the
+    report window's (``window:loss_sum``, ...), checkpointed so the first report after a resume
+    covers the same steps as without the interruption; ``report_base`` the summed
+    ``loss_sum``/``items`` at the last report. ``loss_scale`` is the
     container the compiled float16 step reads and writes: it is updated in place, never replaced.
     """
 
@@ -192,6 +195,10 @@ class LoopState:
         """Start a new epoch's sums."""
         self.running = dict(zero)
         self.report_base = {"loss_sum": 0.0, "items": 0.0, "step": self.step}
+
+    def reset_window(self) -> None:
+        """Start a new report window: its sums (``window:<key>``) back to zero, on the device (no sync)."""
+        self.running = {k: mx.array(0.0) if k.startswith(WINDOW_PREFIX) else v for k, v in self.running.items()}
 
     # -- checkpoints ----------------------------------------------------------------------
 
@@ -268,6 +275,9 @@ class LoopState:
         self.running = {k: mx.array(0.0 if rank and summed_over_ranks(k) else v) for k, v in running.items()}
         self.report_base = state.get("report_base") or {"loss_sum": running.get("loss_sum", 0.0),
                                                         "items": running.get("items", 0.0), "step": self.step}
+        if running and state["format_version"] < 4:  # saved before the report window had its own sums
+            self.running.update({WINDOW_PREFIX + k: mx.array(0.0 if rank else v - self.report_base.get(k, 0.0))
+                                 for k, v in running.items() if summed_over_ranks(k)})
         self.trained_samples = state.get("trained_samples", 0)
         self.trained_items = state.get("trained_items", 0.0)
         self.last_val = state.get("last_val") or {}

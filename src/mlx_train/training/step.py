@@ -30,7 +30,7 @@ from mlx.utils import tree_flatten, tree_map
 
 from mlx_train.errors import DataError
 from mlx_train.training.extensions import StepExtension
-from mlx_train.training.losses import METRIC_PREFIX, Loss, add_metrics, count_correct
+from mlx_train.training.losses import METRIC_PREFIX, WINDOW_PREFIX, Loss, add_metrics, count_correct
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
@@ -82,6 +82,17 @@ def _all_finite(tree: Any) -> mx.array:
     return mx.stack(leaves).all() if leaves else mx.array(True)
 
 
+def _add_sums(running: dict[str, Any], loss_sum: mx.array, n: mx.array, metrics: dict[str, mx.array],
+              keep: mx.array | None = None) -> dict[str, Any]:
+    """``running`` with one micro-batch's loss, items and metric sums added to the epoch's and the window's."""
+    added = {"loss_sum": loss_sum, "items": n, **add_metrics({}, metrics, n, keep)}
+    running = dict(running)  # updated in place: the key order, which the compiled step sees, stays the same
+    for prefix in ("", WINDOW_PREFIX):
+        for key, value in added.items():
+            running[prefix + key] = running[prefix + key] + value
+    return running
+
+
 def _cast(params: Any, dtype: mx.Dtype) -> Any:
     return tree_map(lambda p: p.astype(dtype) if mx.issubdtype(p.dtype, mx.floating) else p, params)
 
@@ -115,10 +126,11 @@ class TrainStep:
         self._single = options.accumulation == 1 and reduction is None
 
     def zero_running(self) -> dict[str, mx.array]:
-        """Fresh on-device sums for an epoch's reported training metrics (``nonfinite``, in guarded steps,
-        counts the steps whose loss or gradient was NaN/Inf and were undone)."""
-        running = {"loss_sum": mx.array(0.0), "items": mx.array(0.0)}
-        running.update({METRIC_PREFIX + name: mx.array(0.0) for name in self.loss.metric_names})
+        """Fresh on-device sums for an epoch's reported training metrics, and the same sums for the report
+        window (``window:<key>``, zeroed at each report); ``nonfinite``, in guarded steps, counts the steps
+        whose loss or gradient was NaN/Inf and were undone."""
+        sums = ["loss_sum", "items", *(METRIC_PREFIX + name for name in self.loss.metric_names)]
+        running = {prefix + key: mx.array(0.0) for prefix in ("", WINDOW_PREFIX) for key in sums}
         if self._guarded:
             running["nonfinite"] = mx.array(0.0)
         if self.options.max_grad_norm is not None:
@@ -176,9 +188,7 @@ class TrainStep:
             # Unguarded ("raise"/"stop", float32/bfloat16): a NaN/Inf loss makes loss_sum non-finite, which the
             # loop reads after the step; no extra operation in the step. A gradient that turns non-finite under
             # a finite loss (without clipping) makes the weights non-finite, which the next step's loss shows.
-            running["loss_sum"] = running["loss_sum"] + value * n
-            running["items"] = running["items"] + n
-            running = add_metrics(running, metrics, n)
+            running = _add_sums(running, value * n, n, metrics)
             if not update:
                 running["pending_items"] = n_total
                 return grads, running
@@ -192,9 +202,7 @@ class TrainStep:
         if grad_sum is not None:
             finite = finite & running["pending_finite"]
         # A non-finite micro-batch adds nothing to the sums: the reported loss stays readable.
-        running["loss_sum"] = running["loss_sum"] + mx.where(finite, value * n, 0.0)
-        running["items"] = running["items"] + mx.where(finite, n, 0.0)
-        running = add_metrics(running, metrics, n, finite)
+        running = _add_sums(running, mx.where(finite, value * n, 0.0), mx.where(finite, n, 0.0), metrics, finite)
         if not update:
             running["pending_items"], running["pending_finite"] = n_total, finite
             return grads, running

@@ -336,6 +336,7 @@ class Trainer:
         grad_norm = self.state.running.get("grad_norm")
         logs = meter.report(self._totals(), float(self.optimizer.learning_rate.item()),
                             None if grad_norm is None else float(grad_norm.item()))  # type: ignore[arg-type]
+        self.state.reset_window()  # the window's sums were just read (and summed over ranks): start the next
         callbacks.call("on_report", self, {**logs, **callbacks.report_metrics()})
 
     def _validate(self, val_loader: Iterable[Any], callbacks: CallbackList, meter: Meter) -> None:
@@ -545,7 +546,8 @@ class Trainer:
         return out
 
     def _totals(self) -> dict[str, float]:
-        """The epoch's loss sum and item count (and a loss's metric sums), summed over ranks (report time only)."""
+        """The epoch's and the report window's loss sum and item count (and a loss's metric sums), summed over
+        ranks (report time only)."""
         return self._reduce({k: v for k, v in self.state.running.items() if summed_over_ranks(k)})
 
     def _reduce(self, values: dict[str, mx.array]) -> dict[str, float]:
