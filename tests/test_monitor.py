@@ -406,3 +406,12 @@ def test_line_chart_fits_its_box_and_draws_every_series():
     styles = {span.style for span in chart.spans}
     assert {"cyan", "magenta"} <= styles
     assert line_chart([Series("a", [], [])], 40, 8).plain == "no data yet"
+
+
+def test_best_of_a_metric_the_direction_rule_cannot_place_is_quiet(recwarn):
+    from mlx_train.monitor.run import RunSnapshot
+
+    val = [{"step": 2, "val_kappa": 3.0}, {"step": 4, "val_kappa": 1.0}]
+    snapshot = RunSnapshot("runs/a", {}, [], val, [], [], [], [], 0.0)
+    assert snapshot.best("val_kappa") == (1.0, 4)  # shown as lower-is-better, like metric_direction
+    assert not [w for w in recwarn if "cannot tell which way" in str(w.message)]

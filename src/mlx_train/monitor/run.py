@@ -22,6 +22,7 @@ import math
 import os
 import socket
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -173,7 +174,9 @@ class RunSnapshot:
         steps, values = self.series(key)
         if not values:
             return None
-        pick = max if metric_direction(key) == "max" else min
+        with warnings.catch_warnings():  # a display: a metric it cannot place is shown as lower-is-better, quietly
+            warnings.simplefilter("ignore")
+            pick = max if metric_direction(key) == "max" else min
         value = pick(values)
         return value, steps[values.index(value)]
 
