@@ -34,7 +34,7 @@ __version__ = "0.1.0"
 # the monitor import this package and must not load the training stack or MLX.
 _TRAINING = ("Trainer", "DataLoader", "ModelCheckpoint", "EarlyStopping", "DistributedTrainer", "Callback",
              "CrossEntropyLoss", "EMA", "Heartbeat", "MetricsLogger", "ProgressBar", "Pruning",
-             "TensorBoardLogger", "MLflowLogger", "WandbLogger")
+             "ReduceLROnPlateau", "TensorBoardLogger", "MLflowLogger", "WandbLogger")
 _LAZY = {
     "TrainConfig": "mlx_train.config",
     "DeviceConfig": "mlx_train.device",

@@ -88,8 +88,8 @@ def _add_sums(running: dict[str, Any], loss_sum: mx.array, n: mx.array, metrics:
     added = {"loss_sum": loss_sum, "items": n, **add_metrics({}, metrics, n, keep)}
     running = dict(running)  # updated in place: the key order, which the compiled step sees, stays the same
     for prefix in ("", WINDOW_PREFIX):
-        for key, value in added.items():
-            running[prefix + key] = running[prefix + key] + value
+        for key, value in added.items():  # a metric the loss did not declare (``metric_names``) starts here
+            running[prefix + key] = running.get(prefix + key, mx.array(0.0)) + value
     return running
 
 
