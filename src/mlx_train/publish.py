@@ -42,14 +42,16 @@ PUBLISH_MANIFEST = "publish.json"
 _FILES = {"safetensors": "model.safetensors", "onnx": "model.onnx", "mlxfn": "model.mlxfn"}
 
 
-def _filesystem(destination: str, storage_options: Mapping[str, Any] | None):
+def _filesystem(destination: str, storage_options: Mapping[str, Any] | None) -> tuple[Any, str]:
+    """The fsspec file system (untyped) and the root path inside it for ``destination``."""
     try:
         import fsspec
     except ImportError:
         raise ConfigError(f"publishing to {destination} needs fsspec: pip install 'mlx-train[cloud]' "
                           "(plus 'mlx-train[s3]' or 'mlx-train[gcs]')") from None
     try:
-        return fsspec.core.url_to_fs(destination, **dict(storage_options or {}))
+        fs, root = fsspec.core.url_to_fs(destination, **dict(storage_options or {}))
+        return fs, root
     except ImportError as error:
         extra = {"s3": "s3", "gs": "gcs", "gcs": "gcs"}.get(destination.split("://")[0], "cloud")
         raise ConfigError(f"publishing to {destination} needs a storage back-end that is not installed "
@@ -101,7 +103,7 @@ def publish(model: nn.Module, destination: str, example_inputs: Sequence[mx.arra
             data = path.read_bytes()
             files[path.name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
         manifest = {"format": "mlx-train published model", "published_at": time.time(),
-                    "mlx_version": mx.__version__, "files": files}
+                    "mlx_version": mx.__version__, "files": files}  # type: ignore[attr-defined]  # not in the stubs
         target = f"{root.rstrip('/')}/"
         try:
             check_bucket(fs, root)

@@ -146,7 +146,8 @@ def _chunks(ids: np.ndarray, block_size: int, split: str) -> np.ndarray:
             f"block_size + 1 = {block_size + 1}: use a longer text or a smaller block_size"
         )
     starts = np.arange(count)[:, None] * block_size
-    return ids[starts + np.arange(block_size + 1)].astype(np.int32)
+    rows: np.ndarray = ids[starts + np.arange(block_size + 1)]
+    return rows.astype(np.int32)
 
 
 def _load_text(seed: int, *, block_size: int = 64, path: str | None = None) -> dict[str, Any]:

@@ -60,8 +60,8 @@ class MLP(nn.Module):
         hidden_dims: Sequence[int] = (128,),
         num_classes: int = 10,
         dropout: float = 0.0,
-    ):
-        super().__init__()
+    ) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]  # mlx.nn.Module; untyped_calls_exclude misses super()
         sizes = [in_dims, *hidden_dims, num_classes]
         if any(int(s) <= 0 for s in sizes):
             raise ConfigError(f"MLP layer sizes must be positive, got {sizes}")
@@ -95,8 +95,8 @@ class SmallCNN(nn.Module):
         channels: Sequence[int] = (32, 64),
         hidden_dims: int = 128,
         dropout: float = 0.0,
-    ):
-        super().__init__()
+    ) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]  # mlx.nn.Module; untyped_calls_exclude misses super()
         height, width, in_channels = (int(s) for s in image_shape)
         shrink = 2 ** len(channels)
         if height < shrink or width < shrink:
@@ -126,8 +126,8 @@ class SmallCNN(nn.Module):
 class TransformerBlock(nn.Module):
     """A pre-norm Transformer block: causal self-attention, then a 4x MLP."""
 
-    def __init__(self, dims: int, num_heads: int, dropout: float = 0.0):
-        super().__init__()
+    def __init__(self, dims: int, num_heads: int, dropout: float = 0.0) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]  # mlx.nn.Module; untyped_calls_exclude misses super()
         self.attention_norm = nn.LayerNorm(dims)
         self.attention = nn.MultiHeadAttention(dims, num_heads, bias=True)
         self.mlp_norm = nn.LayerNorm(dims)
@@ -137,7 +137,8 @@ class TransformerBlock(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         h = self.attention_norm(x)
         x = x + self.dropout(self.attention(h, h, h, mask="causal"))
-        return x + self.dropout(self.mlp(self.mlp_norm(x)))
+        update: mx.array = self.dropout(self.mlp(self.mlp_norm(x)))  # nn layers are unannotated
+        return x + update
 
 
 class CharTransformerLM(nn.Module):
@@ -160,8 +161,8 @@ class CharTransformerLM(nn.Module):
         num_layers: int = 2,
         block_size: int = 64,
         dropout: float = 0.0,
-    ):
-        super().__init__()
+    ) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]  # mlx.nn.Module; untyped_calls_exclude misses super()
         if dims % num_heads:
             raise ConfigError(
                 f"CharTransformerLM: dims ({dims}) must be a multiple of num_heads ({num_heads}); "

@@ -20,7 +20,7 @@ from mlx_train.errors import DistributedError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from mlx_train.distributed.backends import CHOICES
+    from mlx_train.config import BACKEND_CHOICES
 
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--hosts", metavar="A,B,...", help="comma-separated IPs or host names (default: the configured "
@@ -29,7 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-n", "--num-processes", type=int, default=None, metavar="N",
                         help="with --hosts, processes per host; with a host file or the configured cluster, the total "
                         "(its number of entries or a multiple); alone, N processes on this machine (default 2)")
-    parser.add_argument("--backend", choices=CHOICES, default=None, help="backend to measure (default: the cluster's)")
+    parser.add_argument("--backend", choices=BACKEND_CHOICES, default=None,
+                        help="backend to measure (default: the cluster's)")
     parser.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
                         help="give up on the probe after this long (default 60)")
     parser.add_argument("--size-mb", type=float, default=8.0, metavar="MB",

@@ -29,7 +29,7 @@ EPILOG = """examples:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from mlx_train.distributed.backends import CHOICES
+    from mlx_train.config import BACKEND_CHOICES
 
     parser.add_argument("--distributed", action="store_true",
                         help="configure distributed training (the cluster's hosts and backend)")
@@ -42,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        '[{"ssh": "mac1", "ips": ["10.0.0.1"]}, {"ssh": "mac2", "ips": ["10.0.0.2"]}]')
     parser.add_argument("-n", "--num-processes", type=int, default=None, metavar="N",
                         help="processes per host (default 1); alone, N processes on this machine")
-    parser.add_argument("--backend", choices=CHOICES, default=None,
+    parser.add_argument("--backend", choices=BACKEND_CHOICES, default=None,
                         help="distributed backend: auto (the best this MLX has), ring, mpi, jaccl or nccl")
     parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                         help="a setting sent to every rank, e.g. --env OMPI_MCA_btl_tcp_if_include=en0; repeatable")

@@ -17,9 +17,13 @@ Example::
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlx_train.errors import CheckpointError, ConfigError
+
+if TYPE_CHECKING:
+    import mlx.core as mx
+    import mlx.nn as nn
 
 HELP = "export a checkpoint's model to ONNX, .mlxfn or safetensors (+ JSON description)"
 FORMATS = ("onnx", "mlxfn", "safetensors")
@@ -45,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(trained with ema_decay set) instead of the trained weights")
 
 
-def rebuild_model(path: str) -> tuple[Any, Any, dict]:
+def rebuild_model(path: str) -> tuple[nn.Module, mx.array, dict[str, Any]]:
     """The model of checkpoint ``path`` with its weights, an example input batch, and its config.
 
     Example::
@@ -70,7 +74,7 @@ def rebuild_model(path: str) -> tuple[Any, Any, dict]:
                             "dataset": config.dataset, "dataset_info": _plain_info(data["info"])}
 
 
-def _plain_info(info: dict) -> dict:
+def _plain_info(info: dict[str, Any]) -> dict[str, Any]:
     return {k: (list(v) if isinstance(v, tuple) else v) for k, v in info.items()
             if isinstance(v, (int, float, str, bool, list, tuple))}
 

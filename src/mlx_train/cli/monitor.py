@@ -18,6 +18,10 @@ import argparse
 import os
 import sys
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rich.console import Console, RenderableType
 
 EPILOG = """examples:
   mlx-train monitor                         # the latest run under ./runs, refreshed every second
@@ -43,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where to look for the latest run when RUN_DIR is left out (default: runs)")
 
 
-def _console():
+def _console() -> Console:
     from rich.console import Console
 
     return Console(file=sys.stdout, highlight=False)
@@ -59,7 +63,7 @@ def watch(run_dir: str | None, performance: bool = False, interval: float = 1.0,
     reader = RunReader(resolve_run_dir(run_dir, runs), stale_after=stale_after)
     console = _console()
 
-    def screen():
+    def screen() -> RenderableType:
         size = console.size
         return render(reader.read(), performance=performance, width=size.width, height=size.height,
                       footer=f" · every {interval:g}s · Ctrl-C quits")

@@ -41,7 +41,7 @@ def device_lines() -> list[str]:
 
     backends = available_backends()
     listed = ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in backends.items())
-    lines = [f"MLX {mx.__version__}; backends: {listed}"]
+    lines = [f"MLX {mx.__version__}; backends: {listed}"]  # type: ignore[attr-defined]  # not in the stubs
     try:
         lines.append(f"default device: {DeviceConfig().describe()}")
     except Exception as error:  # noqa: BLE001 - a status command reports, it does not fail
@@ -107,7 +107,7 @@ def run_rows(root: str = "runs", include_all: bool = False, stale_after: float =
 def main(args: argparse.Namespace) -> int:
     """Run ``mlx-train status`` from parsed arguments."""
     from rich import box
-    from rich.console import Console
+    from rich.console import Console, JustifyMethod
     from rich.markup import escape
     from rich.table import Table
 
@@ -128,8 +128,10 @@ def main(args: argparse.Namespace) -> int:
         console.print(f"  none{hint}", markup=False)
         return 0
     table = Table(box=box.SIMPLE_HEAD, padding=(0, 1))
-    for name, justify in (("run", "left"), ("state", "left"), ("step", "right"), ("steps/s", "right"),
-                          ("samples/s", "right"), ("heartbeat", "right"), ("ranks", "right")):
+    headers: tuple[tuple[str, JustifyMethod], ...] = (
+        ("run", "left"), ("state", "left"), ("step", "right"), ("steps/s", "right"), ("samples/s", "right"),
+        ("heartbeat", "right"), ("ranks", "right"))
+    for name, justify in headers:
         table.add_column(name, justify=justify, no_wrap=name != "run", overflow="fold",
                          min_width=12 if name == "run" else len(name))
     for row in rows:

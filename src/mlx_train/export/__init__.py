@@ -71,7 +71,7 @@ def random_inputs(examples: Sequence[mx.array], batch: int, seed: int = 0) -> li
         elif x.dtype == mx.bool_:
             fresh.append(mx.random.bernoulli(0.5, shape, key=sub))
         else:
-            high = max(int(float(mx.max(x).item())) + 1, 1) if x.size else 1
+            high = max(int(float(mx.max(x).item())) + 1, 1) if x.size else 1  # type: ignore[arg-type]  # a real scalar
             fresh.append(mx.random.randint(0, high, shape, key=sub).astype(x.dtype))
     return fresh
 
@@ -92,7 +92,7 @@ def verify_onnx(path: str, fn: Any, examples: Sequence[mx.array], batches: Seque
         verify_onnx("model.onnx", model, [mx.zeros((1, 64))])     # 3.1e-07
     """
     try:
-        import onnxruntime  # type: ignore[import-untyped]
+        import onnxruntime
     except ImportError:
         raise ExportError("verifying an ONNX export needs onnxruntime: pip install 'mlx-train[export]'") from None
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
@@ -240,7 +240,7 @@ def _verify_mlxfn(path: str, fn: Any, examples: Sequence[mx.array], batch_sizes:
             if mine.shape != theirs.shape:
                 raise ExportError(f"{path}: the reloaded function returns shape {tuple(theirs.shape)} at batch "
                                   f"{batch}, MLX {tuple(mine.shape)}")
-            worst = max(worst, float(mx.max(mx.abs(mine - theirs)).item()))
+            worst = max(worst, float(mx.max(mx.abs(mine - theirs)).item()))  # type: ignore[arg-type]  # a real scalar
     if not worst <= TOLERANCE:
         raise ExportError(f"{path}: the reloaded function differs from the model by {worst:.3g} "
                           f"(tolerance {TOLERANCE:g}); export with dynamic_batch=False")

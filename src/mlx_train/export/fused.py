@@ -57,8 +57,8 @@ def _rope(op: Op) -> None:
     positions = b.node("Add", [b.const(np.arange(length), np.float32), offset])
     positions = b.node("Mul", [b.node("Unsqueeze", [positions, b.const([1], np.int64)]), b.const(scale, np.float32)])
     theta = b.node("Mul", [positions, inv_freq])  # [L, dims/2]
-    cast = {"to": onnx_dtype(op.prim.inputs[0][2])}
-    cos, sin = b.node("Cast", [b.node("Cos", [theta])], **cast), b.node("Cast", [b.node("Sin", [theta])], **cast)
+    to = onnx_dtype(op.prim.inputs[0][2])
+    cos, sin = b.node("Cast", [b.node("Cos", [theta])], to=to), b.node("Cast", [b.node("Sin", [theta])], to=to)
     if not forward:
         sin = b.node("Neg", [sin])
     axis = b.const([-1], np.int64)
@@ -96,7 +96,7 @@ def _attention(op: Op) -> None:
     if grouped:  # grouped KV heads: [B, Hkv, repeats, L, D] queries against [B, Hkv, 1, S, D] keys
         repeats, batch2 = heads // kv_heads, op.in_shapes2[0][0] if op.in_shapes2 else None
 
-        def split(shape: tuple, n: int, last: int) -> str:  # [B, H, n, last] -> [B, Hkv, repeats, n, last]
+        def split(shape: tuple[int, ...], n: int, last: int) -> str:  # [B, H, n, last] -> [B, Hkv, repeats, n, last]
             later = None if batch2 is None else [batch2, kv_heads, repeats, n, last]
             return b.ints([shape[0], kv_heads, repeats, n, last], later)
 

@@ -30,7 +30,7 @@ class ExportError(MLXTrainError):
     exit_code = 8
 
 
-Value = tuple  # (name, shape, dtype) as the export callback gives it
+Value = tuple[str, tuple[int, ...], mx.Dtype]  # (name, shape, dtype) as the export callback gives it
 
 
 @dataclass
@@ -68,7 +68,7 @@ def trace(fn: Callable[..., Any], *inputs: mx.array) -> Trace:
     """
     result = Trace()
 
-    def callback(record: dict) -> None:
+    def callback(record: dict[str, Any]) -> None:
         kind = record["type"]
         if kind == "inputs":
             result.inputs = list(record["inputs"])

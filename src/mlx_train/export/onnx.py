@@ -17,7 +17,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import numpy as np
@@ -25,6 +25,9 @@ import numpy as np
 from mlx_train.export import fused  # noqa: F401  (registers the fused-op handlers)
 from mlx_train.export.graph import ExportError, Trace
 from mlx_train.export.ops import HANDLERS, OPSET, Builder, Op, _onnx, handles, numpy_dtype, onnx_dtype  # noqa: F401
+
+if TYPE_CHECKING:
+    from onnx import ModelProto
 
 
 # ---------------------------------------------------------------- arithmetic
@@ -254,7 +257,7 @@ def check_supported(trace: Trace) -> None:
             producers[value[0]] = f"{prim.name} (operation {index + 1})"
 
 
-def to_onnx(first: Trace, second: Trace | None, batch: int, name: str = "mlx_model") -> Any:
+def to_onnx(first: Trace, second: Trace | None, batch: int, name: str = "mlx_model") -> ModelProto:
     """Translate a trace (and, for a dynamic batch, a second one at ``batch + 1``) into an ``onnx.ModelProto``.
 
     Example::
@@ -285,7 +288,8 @@ def to_onnx(first: Trace, second: Trace | None, batch: int, name: str = "mlx_mod
         dims = ["batch", *shape[1:]] if batched else list(shape)
         graph_outputs.append(helper.make_tensor_value_info(f"output_{i}", onnx_dtype(dtype), dims))
     graph = helper.make_graph(b.nodes, name, graph_inputs, graph_outputs, b.initializers)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="mlx-train")
+    opsets = [helper.make_opsetid("", OPSET)]
+    model: ModelProto = helper.make_model(graph, opset_imports=opsets, producer_name="mlx-train")
     model.ir_version = min(model.ir_version, 10)  # readable by onnxruntime releases of the last two years
     return model
 

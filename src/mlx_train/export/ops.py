@@ -13,12 +13,16 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import mlx.core as mx
 import numpy as np
 
-from mlx_train.export.graph import ExportError, Primitive, Trace
+from mlx_train.export.graph import ExportError, Primitive, Trace, Value
+
+if TYPE_CHECKING:
+    from onnx import NodeProto, TensorProto
 
 OPSET = 18
 
@@ -29,7 +33,7 @@ _NUMPY_TYPES = {
 }
 
 
-def _onnx():
+def _onnx() -> ModuleType:
     try:
         import onnx
     except ImportError:
@@ -46,7 +50,7 @@ def numpy_dtype(dtype: mx.Dtype) -> type:
 
 
 def onnx_dtype(dtype: mx.Dtype) -> int:
-    return _onnx().helper.np_dtype_to_tensor_dtype(np.dtype(numpy_dtype(dtype)))
+    return int(_onnx().helper.np_dtype_to_tensor_dtype(np.dtype(numpy_dtype(dtype))))
 
 
 class Builder:
@@ -54,8 +58,8 @@ class Builder:
 
     def __init__(self, first: Trace, second: Trace | None, batch: int) -> None:
         self.first, self.second, self.batch = first, second, batch
-        self.nodes: list = []
-        self.initializers: list = []
+        self.nodes: list[NodeProto] = []
+        self.initializers: list[TensorProto] = []
         self.names: dict[str, str] = {}
         self._count = 0
         self._batch_tensor: str | None = None
@@ -64,20 +68,25 @@ class Builder:
         self._count += 1
         return f"{hint}_{self._count}"
 
-    def const(self, value: np.ndarray | float | Sequence, dtype: Any = None, hint: str = "const") -> str:
+    def const(self, value: np.ndarray | float | Sequence[float], dtype: Any = None, hint: str = "const") -> str:
         """An initializer holding ``value``; returns its name."""
         array = np.asarray(value, dtype=dtype)
         name = self.fresh(hint)
         self.initializers.append(_onnx().numpy_helper.from_array(array, name))
         return name
 
-    def node(self, op: str, inputs: Sequence[str], outputs: Sequence[str] | int = 1, **attrs: Any) -> Any:
+    @overload
+    def node(self, op: str, inputs: Sequence[str], outputs: Literal[1] = 1, **attrs: Any) -> str: ...
+    @overload
+    def node(self, op: str, inputs: Sequence[str], outputs: Sequence[str] | int, **attrs: Any) -> str | list[str]: ...
+
+    def node(self, op: str, inputs: Sequence[str], outputs: Sequence[str] | int = 1, **attrs: Any) -> str | list[str]:
         """Add an ONNX node; returns its output name (or the list when there are several)."""
         names = [self.fresh(op.lower()) for _ in range(outputs)] if isinstance(outputs, int) else list(outputs)
         self.nodes.append(_onnx().helper.make_node(op, list(inputs), names, **attrs))
         return names[0] if len(names) == 1 else names
 
-    def name(self, value: tuple) -> str:
+    def name(self, value: Value) -> str:
         return self.names[value[0]]
 
     def batch_size(self) -> str:

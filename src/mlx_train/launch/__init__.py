@@ -14,6 +14,8 @@ Example::
 
 from __future__ import annotations
 
+from typing import Any
+
 _LAZY = {
     "Supervisor": "mlx_train.launch.supervisor",
     "RecoveryPolicy": "mlx_train.launch.supervisor",
@@ -27,7 +29,7 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     if name in _LAZY:
         import importlib
 

@@ -24,6 +24,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from mlx_train.distributed.backends import choose_backend
 from mlx_train.distributed.hostfile import Host, Hostfile
@@ -183,7 +184,7 @@ def check_network(hostfile: Hostfile, timeout: float = 60.0, message_bytes: int 
     return report
 
 
-def _links(result: dict, hostfile: Hostfile) -> list[Link]:
+def _links(result: dict[str, Any], hostfile: Hostfile) -> list[Link]:
     links = []
     for entry in result["links"]:
         a, b = entry["ranks"]

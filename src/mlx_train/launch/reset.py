@@ -23,6 +23,7 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from mlx_train import processes, rundir
 from mlx_train.distributed import rank as rank_runtime
@@ -50,9 +51,9 @@ def _orphaned(pid: int) -> bool:
     return parent is None or parent == 1 or not processes.alive(parent)
 
 
-def _candidates() -> dict[int, dict]:
+def _candidates() -> dict[int, dict[str, Any]]:
     """pid -> what is known of every live mlx-train process on this machine (registry + environment)."""
-    found: dict[int, dict] = {}
+    found: dict[int, dict[str, Any]] = {}
     for entry in registry.entries():
         if entry["alive"] and entry.get("pid") not in (None, os.getpid()):
             found[int(entry["pid"])] = dict(entry)
@@ -98,7 +99,7 @@ def find_leftovers(stop_running: bool = False) -> list[Leftover]:
     return leftovers
 
 
-def _failed(info: dict) -> bool:
+def _failed(info: dict[str, Any]) -> bool:
     where = info.get("run_dir") or info.get("state_dir")
     beats = rundir.read_heartbeats(rundir.run_dir_of(where)) if where else {}
     rank = info.get("rank")
@@ -106,7 +107,7 @@ def _failed(info: dict) -> bool:
     return bool(beat and beat.state == "failed" and beat.pid == info.get("pid"))
 
 
-def _name(pid: int, info: dict) -> str:
+def _name(pid: int, info: dict[str, Any]) -> str:
     kind, rank = info.get("kind", "process"), info.get("rank")
     label = f"rank {rank}" if kind == "rank" and rank is not None else kind
     if kind == "child":

@@ -29,7 +29,8 @@ def describe_cluster() -> str:
     from mlx_train.distributed.hostfile import Hostfile
 
     available = available_backends()
-    lines = ["distributed", f"  MLX {mx.__version__} backends: {describe_backends(available)}"]
+    version = mx.__version__  # type: ignore[attr-defined]  # not in the stubs
+    lines = ["distributed", f"  MLX {version} backends: {describe_backends(available)}"]
     path = cluster_path()
     if not path.exists():
         lines.append(f"  cluster: none configured ({path} does not exist); 'mlx-train train --distributed -n N' runs "

@@ -41,7 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Any, TextIO
+from typing import IO, Any, TextIO
 
 from mlx_train import processes, rundir
 from mlx_train.distributed import rank as rank_runtime
@@ -139,7 +139,7 @@ class Supervisor:
     ``checkpoint_dir`` is only used to say which checkpoint a restart resumes from.
     """
 
-    def __init__(self, command: Sequence[str], hostfile: Hostfile, run_dir: str | os.PathLike,
+    def __init__(self, command: Sequence[str], hostfile: Hostfile, run_dir: str | os.PathLike[str],
                  policy: RecoveryPolicy | None = None, checkpoint_dir: str | None = None,
                  restart_args: Sequence[str] = (), output: tuple[TextIO, TextIO] | None = None) -> None:
         if not command:
@@ -154,14 +154,14 @@ class Supervisor:
         self.out, self.err = output or (sys.stdout, sys.stderr)
         self.backend = choose_backend(hostfile.backend, hostfile.has_rdma)
         self.run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-        self._events: queue.Queue = queue.Queue()
+        self._events: queue.Queue[tuple[int, int | None]] = queue.Queue()  # (rank, exit code; None: killed)
         self._last_error: str | None = None  # the last error line the ranks printed
         # rank -> (its heartbeat's ``time``, supervisor monotonic time when that value was first read)
         self._beats: dict[int, tuple[float, float]] = {}
         # One local process runs without mlx.launch (whose one-host MLX_HOSTFILE is empty, which
         # mx.distributed.init() then fails to parse).
         self._direct = hostfile.num_processes == 1 and hostfile.is_local
-        self._process: subprocess.Popen | None = None  # the running attempt's launcher (or lone rank)
+        self._process: subprocess.Popen[bytes] | None = None  # the running attempt's launcher (or lone rank)
         self._interrupt: tuple[int, float] | None = None  # (signal, monotonic time) once forwarded
 
     # ------------------------------------------------------------------ running
@@ -293,7 +293,7 @@ class Supervisor:
                 _add(causes, _launcher_cause(process.returncode))
         return self._verdict(causes)
 
-    def _watch(self, process: subprocess.Popen, causes: list[Cause]) -> None:
+    def _watch(self, process: subprocess.Popen[bytes], causes: list[Cause]) -> None:
         policy, first_seen = self.policy, None
         stop_at: float | None = None
         while process.poll() is None:
@@ -349,7 +349,7 @@ class Supervisor:
         return Cause(f"rank {rank} is frozen: no heartbeat for {age:.1f} s (limit {limit:g} s; {why}; pid {info.pid} "
                      f"on {info.host}, state {info.state}, {info.step} steps done)")
 
-    def _stop(self, process: subprocess.Popen) -> None:
+    def _stop(self, process: subprocess.Popen[bytes]) -> None:
         """Stop the launcher and every local rank: SIGTERM, then SIGKILL after ``stop_grace`` seconds."""
         processes.signal_group(process.pid, signal.SIGTERM)
         try:
@@ -359,7 +359,7 @@ class Supervisor:
         processes.signal_group(process.pid, signal.SIGKILL)  # also ends a frozen (SIGSTOP) rank
         process.wait(timeout=10)
 
-    def _kill_leftovers(self, process: subprocess.Popen) -> None:
+    def _kill_leftovers(self, process: subprocess.Popen[bytes]) -> None:
         """Make sure no local process of this attempt survives it (bounded: a few seconds)."""
         if process.poll() is None:
             self._stop(process)
@@ -380,7 +380,7 @@ class Supervisor:
                 registry.unregister(Path(entry["path"]))
 
     # ------------------------------------------------------------------ evidence
-    def _pump(self, stream, sink: TextIO, parse: bool) -> None:
+    def _pump(self, stream: IO[bytes], sink: TextIO, parse: bool) -> None:
         previous, repeats = None, 0
         for raw in iter(stream.readline, b""):
             line = raw.decode(errors="replace")
@@ -562,7 +562,7 @@ def _best(causes: list[Cause]) -> Cause:
 
 
 def supervise(command: Sequence[str], num_processes: int | None = None, hostfile: Hostfile | str | None = None,
-              run_dir: str | os.PathLike = "runs/distributed", policy: RecoveryPolicy | None = None,
+              run_dir: str | os.PathLike[str] = "runs/distributed", policy: RecoveryPolicy | None = None,
               checkpoint_dir: str | None = None, output: tuple[TextIO, TextIO] | None = None) -> SupervisedRun:
     """Run ``command`` under a ``Supervisor``: on ``hostfile`` (a path or ``Hostfile``), or
     ``num_processes`` ranks on 127.0.0.1.

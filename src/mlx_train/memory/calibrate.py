@@ -97,7 +97,7 @@ class _Runner:
     gradient checkpointing it turned on), so the caller's model ends as it was.
     """
 
-    def __init__(self, model: nn.Module, optimizer: Any, loss_fn: Callable | None, precision: str) -> None:
+    def __init__(self, model: nn.Module, optimizer: Any, loss_fn: Callable[..., Any] | None, precision: str) -> None:
         from mlx_train.training.losses import Loss
         from mlx_train.training.recompute import is_checkpointed
 
@@ -170,7 +170,7 @@ class _Runner:
         return int(mx.get_peak_memory() - baseline + held)
 
 
-def measure_step(model: nn.Module, batch: Any, *, optimizer: Any = "adamw", loss_fn: Callable | None = None,
+def measure_step(model: nn.Module, batch: Any, *, optimizer: Any = "adamw", loss_fn: Callable[..., Any] | None = None,
                  precision: str = "float32", checkpoint_modules: Sequence[str] | None = None,
                  gradient_checkpointing: bool = False) -> Measurement:
     """Peak memory (model state included) and time of a real training step on ``batch``.
@@ -194,8 +194,9 @@ def measure_step(model: nn.Module, batch: Any, *, optimizer: Any = "adamw", loss
     return Measurement(batch_size_of(batch), gradient_checkpointing, int(peak), seconds)
 
 
-def fit_budget(model: nn.Module, batch: Any, budget: float, *, optimizer: Any, loss_fn: Callable | None = None,
-               precision: str = "float32", accumulation: int = 1) -> tuple[int, MemoryModel]:
+def fit_budget(model: nn.Module, batch: Any, budget: float, *, optimizer: Any,
+               loss_fn: Callable[..., Any] | None = None, precision: str = "float32",
+               accumulation: int = 1) -> tuple[int, MemoryModel]:
     """The largest micro-batch of ``batch`` whose step is expected to peak within ``budget`` bytes, and
     the memory model that says so.
 
@@ -264,7 +265,7 @@ def _steady(points: list[tuple[int, float]]) -> bool:
         and last[-1][1] >= 1.5 * points[0][1]
 
 
-def measure(model: nn.Module, sample: Any, *, optimizer: Any = "adamw", loss_fn: Callable | None = None,
+def measure(model: nn.Module, sample: Any, *, optimizer: Any = "adamw", loss_fn: Callable[..., Any] | None = None,
             precision: str = "float32", checkpoint_modules: Sequence[str] | None = None,
             max_batch_size: int = 64, max_seconds: float = 30.0) -> MemoryModel:
     """Measure the memory model of ``model`` on samples of ``sample`` (a dataset, DataLoader or batch).
@@ -291,7 +292,7 @@ def measure(model: nn.Module, sample: Any, *, optimizer: Any = "adamw", loss_fn:
         mx.clear_cache()
 
 
-def _measure(model: nn.Module, source: Any, optimizer: Any, loss_fn: Callable | None, precision: str,
+def _measure(model: nn.Module, source: Any, optimizer: Any, loss_fn: Callable[..., Any] | None, precision: str,
              checkpoint_modules: Sequence[str] | None, max_batch_size: int, max_seconds: float) -> MemoryModel:
     from mlx_train.training.recompute import find_blocks
 

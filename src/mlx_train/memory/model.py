@@ -23,9 +23,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from mlx_train.device import format_bytes
 from mlx_train.errors import ConfigError, did_you_mean
+
+if TYPE_CHECKING:
+    from mlx_train.memory.calibrate import Measurement
 
 #: float32 optimizer-state arrays per parameter (SGD has one with momentum, none without).
 OPTIMIZER_SLOTS: dict[str, float] = {
@@ -93,15 +97,15 @@ class MemoryModel:
     precision: str
     optimizer: str
     optimizer_state_bytes: int
-    curves: dict = field(default_factory=dict)
+    curves: dict[bool, Curve] = field(default_factory=dict)
     source: str = "analytic"  #: "analytic" or "measured"
     description: str = ""
     sequence_length: int | None = None
-    notes: tuple = ()
+    notes: tuple[str, ...] = ()
     parameter_bytes: int = 0  #: the weights as stored (0: float32, 4 bytes per parameter)
     trainable_count: int = 0  #: parameters that get gradients (0: all)
     input_bytes: float = 0.0  #: bytes of one sample of the batch (the Trainer holds the whole step batch)
-    measurements: tuple = ()  #: the calibration's Measurement records (measured models)
+    measurements: tuple[Measurement, ...] = ()  #: the calibration's Measurement records (measured models)
 
     def __post_init__(self) -> None:
         if not self.parameter_bytes:

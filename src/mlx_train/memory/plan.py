@@ -51,8 +51,8 @@ class MemoryPlan:
     fits: bool
     model: MemoryModel
     target_batch_size: int | None = None
-    reasons: tuple = ()
-    suggestions: tuple = ()
+    reasons: tuple[tuple[str, str], ...] = ()  #: (setting, why it was chosen)
+    suggestions: tuple[str, ...] = ()
 
     @property
     def effective_batch_size(self) -> int:
@@ -205,7 +205,7 @@ def _choose_checkpointing(largest: dict[bool, int], wanted: int | None, fixed: b
         return recomputed == 0 and plain == 0, _no_recompute(recomputed)
     if plain == 0:
         return True, f"without it not even one sample fits; with it {recomputed} do"
-    if fixed and recomputed >= wanted:
+    if fixed and wanted is not None and recomputed >= wanted:  # a fixed micro-batch is always given
         return True, f"{wanted} samples need it ({plain} fit without)"
     if gain >= CHECKPOINT_GAIN:
         return True, f"{recomputed} samples fit per micro-batch with it, {plain} without"
@@ -285,7 +285,7 @@ class MemoryOptimizer:
                            precision_reason=reason)
 
     @staticmethod
-    def measure(model: Any, sample: Any, *, optimizer: Any = "adamw", loss_fn: Callable | None = None,
+    def measure(model: Any, sample: Any, *, optimizer: Any = "adamw", loss_fn: Callable[..., Any] | None = None,
                 precision: str = "float32", checkpoint_modules: Sequence[str] | None = None,
                 max_batch_size: int = 64) -> MemoryModel:
         """Measure a real model's memory with a few real steps (see ``mlx_train.memory.calibrate``)."""

@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from rich import box
-from rich.console import Group, RenderableType
+from rich.console import Group, JustifyMethod, RenderableType
 from rich.panel import Panel
 from rich.progress_bar import ProgressBar
 from rich.table import Table
@@ -161,9 +161,11 @@ def _latest(snap: RunSnapshot, width: int, height: int) -> RenderableType:
 
 def _ranks(snap: RunSnapshot) -> RenderableType:
     table = Table(box=box.SIMPLE_HEAD, padding=(0, 1), expand=False)
-    for name, justify in (("rank", "right"), ("host", "left"), ("pid", "right"), ("state", "left"),
-                          ("step", "right"), ("steps/s", "right"), ("samples/s", "right"),
-                          ("active mem", "right"), ("peak mem", "right"), ("heartbeat", "right")):
+    columns: tuple[tuple[str, JustifyMethod], ...] = (
+        ("rank", "right"), ("host", "left"), ("pid", "right"), ("state", "left"), ("step", "right"),
+        ("steps/s", "right"), ("samples/s", "right"), ("active mem", "right"), ("peak mem", "right"),
+        ("heartbeat", "right"))
+    for name, justify in columns:
         table.add_column(name, justify=justify)
     for rank in snap.ranks:
         beat = rank.heartbeat

@@ -16,10 +16,14 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from mlx_train.errors import ConfigError, did_you_mean
 from mlx_train.monitor.run import RunReader, RunSnapshot, resolve_run_dir
+
+if TYPE_CHECKING:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
 # (panel title, y label, [(series label, metrics key), ...]); val_* keys beyond val_loss are added.
 PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
@@ -35,7 +39,7 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
 MILLISECONDS = {"step_time", "time_data", "time_compute", "time_comm", "time_checkpoint"}
 
 
-def _require_matplotlib() -> Any:
+def _require_matplotlib() -> tuple[type[Figure], type[FigureCanvasAgg]]:
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -60,8 +64,8 @@ def panels_for(snap: RunSnapshot, keys: Sequence[str] | None = None) -> list[tup
     return chosen
 
 
-def plot_run(run_dir: str | os.PathLike, output: str | os.PathLike | None = None,
-             keys: Sequence[str] | None = None, dpi: int = 100) -> Any:
+def plot_run(run_dir: str | os.PathLike[str], output: str | os.PathLike[str] | None = None,
+             keys: Sequence[str] | None = None, dpi: int = 100) -> Figure:
     """Draw the run's curves into a matplotlib Figure; save it to ``output`` (png, svg, pdf) if given.
 
     ``keys`` restricts the series to those metrics (e.g. ``["loss", "val_loss"]``).

@@ -25,7 +25,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import yaml
 
@@ -36,6 +36,9 @@ from mlx_train.rundir import CONFIG_FILE, HEARTBEAT_GLOB, LOG_FILE, METRICS_FILE
 
 DEFAULT_STALE_AFTER = 60.0
 TIMING_PARTS = ("time_data", "time_compute", "time_comm", "time_checkpoint")
+
+#: A JSON object as read from a run directory: a metrics.jsonl row, a heartbeat, the flattened config.
+Row = dict[str, Any]
 
 
 @dataclass
@@ -48,7 +51,7 @@ class RankStatus:
     """
 
     rank: int
-    heartbeat: dict
+    heartbeat: Row
     age: float
     status: str
     stale_limit: float
@@ -65,7 +68,7 @@ class CheckpointSummary:
     step: int
     path: str
     saved_at: float
-    metrics: dict = field(default_factory=dict)
+    metrics: Row = field(default_factory=dict)
 
 
 @dataclass
@@ -73,10 +76,10 @@ class RunSnapshot:
     """Everything known about a run at one moment (see the module docstring)."""
 
     run_dir: str
-    config: dict
-    train: list[dict]
-    val: list[dict]
-    epochs: list[dict]
+    config: Row
+    train: list[Row]
+    val: list[Row]
+    epochs: list[Row]
     ranks: list[RankStatus]
     checkpoints: list[CheckpointSummary]
     log_lines: list[str]
@@ -87,12 +90,12 @@ class RunSnapshot:
         return Path(self.run_dir).name
 
     @property
-    def latest(self) -> dict:
+    def latest(self) -> Row:
         """The newest training report row (``{}`` before the first report)."""
         return self.train[-1] if self.train else {}
 
     @property
-    def main_heartbeat(self) -> dict:
+    def main_heartbeat(self) -> Row:
         return self.ranks[0].heartbeat if self.ranks else {}
 
     @property
@@ -136,7 +139,8 @@ class RunSnapshot:
         """Recent progress rate in optimizer steps per second of wall time (validation included)."""
         rows = _since_last_restart(self.train)[-12:]
         if len(rows) >= 2 and rows[-1]["time"] > rows[0]["time"] and rows[-1]["step"] > rows[0]["step"]:
-            return (rows[-1]["step"] - rows[0]["step"]) / (rows[-1]["time"] - rows[0]["time"])
+            recent: float = (rows[-1]["step"] - rows[0]["step"]) / (rows[-1]["time"] - rows[0]["time"])
+            return recent
         rate = self.main_heartbeat.get("steps_per_second") or self.latest.get("steps_per_second")
         return float(rate) if rate else None
 
@@ -146,8 +150,9 @@ class RunSnapshot:
         beat = self.main_heartbeat
         if not beat.get("started"):
             return None
-        end = self.now if self.state == "running" else beat.get("time", self.now)
-        return max(end - beat["started"], 0.0)
+        end: float = self.now if self.state == "running" else beat.get("time", self.now)
+        started: float = beat["started"]
+        return max(end - started, 0.0)
 
     @property
     def eta(self) -> float | None:
@@ -198,7 +203,7 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _since_last_restart(rows: list[dict]) -> list[dict]:
+def _since_last_restart(rows: list[Row]) -> list[Row]:
     """The rows after the last time the step went backwards (a resume from an older checkpoint)."""
     start = 0
     for i in range(1, len(rows)):
@@ -207,7 +212,7 @@ def _since_last_restart(rows: list[dict]) -> list[dict]:
     return rows[start:]
 
 
-def rank_status(heartbeat: dict, now: float, stale_after: float = DEFAULT_STALE_AFTER) -> RankStatus:
+def rank_status(heartbeat: Row, now: float, stale_after: float = DEFAULT_STALE_AFTER) -> RankStatus:
     """Judge one heartbeat: its age, and whether the rank is stale (``rundir.is_stale``) or gone.
 
     A live rank is stale when its heartbeat is older than ``rundir.stale_limit``: the largest of
@@ -233,7 +238,7 @@ def _last_activity(path: Path) -> float:
     return max((f.stat().st_mtime for f in files if f.exists()), default=0.0)
 
 
-def find_runs(root: str | os.PathLike = "runs") -> list[Path]:
+def find_runs(root: str | os.PathLike[str] = "runs") -> list[Path]:
     """Run directories directly under ``root`` (and ``root`` itself if it is one), newest activity last."""
     base = Path(root)
     if not base.is_dir():
@@ -244,7 +249,7 @@ def find_runs(root: str | os.PathLike = "runs") -> list[Path]:
     return sorted(runs, key=_last_activity)
 
 
-def latest_run(root: str | os.PathLike = "runs") -> Path:
+def latest_run(root: str | os.PathLike[str] = "runs") -> Path:
     """The run under ``root`` that was active last; ConfigError when there is none."""
     runs = find_runs(root)
     if not runs:
@@ -255,7 +260,7 @@ def latest_run(root: str | os.PathLike = "runs") -> Path:
     return runs[-1]
 
 
-def resolve_run_dir(run_dir: str | os.PathLike | None, root: str | os.PathLike = "runs") -> Path:
+def resolve_run_dir(run_dir: str | os.PathLike[str] | None, root: str | os.PathLike[str] = "runs") -> Path:
     """``run_dir`` checked to be a run directory, or the latest run under ``root`` when None."""
     if run_dir is None:
         return latest_run(root)
@@ -277,13 +282,13 @@ class RunReader:
     ``stale_after`` is the shortest heartbeat age (seconds) at which a running rank is flagged.
     """
 
-    def __init__(self, run_dir: str | os.PathLike, stale_after: float = DEFAULT_STALE_AFTER) -> None:
+    def __init__(self, run_dir: str | os.PathLike[str], stale_after: float = DEFAULT_STALE_AFTER) -> None:
         self.run_dir = Path(run_dir)
         self.stale_after = stale_after
-        self._rows: list[dict] = []
+        self._rows: list[Row] = []
         self._offset = 0
         self._tail = b""  # the last complete line read, to notice a file rewritten in place
-        self._config: dict = {}
+        self._config: Row = {}
         self._config_mtime = -1.0
 
     def read(self, now: float | None = None) -> RunSnapshot:
@@ -301,7 +306,7 @@ class RunReader:
             checkpoints=self._read_checkpoints(config), log_lines=self._read_log(), now=now,
         )
 
-    def _read_metrics(self) -> list[dict]:
+    def _read_metrics(self) -> list[Row]:
         path = self.run_dir / METRICS_FILE
         try:
             with open(path, "rb") as f:
@@ -328,13 +333,13 @@ class RunReader:
         self._offset += end + 1
         return self._rows
 
-    def _unchanged(self, f) -> bool:
+    def _unchanged(self, f: BinaryIO) -> bool:
         if not self._tail:
             return True
         f.seek(self._offset - len(self._tail))
         return f.read(len(self._tail)) == self._tail
 
-    def _read_config(self) -> dict:
+    def _read_config(self) -> Row:
         path = self.run_dir / CONFIG_FILE
         try:
             mtime = path.stat().st_mtime
@@ -350,7 +355,7 @@ class RunReader:
             pass
         return self._config
 
-    def _read_heartbeats(self) -> list[dict]:
+    def _read_heartbeats(self) -> list[Row]:
         beats = []
         for path in self.run_dir.glob(HEARTBEAT_GLOB):
             try:
@@ -361,7 +366,7 @@ class RunReader:
                 beats.append(beat)
         return beats
 
-    def _read_checkpoints(self, config: dict) -> list[CheckpointSummary]:
+    def _read_checkpoints(self, config: Row) -> list[CheckpointSummary]:
         directory = str(config.get("checkpoint_dir") or self.run_dir / "checkpoints")
         if directory.startswith("file://"):
             directory = directory[len("file://"):]
