@@ -11,7 +11,7 @@ How a page's fenced blocks are treated (the rule the guides are written to):
   ``<!-- docs-test: skip REASON -->`` leaves a python/bash block out (the reason is required:
   it needs several machines, a download, a tracker server...);
   ``<!-- docs-test: file NAME -->`` writes the block to NAME before the page's blocks run
-  (a YAML config, jsonl rows), so a later block can use it.
+  (a YAML config, jsonl rows, a script), so a later block can use it; the block itself is not run.
 
 Running the blocks launches a process per page and trains small models, so those tests are
 ``slow``; the structure checks (nav, markers, syntax, documented CLI flags) are fast. Run as a
@@ -52,7 +52,7 @@ class Block:
 
     @property
     def runs(self) -> bool:
-        return self.language in RUNNABLE and (self.marker is None or self.marker[0] != "skip")
+        return self.language in RUNNABLE and self.marker is None
 
 
 def blocks_of(text: str, page: str) -> list[Block]:
