@@ -110,6 +110,7 @@ def test_every_page_is_in_the_nav_and_every_nav_entry_exists():
 
 
 def test_markers_are_known_and_each_stands_before_a_block():
+    assert pages(), "docs/ has no pages"
     problems = []
     for page in pages():
         text = page.read_text(encoding="utf-8")
