@@ -19,9 +19,12 @@ import importlib
 import sys
 import traceback
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import NoReturn, TypeVar, overload
 
 from mlx_train.errors import ConfigError, MLXTrainError, did_you_mean
+
+_N = TypeVar("_N")  # a namespace object given to parse_args
 
 # Subcommand name -> (module under mlx_train.cli, one-line help); add a line here for a new command.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -56,10 +59,20 @@ class UsageError(ConfigError):
 class ArgumentParser(argparse.ArgumentParser):
     """An ArgumentParser that raises UsageError instead of printing and exiting."""
 
-    def error(self, message: str) -> None:  # type: ignore[override]
+    _subcommands: dict[str, ArgumentParser]  # the top-level parser's: subcommand name -> its parser
+
+    def error(self, message: str) -> NoReturn:
         raise UsageError(message, self.prog)
 
-    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+    # argparse's three forms: no namespace gives an argparse.Namespace, a given one is filled and returned.
+    @overload
+    def parse_args(self, args: Iterable[str] | None = None, namespace: None = None) -> argparse.Namespace: ...
+    @overload
+    def parse_args(self, args: Iterable[str] | None, namespace: _N) -> _N: ...
+    @overload
+    def parse_args(self, *, namespace: _N) -> _N: ...
+
+    def parse_args(self, args: Iterable[str] | None = None, namespace: object = None) -> object:
         """Like argparse's, but an unknown flag is reported by its subcommand, with the closest flag."""
         namespace, extras = self.parse_known_args(args, namespace)
         if extras:
@@ -124,7 +137,8 @@ def _wants_debug(argv: Sequence[str]) -> bool:
     return "--debug" in flags
 
 
-def _format_warning(message, category, filename, lineno, line=None) -> str:
+def _format_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                    line: str | None = None) -> str:
     # One readable line; --debug keeps Python's default (with the source location).
     return f"mlx-train: warning: {message}\n"
 

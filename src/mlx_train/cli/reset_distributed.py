@@ -32,7 +32,7 @@ def reset_cluster_hosts(stop_running: bool, timeout: float = 30.0) -> list[str]:
     """Run ``reset-distributed`` on the configured cluster's remote hosts; one line per host."""
     from mlx_train.distributed.config import load_cluster
 
-    cluster = load_cluster()  # type: ignore[no-untyped-call, unused-ignore]  # not annotated in distributed yet
+    cluster = load_cluster()
     if cluster is None:
         return ["no cluster configured: nothing to reset on other hosts"]
     lines = []

@@ -16,8 +16,8 @@ Example::
 from __future__ import annotations
 
 import warnings
-from contextlib import nullcontext
-from typing import Any
+from contextlib import AbstractContextManager, nullcontext
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import numpy as np
@@ -25,6 +25,9 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from mlx_train.errors import ConfigError, DistributedError
 from mlx_train.training.callbacks import Callback
+
+if TYPE_CHECKING:
+    from mlx_train.training.trainer import Trainer
 
 ACTIONS = ("raise", "warn", "broadcast")
 
@@ -87,11 +90,11 @@ class ParameterChecksum(Callback):
         self.every, self.action = every, action
         self.mismatches: list[tuple[int, list[int]]] = []  # (step, ranks) of each mismatch seen
 
-    def on_batch_end(self, trainer, step: int) -> None:
+    def on_batch_end(self, trainer: Trainer, step: int) -> None:
         if step % self.every == 0:
             self.check(trainer)
 
-    def check(self, trainer) -> list[int]:
+    def check(self, trainer: Trainer) -> list[int]:
         """Compare now; returns the ranks that disagree with rank 0 (and acts on them)."""
         group = trainer.group
         if group is None or group.size() == 1:
@@ -118,11 +121,11 @@ class ParameterChecksum(Callback):
         trainer.log(f"{message}; copied rank 0's parameters and optimizer state to every rank")
         return bad
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         return {}
 
 
-def _guard(trainer, what: str):
+def _guard(trainer: Trainer, what: str) -> AbstractContextManager[None]:
     """The trainer's collective watchdog (a DistributedTrainer), or nothing."""
     return trainer.collective(what) if hasattr(trainer, "collective") else nullcontext()
 

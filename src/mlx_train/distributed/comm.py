@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +42,7 @@ class AllReduceTiming:
         return buckets * self.latency_s + nbytes / max(self.bandwidth, 1.0)
 
 
-def _timed(fn, repeats: int) -> list[float]:
+def _timed(fn: Callable[[], None], repeats: int) -> list[float]:
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -59,7 +60,7 @@ def time_all_sum(group: Any, nbytes: int = 8 * 2**20, repeats: int = 5, small_re
     big = mx.ones((max(1, nbytes // 4),), dtype=mx.float32)
     mx.eval(small, big)
 
-    def reduce(x):
+    def reduce(x: mx.array) -> Callable[[], None]:
         return lambda: mx.eval(mx.distributed.all_sum(x, group=group, stream=mx.cpu))
 
     reduce(small)()  # warm up the connections

@@ -17,11 +17,14 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlx_train.config import TrainConfig, option, same_as
 from mlx_train.config.options import check_fields, options
 from mlx_train.errors import ConfigError
+
+if TYPE_CHECKING:
+    from mlx_train.distributed.hostfile import Hostfile
 
 CLUSTER_FILE = "cluster.json"
 
@@ -99,7 +102,7 @@ class DistributedConfig:
         return (f"{devices} x batch {self.batch_size_per_device} x accumulation {self.gradient_accumulation} = "
                 f"global batch {total}; backend {self.backend}")
 
-    def resolve_hosts(self, num_processes: int | None = None):
+    def resolve_hosts(self, num_processes: int | None = None) -> Hostfile:
         """The ``Hostfile`` to launch on: hosts, hostfile, the configured cluster, or 127.0.0.1 x N."""
         from mlx_train.distributed.hostfile import Hostfile
 
@@ -131,7 +134,7 @@ def cluster_path() -> Path:
     return home() / CLUSTER_FILE
 
 
-def load_cluster():
+def load_cluster() -> Hostfile | None:
     """The configured cluster's ``Hostfile``, or None when none is configured."""
     from mlx_train.distributed.hostfile import Hostfile
 

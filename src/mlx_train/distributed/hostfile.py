@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlx_train.distributed.backends import CHOICES
+from mlx_train.config import BACKEND_CHOICES as CHOICES
 from mlx_train.errors import ConfigError, did_you_mean
 from mlx_train.rundir import atomic_write
 
@@ -51,14 +51,14 @@ class Host:
 
     ssh: str
     ips: list[str] = field(default_factory=list)
-    rdma: list | None = None
+    rdma: list[str | None] | None = None  # one RDMA device (or null) per host, for JACCL
 
     @property
     def is_local(self) -> bool:
         """True when ``mlx.launch`` starts this rank on this machine (no ssh)."""
         return self.ssh == LOCAL
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         entry: dict[str, Any] = {"ssh": self.ssh, "ips": list(self.ips)}
         if self.rdma is not None:
             entry["rdma"] = list(self.rdma)
@@ -90,7 +90,7 @@ class Hostfile:
         """
         if not names:
             raise ConfigError("no hosts given: pass --hosts a,b,... (IPs or names) or --hostfile FILE")
-        hosts = []
+        hosts: list[Host] = []
         for raw in names:
             name = raw.strip()
             if not name:
@@ -111,7 +111,7 @@ class Hostfile:
         return cls([Host(LOCAL, [LOCAL]) for _ in range(num_processes)], backend)
 
     @classmethod
-    def read(cls, path: str | os.PathLike) -> Hostfile:
+    def read(cls, path: str | os.PathLike[str]) -> Hostfile:
         """Read and validate a host file; errors name the file, the entry and the fix."""
         path = os.fspath(path)
         try:
@@ -132,7 +132,9 @@ class Hostfile:
     @classmethod
     def from_json(cls, data: Any, path: str = "<host file>") -> Hostfile:
         """Build from parsed JSON (either layout), validating every entry."""
-        backend, envs, python = "auto", [], None
+        backend: str = "auto"
+        envs: object = []
+        python: object = None
         if isinstance(data, dict):
             for key in data:
                 if key not in _TOP_KEYS:
@@ -195,7 +197,7 @@ class Hostfile:
         return all(host.is_local for host in self.hosts)
 
     # ------------------------------------------------------------------ writing
-    def to_json(self, backend: str | None = None) -> dict:
+    def to_json(self, backend: str | None = None) -> dict[str, Any]:
         """The JSON ``mlx.launch --hostfile`` reads (``backend`` resolved when given)."""
         data: dict[str, Any] = {"backend": backend or self.backend, "envs": list(self.envs),
                                 "hosts": [host.to_json() for host in self.hosts]}
@@ -205,7 +207,7 @@ class Hostfile:
             data["python"] = self.python
         return data
 
-    def write(self, path: str | os.PathLike, backend: str | None = None) -> str:
+    def write(self, path: str | os.PathLike[str], backend: str | None = None) -> str:
         """Write atomically (temporary name, then rename); returns the path."""
         path = os.fspath(path)
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -215,7 +217,7 @@ class Hostfile:
 
     def describe(self) -> list[str]:
         """One line per rank: ``rank 0  127.0.0.1  ips 127.0.0.1  (this machine)``."""
-        lines = []
+        lines: list[str] = []
         for rank, host in enumerate(self.hosts):
             where = "this machine" if host.is_local else "over ssh"
             rdma = f"  rdma {host.rdma}" if host.rdma else ""

@@ -15,9 +15,13 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
+
+if TYPE_CHECKING:
+    import mlx.core as mx
 
 
-def _ping_pong(group, a: int, b: int, x, repeats: int) -> float:
+def _ping_pong(group: mx.distributed.Group, a: int, b: int, x: mx.array, repeats: int) -> float:
     """Median one-way time of ``x`` between ranks ``a`` and ``b`` (meaningful on rank ``a``)."""
     import mlx.core as mx
 
@@ -59,7 +63,7 @@ def probe(out: str, message_bytes: int) -> None:
     mx.eval(table)  # on every rank, before the next collective
     timing = time_all_sum(group, nbytes=message_bytes)
     if rank == 0:
-        rows = table.tolist()
+        rows = cast("list[list[float]]", table.tolist())  # a (pairs, 2) float32 table
         result = {"world_size": world,
                   "links": [{"ranks": list(pair), "latency_s": row[0], "bandwidth": row[1]}
                             for pair, row in zip(pairs, rows, strict=False)],

@@ -34,12 +34,15 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from mlx_train import rundir
 from mlx_train.errors import DistributedError, TrainingInterrupted
 from mlx_train.rundir import HeartbeatRecord
 from mlx_train.training.callbacks import Callback
+
+if TYPE_CHECKING:
+    from mlx_train.training.trainer import Trainer
 
 ENV_RUN_ID = "MLX_TRAIN_RUN_ID"
 ENV_STATE_DIR = "MLX_TRAIN_STATE_DIR"
@@ -102,7 +105,7 @@ def describe_peer(rank: int, info: HeartbeatRecord | None, now: float, my_step: 
     return None
 
 
-def missing_ranks(directory: str | os.PathLike | None, me: int, world_size: int, my_step: int,
+def missing_ranks(directory: str | os.PathLike[str] | None, me: int, world_size: int, my_step: int,
                   stale_after: float = STALE_AFTER) -> list[str]:
     """Descriptions of the peers that are holding up this rank (empty when none can be named)."""
     peers = rundir.read_heartbeats(rundir.run_dir_of(directory)) if directory is not None else {}
@@ -125,7 +128,7 @@ class RankMonitor(Callback):
     ending the process with exit code 7.
     """
 
-    def __init__(self, rank: int, world_size: int, directory: str | os.PathLike | None, timeout: float,
+    def __init__(self, rank: int, world_size: int, directory: str | os.PathLike[str] | None, timeout: float,
                  interval: float = 0.5, on_timeout: Callable[[DistributedError], None] | None = None) -> None:
         self.rank, self.world_size, self.timeout, self.interval = rank, world_size, float(timeout), interval
         self.directory = rundir.run_dir_of(directory) if directory is not None else None
@@ -252,17 +255,17 @@ class RankMonitor(Callback):
             self._writer.update(**fields)
 
     # ------------------------------------------------------------------ callback events
-    def on_fit_start(self, trainer) -> None:
+    def on_fit_start(self, trainer: Trainer) -> None:
         self.step, self.state, self.error = trainer.step, "running", None
         if self._writer is not None:
             self._writer.update(state="running", write=False)
         self.start()
 
-    def on_batch_end(self, trainer, step: int) -> None:
+    def on_batch_end(self, trainer: Trainer, step: int) -> None:
         self.step = step
         self._waiting = None
 
-    def on_exception(self, trainer, error: BaseException) -> None:
+    def on_exception(self, trainer: Trainer, error: BaseException) -> None:
         self._waiting = None
         if isinstance(error, (KeyboardInterrupt, TrainingInterrupted)):  # stopped on request, not failed
             self.state = "interrupted"
@@ -270,14 +273,14 @@ class RankMonitor(Callback):
             return
         self.record_failure(error)
 
-    def on_fit_end(self, trainer, history: dict) -> None:
+    def on_fit_end(self, trainer: Trainer, history: dict[str, Any]) -> None:
         self.state = "finished"
         self.write()
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         return {"world_size": self.world_size}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         # Restored running metrics are global sums (see DistributedTrainer._save): rank 0 keeps them.
         if self.rank != 0 and self.zero_rank_metrics is not None:
             self.zero_rank_metrics()
@@ -311,7 +314,7 @@ class _Tee:
         return getattr(self._stream, name)
 
 
-def tee_output(run_dir: str | os.PathLike, rank: int) -> Path:
+def tee_output(run_dir: str | os.PathLike[str], rank: int) -> Path:
     """Copy this process's stdout and stderr to ``<run_dir>/logs/rank-<rank>.log`` (appending)."""
     path = rundir.rank_log_path(run_dir, rank)
     if isinstance(sys.stdout, _Tee):

@@ -67,9 +67,9 @@ def unregister(path: Path) -> None:
         pass
 
 
-def entries() -> list[dict]:
+def entries() -> list[dict[str, Any]]:
     """Every entry of this host, each with ``alive`` (the process still runs) and ``path``."""
-    found = []
+    found: list[dict[str, Any]] = []
     host = socket.gethostname()
     directory = registry_dir()
     if not directory.is_dir():

@@ -15,13 +15,17 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from mlx_train.errors import ConfigError
+
+if TYPE_CHECKING:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+    from transformers import PreTrainedTokenizerFast
 
 GROUP_SIZE = 32  # GGUF's Q4_0/Q4_1/Q8_0 blocks hold 32 values
 _LAYER_NAMES = {
@@ -33,14 +37,14 @@ _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "
 _SPECIAL_TOKEN_TYPE = 3  # llama.cpp's "control" tokens: <|im_start|>, <|endoftext|>, ...
 
 
-def _scalar(metadata: dict, key: str, default: Any = None) -> Any:
+def _scalar(metadata: dict[str, Any], key: str, default: Any = None) -> Any:
     value = metadata.get(key, default)
     if isinstance(value, mx.array):
         return value.item()
     return value
 
 
-def gguf_config(metadata: dict, has_output: bool) -> dict:
+def gguf_config(metadata: dict[str, Any], has_output: bool) -> dict[str, Any]:
     """An mlx-lm llama ``config.json`` dict from GGUF metadata.
 
     Example: ``gguf_config(metadata, has_output=False)["tie_word_embeddings"] -> True``.
@@ -59,7 +63,7 @@ def gguf_config(metadata: dict, has_output: bool) -> dict:
         return value
 
     heads = int(need("attention.head_count"))
-    config = {
+    config: dict[str, Any] = {
         "model_type": "llama",
         "hidden_size": int(need("embedding_length")),
         "num_hidden_layers": int(need("block_count")),
@@ -111,7 +115,8 @@ def _rename(name: str) -> str:
     return f"{_TOP_NAMES[stem]}.{leaf}"
 
 
-def gguf_weights(tensors: dict[str, mx.array], config: dict, quantized: bool) -> tuple[dict, dict]:
+def gguf_weights(tensors: dict[str, mx.array], config: dict[str, Any],
+                 quantized: bool) -> tuple[dict[str, mx.array], dict[str, Any]]:
     """mlx-lm llama weights from GGUF tensors: renamed, q/k un-permuted, dequantized to float32
     unless ``quantized``. Returns ``(weights, quantization)`` where ``quantization`` is mlx-lm's
     per-layer ``{"group_size", "bits", path: {...}}`` config (empty when dequantized)."""
@@ -146,7 +151,7 @@ def gguf_weights(tensors: dict[str, mx.array], config: dict, quantized: bool) ->
     return weights, quantization
 
 
-def gguf_tokenizer(metadata: dict) -> Any:
+def gguf_tokenizer(metadata: dict[str, Any]) -> PreTrainedTokenizerFast:
     """A Hugging Face fast tokenizer built from GGUF's ``tokenizer.ggml.*`` metadata (gpt2-style BPE).
 
     Pre-tokenizer: single digits, then byte-level without a prefix space (as SmolLM2/llama-3 use).
@@ -177,14 +182,14 @@ def gguf_tokenizer(metadata: dict) -> Any:
         index = _scalar(metadata, f"tokenizer.ggml.{key}_token_id")
         return tokens[int(index)] if index is not None and int(index) < len(tokens) else None
 
-    return PreTrainedTokenizerFast(
+    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]  # transformers leaves __init__ unannotated
         tokenizer_object=tokenizer, bos_token=token("bos"), eos_token=token("eos"),
         unk_token=token("unknown"), pad_token=token("padding") or token("eos"),
         chat_template=metadata.get("tokenizer.chat_template"), clean_up_tokenization_spaces=False,
     )
 
 
-def load_gguf(path: str, quantized: bool = False) -> tuple[nn.Module, Any, dict]:
+def load_gguf(path: str, quantized: bool = False) -> tuple[nn.Module, TokenizerWrapper, dict[str, Any]]:
     """Load a llama-family GGUF file as ``(mlx-lm model, TokenizerWrapper, config)``.
 
     Quantized tensors are dequantized to float32 (quantized matmuls are slow on CPUs) unless
@@ -199,17 +204,20 @@ def load_gguf(path: str, quantized: bool = False) -> tuple[nn.Module, Any, dict]
 
     if not os.path.isfile(path):
         raise ConfigError(f"GGUF file {path} does not exist; give the path of a .gguf file")
-    tensors, metadata = mx.load(path, return_metadata=True)
+    # return_metadata=True: the (tensors, metadata) pair; the stubs give one union for every form.
+    tensors, metadata = cast("tuple[dict[str, mx.array], dict[str, Any]]", mx.load(path, return_metadata=True))
     config = gguf_config(metadata, has_output="output.weight" in tensors)
     weights, quantization = gguf_weights(tensors, config, quantized)
     model = Model(ModelArgs.from_dict(config))
     if quantization:
         config["quantization"] = quantization
 
-        def predicate(module_path: str, module: nn.Module) -> bool | dict:
+        def predicate(module_path: str, module: nn.Module) -> bool | dict[str, Any]:
             if f"{module_path}.scales" not in weights:
                 return False
-            return quantization.get(module_path, {"group_size": GROUP_SIZE, "bits": quantization["bits"]})
+            spec: dict[str, Any] = quantization.get(module_path, {"group_size": GROUP_SIZE,
+                                                                  "bits": quantization["bits"]})
+            return spec
 
         nn.quantize(model, group_size=GROUP_SIZE, bits=quantization["bits"], class_predicate=predicate)
     model.load_weights(list(model.sanitize(weights).items()), strict=True)
