@@ -68,7 +68,7 @@ def test_finetune_full_from_flags(setup, tmp_path, capsys):
 def test_finetune_errors_are_one_clear_line(setup, tmp_path, capsys):
     (tmp_path / "bad.yaml").write_text("model: x\nlora_rank: 8\n")
     assert main(["finetune", "-c", str(tmp_path / "bad.yaml")]) == 2
-    assert "unknown key 'lora_rank'" in capsys.readouterr().err
+    assert "unknown top-level key 'lora_rank'" in capsys.readouterr().err
     assert main(["finetune", "--data", str(setup / "data")]) == 2
     assert "needs a base model and data" in capsys.readouterr().err
     assert main(["finetune", "--model", str(setup / "base"), "--data", str(setup / "data"),
@@ -92,13 +92,21 @@ def test_checkpoints_hold_the_adapters_and_a_checked_base_reference(setup, tmp_p
                      if f.endswith(".safetensors"))
     assert os.path.getsize(run / "checkpoints" / step / "model.safetensors") < base_bytes / 4
 
-    # the same run on another base: refused, naming both
+    # the same run on another base: the command line refuses the change (the run's config names its base) ...
     other = tmp_path / "other"
     llm_tiny.write_model_dir(str(other), seed=9)
     code = main(["finetune", "--model", str(other), "--data", str(setup / "data"), "--iters", "3", "--num-layers", "1",
                  "--batch-size", "4", "--learning-rate", "1e-3", "--run-dir", str(run), "--resume", "auto"])
     err = capsys.readouterr().err
-    assert code == 4 and "was trained on base model" in err and "needs the same base" in err
+    assert code == 2 and "model cannot change on resume" in err
+    # ... and so does the checkpoint, naming both, when the base is swapped under the same path
+    from mlx_train.errors import CheckpointError
+    from mlx_train.llm import FineTuneConfig, finetune
+
+    config = FineTuneConfig(model=str(other), data=str(setup / "data"), iters=3, num_layers=1, learning_rate=1e-3,
+                            run_dir=str(run))
+    with pytest.raises(CheckpointError, match="was trained on base model.*needs the same base"):
+        finetune(config, resume="auto")
 
 
 def _flags(setup, run, *extra):
@@ -133,7 +141,7 @@ def test_finetune_resume_refuses_another_batch_size(setup, tmp_path, capsys):
     capsys.readouterr()
     assert main([*_flags(setup, run, "--resume", "auto"), "--batch-size", "2", "--iters", "4"]) == 2
     err = capsys.readouterr().err
-    assert "batch_size 4 -> 2: cannot change on resume" in err and "step-00000002" in err
+    assert "rows per step 4 -> 2: cannot change on resume" in err and "step-00000002" in err
     assert _snapshot(run) == before
 
 
