@@ -168,3 +168,50 @@ def test_a_run_shorter_than_steps_per_report_still_reports(setup, tmp_path, caps
     assert [row["step"] for row in reports] == [2] and reports[0]["trained_tokens"] > 0
     assert f"finetune: 2 steps, {int(reports[0]['trained_tokens']):,} trained tokens" in out
     assert "finished at step 2" in (run / "train.log").read_text()
+
+
+@pytest.mark.parametrize("iters,batch_size,accumulation", [(6, 2, 2), (7, 3, 2), (5, 4, 1)])
+def test_an_mlx_lm_yaml_makes_the_updates_mlx_lm_makes(setup, tmp_path, iters, batch_size, accumulation):
+    """The same YAML through mlx_lm.lora's own training loop and through finetune: as many optimizer
+    updates, each of as many rows."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    import mlx.optimizers as optim
+    import mlx_lm
+    from mlx_lm.tuner.datasets import CacheDataset, load_local_dataset
+    from mlx_lm.tuner.trainer import TrainingArgs, iterate_batches, train
+
+    from mlx_train.config import TrainConfig
+    from mlx_train.llm import finetune
+
+    text = (f"model: {setup / 'base'}\ndata: {setup / 'data'}\ntrain: true\nnum_layers: 1\niters: {iters}\n"
+            f"batch_size: {batch_size}\ngrad_accumulation_steps: {accumulation}\nlearning_rate: 1e-3\n"
+            "steps_per_eval: 1000\nsteps_per_report: 1000\nsave_every: 1000\nmax_seq_length: 256\n")
+    (tmp_path / "lora.yaml").write_text(text)
+    from mlx_lm.lora import yaml_loader
+
+    mlx_yaml = yaml.load(text, yaml_loader)  # as mlx_lm.lora reads it
+
+    model, tokenizer = mlx_lm.load(str(setup / "base"))
+    train_set = load_local_dataset(Path(mlx_yaml["data"]), tokenizer, SimpleNamespace(mask_prompt=False))[0]
+    rows: list[int] = []
+
+    def counting(**kwargs):
+        for batch in iterate_batches(**kwargs):
+            rows.append(batch[0].shape[0])
+            yield batch
+
+    optimizer = optim.Adam(learning_rate=mlx_yaml["learning_rate"])
+    args = TrainingArgs(batch_size=batch_size, iters=iters, grad_accumulation_steps=accumulation, steps_per_eval=1000,
+                        steps_per_report=1000, steps_per_save=1000, adapter_file=str(tmp_path / "theirs.safetensors"))
+    train(model, optimizer, CacheDataset(train_set), args=args, iterate_batches=counting)
+    their_updates = optimizer.step.item()
+    their_rows_per_update = sum(rows[:their_updates * accumulation]) // their_updates
+
+    result = finetune(TrainConfig.from_yaml(tmp_path / "lora.yaml", finetune=True).replace(
+        run_dir=str(tmp_path / "run")))
+    trainer = result["trainer"]
+    assert trainer.optimizer.step.item() == trainer.step == their_updates
+    assert trainer.config.batch_size * trainer.config.gradient_accumulation == their_rows_per_update
+    assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["training"]["max_steps"] == their_updates

@@ -133,9 +133,10 @@ def finetune_defaults(given: Mapping[str, Any]) -> dict[str, Any]:
 
 # ----- translating a file's keys -----
 def translate(data: Mapping[str, Any], lines: dict[tuple[Any, ...], int], source: str,
-              optimizer: str = "adamw") -> dict[str, Any]:
+              optimizer: str = "adamw", finetune: bool = False) -> dict[str, Any]:
     """``data`` with mlx_lm.lora's top-level keys rewritten into TrainConfig's (a ``files.Dialect``);
     ``optimizer`` is the one in force when ``data`` names none (its optimizer_config entry applies).
+    ``finetune``: the file is read as an mlx_lm.lora file, whose adafactor takes relative steps.
 
     Example: ``translate({"iters": 100, "grad_checkpoint": True}, {}, "lora.yaml")`` ->
     ``{"max_steps": Iterations(100, "iters", "lora.yaml"), "epochs": None, "grad_checkpoint": True}``.
@@ -185,6 +186,12 @@ def translate(data: Mapping[str, Any], lines: dict[tuple[Any, ...], int], source
             out[key] = []  # mlx_lm.lora's default: no tracker
         else:
             out[key] = value
+    entry = data.get("optimizer_config") or {}
+    relative = isinstance(entry, Mapping) and "relative_step" in (entry.get("adafactor") or {})
+    if finetune and chosen == "adafactor" and not relative:
+        warnings.warn(f"{where('optimizer') if 'optimizer' in data else source}: mlx_lm.lora's adafactor takes "
+                      "relative steps and so ignores learning_rate; mlx-train's uses learning_rate (relative_step="
+                      "false); say so with optimizer_config: {adafactor: {relative_step: false}}", stacklevel=3)
     return out
 
 

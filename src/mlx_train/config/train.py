@@ -540,7 +540,7 @@ class TrainConfig:
 
 def dialect(finetune: bool) -> files.Dialect:
     """The translation of mlx_lm.lora's keys, with the optimizer in force when a file names none."""
-    return partial(mlx_lm.translate, optimizer="adam" if finetune else "adamw")
+    return partial(mlx_lm.translate, optimizer="adam" if finetune else "adamw", finetune=finetune)
 
 
 class FieldHelp(NamedTuple):
