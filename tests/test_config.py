@@ -382,3 +382,18 @@ def test_every_place_that_ranks_a_metric_uses_metric_direction(tmp_path):
     assert TrainConfig(monitor="val_f1", monitor_mode="min").monitor_direction() == "min"
     with pytest.raises(ConfigError, match=r"mode must be 'min', 'max' or 'auto', got 'up'"):
         metric_direction("val_loss", "up")
+
+
+def test_epochs_null_runs_as_many_passes_as_max_steps_needs():
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    from mlx_train.training import Trainer
+
+    with pytest.raises(ConfigError, match="epochs is null .* but max_steps is null too"):
+        TrainConfig(epochs=None)
+    x, y = mx.random.normal((20, 4)), mx.zeros((20,), dtype=mx.int32)
+    trainer = Trainer(nn.Linear(4, 2), config=TrainConfig(epochs=None, max_steps=7, batch_size=4, num_workers=0,
+                                                          report_every="100 steps"))
+    trainer.train((x, y))
+    assert trainer.step == 7 and trainer.epochs == 2  # 5 steps per epoch: the run goes on into the second
