@@ -118,3 +118,32 @@ def test_finetune_resume_without_a_run_is_one_line(tmp_path, capsys):
     assert "nothing to resume" in capsys.readouterr().err
     assert main(["finetune", "--resume"]) == 2
     assert "pass --run-dir" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_finetune_distributed_on_two_local_ranks(setup, tmp_path, capsys, monkeypatch):
+    """`finetune --distributed -n 2` runs the finetune subcommand on 2 ranks under train's supervisor: 2 x 2 rows
+    per step train as one process with 4 rows per step does."""
+    import json
+
+    monkeypatch.setenv("MLX_TRAIN_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "1")  # two ranks on two cores
+    common = ["--iters", "3", "--lr", "1e-2", "--steps-per-report", "1", "--set", "num_workers=0", "--max-restarts",
+              "0", "--val-batches", "1"]
+    code = main(_finetune(setup, tmp_path / "two", "--distributed", "-n", "2", "--batch-size", "2", *common))
+    out = capsys.readouterr()
+    assert code == 0, out.err[-3000:]
+    assert "distributed run: 2 processes x batch 2 x accumulation 1 = global batch 4" in out.out
+    assert sorted(p.name for p in (tmp_path / "two").glob("heartbeat-*.json")) == ["heartbeat-0.json",
+                                                                                    "heartbeat-1.json"]
+    assert (tmp_path / "two" / "adapters" / "adapters.safetensors").exists()
+    assert main(_finetune(setup, tmp_path / "one", "--batch-size", "4", *common)) == 0
+
+    def losses(run):
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        return [(row["step"], row["loss"]) for row in rows if row["kind"] == "train"]
+
+    two, one = losses(tmp_path / "two"), losses(tmp_path / "one")
+    assert [s for s, _ in two] == [s for s, _ in one] == [1, 2, 3]
+    assert [loss for _, loss in two] == pytest.approx([loss for _, loss in one], rel=1e-4)

@@ -66,6 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "the dedicated flags win")
     parser.add_argument("--fuse", metavar="DIR", help="after training, write the base with the adapters folded "
                         "in as an mlx-lm model directory")
+    from mlx_train.launch.train import add_train_arguments
+
+    add_train_arguments(parser)  # --distributed, -n, --hostfile: as train's
 
 
 def resolve_config(args: argparse.Namespace, log: Any = print) -> Any:
@@ -83,11 +86,21 @@ def resolve_config(args: argparse.Namespace, log: Any = print) -> Any:
 
     from mlx_train.cli.flags import build_config, resume_config
     from mlx_train.cli.train import saved_config
+    from mlx_train.distributed.rank import supervised
     from mlx_train.errors import ConfigError
 
+    for given, flag in ((args.num_processes, "-n"), (args.hostfile, "--hostfile")):
+        if given is not None and not args.distributed:
+            raise ConfigError(f"{flag} {given} only applies to a distributed run: add --distributed "
+                              f"(mlx-train finetune --distributed {flag} {given} ...), or leave {flag} out")
     if args.overwrite and args.resume:
         raise ConfigError("--overwrite starts the run over and --resume continues it: give one of them")
     config = build_config(args, finetune=True)
+    if args.distributed and not config.run_dir:
+        raise ConfigError("finetune --distributed needs --run-dir: the ranks share the run directory's checkpoints")
+    if args.distributed and args.fuse:
+        raise ConfigError("--fuse cannot go with --distributed: fuse the run's adapters afterwards with "
+                          "mlx-train finetune ... --fuse on one process, or mlx_lm.fuse")
     if not args.resume:
         return config
     if not config.run_dir:
@@ -95,8 +108,9 @@ def resolve_config(args: argparse.Namespace, log: Any = print) -> Any:
             raise ConfigError("--resume continues the run of --run-dir: pass --run-dir RUN_DIR")
         return config  # a checkpoint path: its configuration is the command line's
     run_dir = Path(config.run_dir)
-    found = saved_config(run_dir, config.checkpoint_dir, args.resume)
-    assert found is not None  # required: saved_config raises when there is nothing to resume
+    found = saved_config(run_dir, config.checkpoint_dir, args.resume, required=not supervised())
+    if found is None:  # a supervised group restarted before it saved anything: its --config is the run's
+        return config
     config, notes = resume_config(args, found[0], found[1], str(run_dir), finetune=True)
     changed = f", changed: {'; '.join(notes)}" if notes else ""
     log(f"resuming {run_dir} with the configuration of {found[1]}{changed}")
@@ -122,6 +136,7 @@ def _check_fuse_target(model: str | None, fuse: str) -> None:
 def main(args: argparse.Namespace) -> int:
     """Run ``mlx-train finetune``; prints a summary with the validation perplexity."""
     from mlx_train.cli.train import startup_line
+    from mlx_train.distributed.rank import in_group, is_main_process, supervised
     from mlx_train.errors import CheckpointError
     from mlx_train.llm.finetune import finetune, fuse_model, resume_checkpoint
     from mlx_train.llm.models import is_quantized
@@ -129,11 +144,23 @@ def main(args: argparse.Namespace) -> int:
     cfg = resolve_config(args)
     if args.fuse:
         _check_fuse_target(cfg.model, args.fuse)
-    if args.resume and resume_checkpoint(cfg, args.resume) is None:  # from Python, "auto" may start a run
+    if args.resume and not supervised() and resume_checkpoint(cfg, args.resume) is None:
+        # from Python, "auto" may start a run; here it must continue one (a restarted group may have none yet)
         raise CheckpointError(f"there is nothing to resume in {cfg.run_dir}: no checkpoint in "
                               f"{cfg.run_dir}/checkpoints; start a new run without --resume")
-    print(startup_line(), flush=True)
-    result = finetune(cfg, resume=args.resume, overwrite=args.overwrite)
+    if args.distributed:
+        return _launch(args, cfg)
+    say = print if is_main_process() else (lambda *a, **k: None)
+    say(startup_line(), flush=True)
+    trainer_class = None
+    if in_group():  # a rank of `finetune --distributed`
+        from mlx_train.training import DistributedTrainer
+
+        trainer_class = DistributedTrainer
+    result = finetune(cfg, resume=args.resume, overwrite=args.overwrite, trainer_class=trainer_class,
+                      log=lambda message: say(message, flush=True))
+    if not is_main_process():
+        return 0
     trainer = result["trainer"]
     unit = "trained tokens" if cfg.train_mode == "sft" else "preference pairs"
     name = "finetune" if cfg.train_mode == "sft" else f"finetune {cfg.train_mode}"
@@ -159,3 +186,18 @@ def main(args: argparse.Namespace) -> int:
         lines.append("  mlx-lm does not read .gguf bases: add --fuse DIR to get a model directory it loads")
     print("\n".join(lines), flush=True)
     return 0 if math.isfinite(result.get("val_loss", 0.0)) else 1
+
+
+def _launch(args: argparse.Namespace, config: Any) -> int:
+    """``finetune --distributed``: make room in the run directory (or continue it), then run the ranks under
+    train's supervisor; each rank runs ``mlx-train finetune --config <the resolved config>``."""
+    from mlx_train.checkpointing import CheckpointManager
+    from mlx_train.launch.train import train_distributed
+    from mlx_train.llm.finetune import check_before_loading
+    from mlx_train.training.resume import make_room
+
+    check_before_loading(config, args.resume, args.overwrite, launched=True)
+    if not args.resume:
+        checkpoints = CheckpointManager(f"{config.run_dir}/checkpoints", keep_last=None, async_save=False)
+        make_room(checkpoints, config.run_dir, args.overwrite, print)
+    return train_distributed(args, config, command_name="finetune")

@@ -102,11 +102,11 @@ class AdapterWriter(Callback):
 
 
 def check_before_loading(config: TrainConfig, resume: str | None = None, overwrite: bool = False,
-                         log: Any = print) -> None:
+                         log: Any = print, launched: bool = False) -> None:
     """What can be checked without the (slow) model load: a base model and data are given, --test's split,
     the run directory (a new run into one that holds a run is refused, or moved aside with ``overwrite``)
     and what a resume continues (its batch size and seed cannot change). The values themselves were
-    checked when ``config`` was made.
+    checked when ``config`` was made. ``launched``: a rank of a launched group, whose launcher made room.
 
     Example: ``check_before_loading(FineTuneConfig(data="data"))`` raises ConfigError (no base model).
     """
@@ -126,7 +126,7 @@ def check_before_loading(config: TrainConfig, resume: str | None = None, overwri
         raise ConfigError("--overwrite starts the run over and --resume continues it: give one of them")
     if resume:
         _check_resume(config, resume)
-    elif config.run_dir:
+    elif config.run_dir and not launched:
         checkpoint_dir = _for_trainer(config).checkpoint_dir
         make_room(CheckpointManager(checkpoint_dir, keep_last=None, async_save=False), config.run_dir, overwrite, log)
 
@@ -243,19 +243,21 @@ def _loss_for(cfg: TrainConfig) -> Any:
 
 
 def finetune(config: TrainConfig, callbacks: list | None = None, resume: str | None = None,
-             overwrite: bool = False, log: Any = print) -> dict[str, Any]:
+             overwrite: bool = False, log: Any = print, trainer_class: Any = None) -> dict[str, Any]:
     """Fine-tune ``config.model`` on ``config.dataset``; returns the trainer, model, history and final
     validation loss/perplexity. Adapters are written to ``config.adapter_path`` (in the run directory)
     in mlx-lm's format, and the run directory gets config.yaml, metrics.jsonl and checkpoints, as with
     ``mlx-train train``. ``resume`` ("auto" or a checkpoint) continues a run; ``overwrite`` moves a run
-    that is in the run directory aside first.
+    that is in the run directory aside first. ``trainer_class``: ``DistributedTrainer`` on the ranks of a
+    launched group (``mlx-train finetune --distributed``; ``batch_size`` is then per rank).
 
     Example: ``finetune(FineTuneConfig(model="base", data="data", iters=50))["val_perplexity"]``.
     """
     from mlx_train.llm import card, data, models
     from mlx_train.training import Trainer
 
-    check_before_loading(config, resume, overwrite, log)
+    trainer_class = trainer_class or Trainer
+    check_before_loading(config, resume, overwrite, log, launched=trainer_class is not Trainer)
     parts = prepare(config, log)
     model, splits = parts["model"], parts["splits"]
     if config.test and "test" not in splits:  # an empty test.jsonl, or a dataset without a test split
@@ -264,7 +266,7 @@ def finetune(config: TrainConfig, callbacks: list | None = None, resume: str | N
     train_rows, valid_rows = splits["train"], splits.get("valid")
     step_rows = config.batch_size * config.gradient_accumulation  # one loader batch is one optimizer step
     loader = data.make_loader(train_rows, step_rows, seed=config.seed, num_workers=config.num_workers)
-    trainer = Trainer(model, loss_fn=_loss_for(config), config=_for_trainer(config))
+    trainer = trainer_class(model, loss_fn=_loss_for(config), config=_for_trainer(config))
     # Checkpoints of a run with a frozen base hold the trained parameters and this reference.
     trainer.base_model = models.base_reference(config.model) if os.path.exists(config.model) else \
         {"path": config.model}
@@ -280,8 +282,8 @@ def finetune(config: TrainConfig, callbacks: list | None = None, resume: str | N
     if valid_rows is not None:  # the same collate (padding to a multiple of 8) as training, in file order
         rows = valid_rows.head(config.val_batches * eval_rows) if config.val_batches else valid_rows
         val = data.make_loader(rows, eval_rows, shuffle=False, num_workers=0, drop_last=False)
-    epochs = math.ceil(config.max_steps / len(loader)) if config.epochs is None and config.max_steps else None
-    history = trainer.train(train_dataset=loader, val_dataset=val, epochs=epochs, resume=resume,
+    # epochs: null (mlx_lm.lora's iters) -> the Trainer passes over the data as often as max_steps needs
+    history = trainer.train(train_dataset=loader, val_dataset=val, resume=resume,
                             callbacks=[counter, writer, *(callbacks or [])])
     result: dict[str, Any] = {"trainer": trainer, "model": model, "tokenizer": parts["tokenizer"], "history": history,
                               "adapter_path": adapter_dir, "trained_tokens": int(counter.trained_tokens),

@@ -214,9 +214,9 @@ class Trainer:
     def _run(self, loader: Iterable[Any], val_loader: Iterable[Any] | None, epochs: int | None,
              checkpoint_dir: str | None, callbacks: Any, resume: str | None, overwrite: bool = False) -> dict[str, Any]:
         cfg, state = self.config, self.state
+        self._shard(loader, val_loader)  # first: epochs: null counts this rank's batches
         self.epochs = epochs = epochs or cfg.epochs or _epochs_for(loader, cfg)
         state.stop_training = False
-        self._shard(loader, val_loader)
         callbacks = CallbackList(self._default_callbacks() + list(callbacks))
         checkpoints = self._checkpoints(checkpoint_dir or cfg.checkpoint_dir)
         if overwrite and resume:
