@@ -154,7 +154,8 @@ def translate(data: Mapping[str, Any], lines: dict[tuple[Any, ...], int], source
         out[field] = value
         lines.setdefault((field,), lines.get((key,), 0))
 
-    chosen = str(data.get("optimizer", optimizer)).lower()
+    named = data.get("optimizer", optimizer)
+    chosen = str(named.get("name", optimizer) if isinstance(named, Mapping) else named).lower()
     for key, value in data.items():
         if key in ITERATION_KEYS:
             put(key, ITERATION_KEYS[key], iterations(key, value, where(key)))

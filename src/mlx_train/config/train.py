@@ -362,8 +362,10 @@ class TrainConfig:
     dataset: str = in_data("digits", "What to train on. train: a built-in dataset (YAML: data.name); finetune: a "
                                      "directory with train.jsonl/valid.jsonl/test.jsonl or a Hugging Face dataset "
                                      "name (YAML: data, mlx_lm.lora's name).", key="name", aliases={"data": None})
-    batch_size: int = in_data(32, "Samples per micro-batch on each device; one optimizer step uses "
-                               "batch_size x gradient_accumulation x devices samples.", minimum=1)
+    batch_size: int = in_data(32, "Samples (rows) per micro-batch on each device; one optimizer step uses "
+                               "batch_size x gradient_accumulation x devices samples (mlx_lm.lora's batch_size "
+                               "per iteration; its distributed runs split it over the ranks, mlx-train's do not).",
+                              minimum=1)
     eval_batch_size: int | None = in_data(None, "Batch size for validation and evaluation (null: batch_size).",
                                        minimum=1)
     num_workers: int = in_data(2, "Background threads that prefetch batches (0: load in the training thread).",
