@@ -79,6 +79,25 @@ def test_mlx_lm_flags_count_iterations_against_the_final_accumulation(tmp_path):
     assert _config("finetune", "--epochs", "2", "--model", "b", "--data", "d").max_steps is None
 
 
+# finetune's flags before train and finetune shared one language (mlx_lm.lora's and mlx-lm-lora's names, and ours)
+FORMER_FLAGS = ("--model --data --fine-tune-type --optimizer --num-layers --batch-size --iters --epochs --val-batches "
+                "--learning-rate --steps-per-report --steps-per-eval --grad-accumulation-steps --resume-adapter-file "
+                "--adapter-path --save-every --test-batches --max-seq-length --seed --run-dir --resume --report-to "
+                "--project-name --run-name --train-mode --beta --dpo-loss-type --dpo-cpo-loss-type --label-smoothing "
+                "--reference-model-path --mask-prompt --test --grad-checkpoint --pack --quantized --overwrite "
+                "--reference-free --precompute-ref-log-probs -c --config --fuse").split()
+
+
+def test_finetune_keeps_every_flag_it_had_and_takes_trains():
+    def flags(command):
+        parser = build_parser(command)._subcommands[command]
+        return {flag for action in parser._actions for flag in action.option_strings}
+
+    finetune = flags("finetune")
+    assert not [flag for flag in FORMER_FLAGS if flag not in finetune]
+    assert not sorted(flags("train") - finetune - {"--optimize-memory"})  # a memory plan is train's alone
+
+
 def test_finetune_help_comes_from_the_fields(capsys):
     assert main(["finetune", "--help"]) == 0
     out = " ".join(capsys.readouterr().out.split())
