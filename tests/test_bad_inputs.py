@@ -182,7 +182,7 @@ CLI_ROWS: dict[str, Cli] = {
     "finetune-learning-rate-zero": Cli([*FINETUNE, "--learning-rate", "0"], 2, r"learning_rate must be"),
     "finetune-epochs-zero": Cli([*FINETUNE, "--epochs", "0"], 2, r"epochs must be at least 1, got 0"),
     "finetune-grad-accumulation-zero": Cli([*FINETUNE, "--grad-accumulation-steps", "0"], 2,
-                                           r"grad_accumulation_steps must be at least 1, got 0"),
+                                           r"gradient_accumulation must be at least 1, got 0"),
     "finetune-test-without-test-split": Cli([*FINETUNE, "--test"], 2,
                                             r"--test evaluates on .*test\.jsonl, which does not exist"),
     "finetune-run-dir-is-a-file": Cli([*FINETUNE, "--run-dir", "{tmp}/f"], 2, r"run directory .*f is a file",

@@ -42,7 +42,7 @@ optimizer:
 
 # The contract's field table: name -> (annotation, default).
 SPEC_FIELDS = {
-    "epochs": ("int", 10), "max_steps": ("int | None", None), "batch_size": ("int", 32),
+    "epochs": ("int | None", 10), "max_steps": ("int | None", None), "batch_size": ("int", 32),
     "gradient_accumulation": ("int", 1), "learning_rate": ("float", 1e-3),
     "lr_schedule": ("str | None", None), "lr_schedule_args": ("list", []), "warmup_steps": ("int", 0),
     "warmup_init": ("float", 0.0), "optimizer": ("str", "adamw"), "beta1": ("float", 0.9),
@@ -67,6 +67,14 @@ SPEC_FIELDS = {
     "ema_decay": ("float | None", None), "prune_sparsity": ("float | None", None), "prune_start": ("int", 0),
     "prune_end": ("int | None", None), "prune_frequency": ("int", 100), "prune_schedule": ("str", "polynomial"),
     "prune_scope": ("str", "global"),
+    # llm: mlx-train finetune
+    "fine_tune_type": ("str", "lora"), "num_layers": ("int", 16),
+    "lora_parameters": ("dict", {"rank": 8, "scale": 20.0, "dropout": 0.0}), "max_seq_length": ("int", 2048),
+    "mask_prompt": ("bool", False), "pack": ("bool", False), "adapter_path": ("str", "adapters"),
+    "resume_adapter_file": ("str | None", None), "quantized": ("bool | None", None), "test": ("bool", False),
+    "test_batches": ("int | None", 500), "train_mode": ("str", "sft"), "beta": ("float", 0.1),
+    "dpo_loss_type": ("str", "sigmoid"), "label_smoothing": ("float", 0.0), "reference_free": ("bool", False),
+    "reference_model_path": ("str | None", None), "precompute_ref_log_probs": ("bool", False),
 }
 
 
@@ -242,13 +250,18 @@ def test_to_yaml_writes_the_sections_users_write(tmp_path):
                          dataset_options={"path": "/data"}, batch_size=16)
     config.to_yaml(tmp_path / "out.yaml")
     written = yaml.safe_load((tmp_path / "out.yaml").read_text())
-    assert list(written) == list(SECTIONS)
+    assert list(written) == [s for s in SECTIONS if s != "llm"]  # a train run: the llm section is all defaults
     assert written["optimizer"]["name"] == "sgd" and written["optimizer"]["momentum"] == 0.9
     assert "beta1" not in written["optimizer"]  # sgd does not use it
     assert written["checkpoint"]["checkpoint_every"] == "2 epochs" and written["memory"]["precision"] == "bfloat16"
     assert written["distributed"]["backend"] == "ring" and written["data"]["batch_size"] == 16
     assert written["model"] == {"name": "mlp", "hidden_dims": [8]} and written["data"]["path"] == "/data"
     assert TrainConfig.from_yaml(tmp_path / "out.yaml") == config
+    tuned = config.replace(num_layers=4, pack=True)
+    tuned.to_yaml(tmp_path / "tuned.yaml")
+    written = yaml.safe_load((tmp_path / "tuned.yaml").read_text())
+    assert list(written) == list(SECTIONS) and written["llm"]["num_layers"] == 4 and written["llm"]["pack"] is True
+    assert TrainConfig.from_yaml(tmp_path / "tuned.yaml") == tuned
     # an option whose name a field of its section already has stays whole, so it reads back
     clash = TrainConfig(model_options={"name": "x"}, dataset_options={"shufle": 1})
     clash.to_yaml(tmp_path / "clash.yaml")
@@ -369,3 +382,18 @@ def test_every_place_that_ranks_a_metric_uses_metric_direction(tmp_path):
     assert TrainConfig(monitor="val_f1", monitor_mode="min").monitor_direction() == "min"
     with pytest.raises(ConfigError, match=r"mode must be 'min', 'max' or 'auto', got 'up'"):
         metric_direction("val_loss", "up")
+
+
+def test_epochs_null_runs_as_many_passes_as_max_steps_needs():
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    from mlx_train.training import Trainer
+
+    with pytest.raises(ConfigError, match="epochs is null .* but max_steps is null too"):
+        TrainConfig(epochs=None)
+    x, y = mx.random.normal((20, 4)), mx.zeros((20,), dtype=mx.int32)
+    trainer = Trainer(nn.Linear(4, 2), config=TrainConfig(epochs=None, max_steps=7, batch_size=4, num_workers=0,
+                                                          report_every="100 steps"))
+    trainer.train((x, y))
+    assert trainer.step == 7 and trainer.epochs == 2  # 5 steps per epoch: the run goes on into the second

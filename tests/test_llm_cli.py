@@ -68,7 +68,7 @@ def test_finetune_full_from_flags(setup, tmp_path, capsys):
 def test_finetune_errors_are_one_clear_line(setup, tmp_path, capsys):
     (tmp_path / "bad.yaml").write_text("model: x\nlora_rank: 8\n")
     assert main(["finetune", "-c", str(tmp_path / "bad.yaml")]) == 2
-    assert "unknown key 'lora_rank'" in capsys.readouterr().err
+    assert "unknown top-level key 'lora_rank'" in capsys.readouterr().err
     assert main(["finetune", "--data", str(setup / "data")]) == 2
     assert "needs a base model and data" in capsys.readouterr().err
     assert main(["finetune", "--model", str(setup / "base"), "--data", str(setup / "data"),
@@ -92,13 +92,21 @@ def test_checkpoints_hold_the_adapters_and_a_checked_base_reference(setup, tmp_p
                      if f.endswith(".safetensors"))
     assert os.path.getsize(run / "checkpoints" / step / "model.safetensors") < base_bytes / 4
 
-    # the same run on another base: refused, naming both
+    # the same run on another base: the command line refuses the change (the run's config names its base) ...
     other = tmp_path / "other"
     llm_tiny.write_model_dir(str(other), seed=9)
     code = main(["finetune", "--model", str(other), "--data", str(setup / "data"), "--iters", "3", "--num-layers", "1",
                  "--batch-size", "4", "--learning-rate", "1e-3", "--run-dir", str(run), "--resume", "auto"])
     err = capsys.readouterr().err
-    assert code == 4 and "was trained on base model" in err and "needs the same base" in err
+    assert code == 2 and "model cannot change on resume" in err
+    # ... and so does the checkpoint, naming both, when the base is swapped under the same path
+    from mlx_train.errors import CheckpointError
+    from mlx_train.llm import FineTuneConfig, finetune
+
+    config = FineTuneConfig(model=str(other), data=str(setup / "data"), iters=3, num_layers=1, learning_rate=1e-3,
+                            run_dir=str(run))
+    with pytest.raises(CheckpointError, match="was trained on base model.*needs the same base"):
+        finetune(config, resume="auto")
 
 
 def _flags(setup, run, *extra):
@@ -133,7 +141,7 @@ def test_finetune_resume_refuses_another_batch_size(setup, tmp_path, capsys):
     capsys.readouterr()
     assert main([*_flags(setup, run, "--resume", "auto"), "--batch-size", "2", "--iters", "4"]) == 2
     err = capsys.readouterr().err
-    assert "batch_size 4 -> 2: cannot change on resume" in err and "step-00000002" in err
+    assert "rows per step 4 -> 2: cannot change on resume" in err and "step-00000002" in err
     assert _snapshot(run) == before
 
 
@@ -160,3 +168,50 @@ def test_a_run_shorter_than_steps_per_report_still_reports(setup, tmp_path, caps
     assert [row["step"] for row in reports] == [2] and reports[0]["trained_tokens"] > 0
     assert f"finetune: 2 steps, {int(reports[0]['trained_tokens']):,} trained tokens" in out
     assert "finished at step 2" in (run / "train.log").read_text()
+
+
+@pytest.mark.parametrize("iters,batch_size,accumulation", [(6, 2, 2), (7, 3, 2), (5, 4, 1)])
+def test_an_mlx_lm_yaml_makes_the_updates_mlx_lm_makes(setup, tmp_path, iters, batch_size, accumulation):
+    """The same YAML through mlx_lm.lora's own training loop and through finetune: as many optimizer
+    updates, each of as many rows."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    import mlx.optimizers as optim
+    import mlx_lm
+    from mlx_lm.tuner.datasets import CacheDataset, load_local_dataset
+    from mlx_lm.tuner.trainer import TrainingArgs, iterate_batches, train
+
+    from mlx_train.config import TrainConfig
+    from mlx_train.llm import finetune
+
+    text = (f"model: {setup / 'base'}\ndata: {setup / 'data'}\ntrain: true\nnum_layers: 1\niters: {iters}\n"
+            f"batch_size: {batch_size}\ngrad_accumulation_steps: {accumulation}\nlearning_rate: 1e-3\n"
+            "steps_per_eval: 1000\nsteps_per_report: 1000\nsave_every: 1000\nmax_seq_length: 256\n")
+    (tmp_path / "lora.yaml").write_text(text)
+    from mlx_lm.lora import yaml_loader
+
+    mlx_yaml = yaml.load(text, yaml_loader)  # as mlx_lm.lora reads it
+
+    model, tokenizer = mlx_lm.load(str(setup / "base"))
+    train_set = load_local_dataset(Path(mlx_yaml["data"]), tokenizer, SimpleNamespace(mask_prompt=False))[0]
+    rows: list[int] = []
+
+    def counting(**kwargs):
+        for batch in iterate_batches(**kwargs):
+            rows.append(batch[0].shape[0])
+            yield batch
+
+    optimizer = optim.Adam(learning_rate=mlx_yaml["learning_rate"])
+    args = TrainingArgs(batch_size=batch_size, iters=iters, grad_accumulation_steps=accumulation, steps_per_eval=1000,
+                        steps_per_report=1000, steps_per_save=1000, adapter_file=str(tmp_path / "theirs.safetensors"))
+    train(model, optimizer, CacheDataset(train_set), args=args, iterate_batches=counting)
+    their_updates = optimizer.step.item()
+    their_rows_per_update = sum(rows[:their_updates * accumulation]) // their_updates
+
+    result = finetune(TrainConfig.from_yaml(tmp_path / "lora.yaml", finetune=True).replace(
+        run_dir=str(tmp_path / "run")))
+    trainer = result["trainer"]
+    assert trainer.optimizer.step.item() == trainer.step == their_updates
+    assert trainer.config.batch_size * trainer.config.gradient_accumulation == their_rows_per_update
+    assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["training"]["max_steps"] == their_updates

@@ -382,17 +382,15 @@ def test_report_to_from_yaml_and_flags(tmp_path):
 
 def test_finetune_reads_mlx_lm_tracking_keys():
     from mlx_train.cli.main import build_parser
-    from mlx_train.llm.finetune import FineTuneConfig, _train_config
+    from mlx_train.config import TrainConfig
 
-    assert (FineTuneConfig.from_dict({"wandb": "proj"}).report_to, FineTuneConfig.from_dict(
-        {"wandb": "proj"}).project_name) == ("wandb", "proj")
-    cfg = FineTuneConfig.from_dict({"report_to": "mlflow", "project_name": "p", "run_name": "r"})
-    assert (cfg.report_to, cfg.project_name, cfg.run_name) == ("mlflow", "p", "r")
-    tracking = _train_config(cfg, 10)
-    assert (tracking.report_to, tracking.project_name, tracking.run_name) == (["mlflow"], "p", "r")
+    old = TrainConfig.from_dict({"wandb": "proj"}, finetune=True)
+    assert (old.report_to, old.project_name) == (["wandb"], "proj")
+    cfg = TrainConfig.from_dict({"report_to": "mlflow", "project_name": "p", "run_name": "r"}, finetune=True)
+    assert (cfg.report_to, cfg.project_name, cfg.run_name) == (["mlflow"], "p", "r")
     args = build_parser("finetune").parse_args(["finetune", "--report-to", "wandb", "--project-name", "p",
                                                 "--run-name", "r"])
-    assert (args.report_to, args.project_name, args.run_name) == ("wandb", "p", "r")
+    assert (args.report_to, args.project_name, args.run_name) == (["wandb"], "p", "r")
 
 
 # ----- the command lines and a real MLflow server ------------------------------------------------

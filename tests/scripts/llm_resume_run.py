@@ -26,7 +26,7 @@ from mlx_train.training import Callback
 
 SETTINGS = {
     "sft": {"iters": 9, "batch_size": 2, "max_seq_length": 200, "pack": True, "mask_prompt": True},
-    "dpo": {"iters": 7, "batch_size": 4, "grad_accumulation_steps": 2, "max_seq_length": 128,
+    "dpo": {"iters": 14, "batch_size": 2, "grad_accumulation_steps": 2, "max_seq_length": 128,
             "train_mode": "dpo", "beta": 0.5},
 }
 
@@ -48,12 +48,12 @@ def main():
     parser.add_argument("--train-mode", choices=sorted(SETTINGS), default="sft")
     parser.add_argument("--fine-tune-type", default="lora")
     args = parser.parse_args()
-    cfg = FineTuneConfig(model=args.base, data=args.data, run_dir=args.run_dir, resume="auto", num_layers=2,
+    cfg = FineTuneConfig(model=args.base, data=args.data, run_dir=args.run_dir, num_layers=2,
                          learning_rate=3e-3, fine_tune_type=args.fine_tune_type,
                          lora_parameters={"rank": 4, "scale": 10.0, "dropout": 0.1},
                          steps_per_report=2, steps_per_eval=3, save_every=2, val_batches=2,
                          **SETTINGS[args.train_mode])
-    result = finetune(cfg, callbacks=[KillAt(args.kill_at)] if args.kill_at else [])
+    result = finetune(cfg, callbacks=[KillAt(args.kill_at)] if args.kill_at else [], resume="auto")
     trainer = result["trainer"]
     arrays = dict(tree_flatten(result["model"].trainable_parameters()))
     arrays.update({f"optimizer.{k}": v for k, v in tree_flatten(trainer.optimizer.state)})

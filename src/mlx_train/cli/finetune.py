@@ -1,13 +1,18 @@
-"""Fine-tune a language model (LoRA, DoRA or full) on jsonl data, with mlx_lm.lora's flags.
+"""Fine-tune a language model (LoRA, DoRA or full) on jsonl data: train's flags, mlx_lm.lora's too.
 
-Flags and YAML keys are mlx_lm.lora's (-c/--config takes its YAML files as they are), plus
---epochs, --pack, --resume, --run-dir, --overwrite, --quantized and --fuse. A --run-dir that
-holds a run is continued with --resume auto, or moved aside first with --overwrite; --fuse never
-writes into the base model's directory. Preference tuning takes mlx-lm-lora's --train-mode
-dpo|orpo|cpo, --beta, --dpo-loss-type and --reference-model-path, and --label-smoothing,
---reference-free and --precompute-ref-log-probs. Adapters are written in mlx-lm's format, with a
-model card (README.md), so `mlx_lm.generate --model BASE --adapter-path RUN_DIR/adapters` uses
-them. The run directory gets metrics.jsonl, train.log and resumable checkpoints.
+The configuration is train's (TrainConfig), on mlx_lm.lora's defaults: the same flags mean the same
+(--batch-size: rows per micro-batch per device, --lr/--learning-rate, --max-steps, --epochs, --seed,
+--set KEY=VALUE, -c/--config, --run-dir, --resume, --overwrite), plus one flag per setting of the llm
+section (--num-layers, --pack, --train-mode, ...) and mlx_lm.lora's names (--data, --iters,
+--steps-per-report, --steps-per-eval, --save-every and --grad-accumulation-steps, counted as
+mlx_lm.lora counts them: iterations of --batch-size rows). -c/--config takes mlx_lm.lora's YAML files
+as they are. The run directory gets config.yaml, metrics.jsonl, train.log and resumable checkpoints;
+--resume continues with the run's saved configuration (changed only where a resume allows), a
+--run-dir that holds a run is moved aside first with --overwrite, and --fuse never writes into the
+base model's directory. Preference tuning takes --train-mode dpo|orpo|cpo, --beta, --dpo-loss-type,
+--reference-model-path, --label-smoothing, --reference-free and --precompute-ref-log-probs.
+Adapters are written in mlx-lm's format, with a model card (README.md), so `mlx_lm.generate --model
+BASE --adapter-path RUN_DIR/adapters` uses them.
 
 Example::
 
@@ -18,61 +23,98 @@ Example::
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
+from typing import Any
 
-HELP = "fine-tune a language model (LoRA/DoRA/full; mlx_lm.lora flags)"
+HELP = "fine-tune a language model (LoRA/DoRA/full; train's flags and mlx_lm.lora's)"
 EPILOG = """examples:
   mlx-train finetune --model SmolLM2-135M-Instruct.Q4_1.gguf --data data/ --iters 200 --num-layers 8
   mlx-train finetune -c lora_config.yaml --pack --run-dir runs/a      # an mlx_lm.lora YAML
-  mlx-train finetune -c lora_config.yaml --run-dir runs/a --resume auto   # continue after a crash
+  mlx-train finetune --run-dir runs/a --resume --max-steps 400        # continue after a crash, train longer
   mlx-train finetune --model BASE --data prefs/ --train-mode dpo --beta 0.1   # rows: prompt, chosen, rejected
-"""
 
-# flag -> FineTuneConfig field (help text comes from the field)
-FLAGS = {
-    "--model": "model", "--data": "data", "--fine-tune-type": "fine_tune_type", "--optimizer": "optimizer",
-    "--num-layers": "num_layers", "--batch-size": "batch_size", "--iters": "iters", "--epochs": "epochs",
-    "--val-batches": "val_batches", "--learning-rate": "learning_rate", "--steps-per-report": "steps_per_report",
-    "--steps-per-eval": "steps_per_eval", "--grad-accumulation-steps": "grad_accumulation_steps",
-    "--resume-adapter-file": "resume_adapter_file", "--adapter-path": "adapter_path", "--save-every": "save_every",
-    "--test-batches": "test_batches", "--max-seq-length": "max_seq_length", "--seed": "seed",
-    "--run-dir": "run_dir", "--resume": "resume", "--report-to": "report_to", "--project-name": "project_name",
-    "--run-name": "run_name",
-    "--train-mode": "train_mode", "--beta": "beta", "--dpo-loss-type": "dpo_loss_type",
-    "--dpo-cpo-loss-type": "dpo_loss_type", "--label-smoothing": "label_smoothing",
-    "--reference-model-path": "reference_model_path",
-}
-SWITCHES = {"--mask-prompt": "mask_prompt", "--test": "test", "--grad-checkpoint": "grad_checkpoint",
-            "--pack": "pack", "--quantized": "quantized", "--overwrite": "overwrite",
-            "--reference-free": "reference_free", "--precompute-ref-log-probs": "precompute_ref_log_probs"}
+Defaults are mlx_lm.lora's: 1000 iterations, adam at --lr 1e-5, --batch-size 4, a report every 10
+iterations, a validation every 200 and a checkpoint every 100. Without --run-dir nothing but the
+adapters is written (in --adapter-path).
+"""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the ``finetune`` flags (mlx_lm.lora's names and ours)."""
-    from mlx_train.llm.finetune import FineTuneConfig
+    """Add the ``finetune`` flags: train's, one per llm field and mlx_lm.lora's, help from the fields."""
+    from mlx_train.cli.flags import ITERATION_FLAGS, add_flags, finetune_flags
+    from mlx_train.config.mlx_lm import ITERATION_KEYS
 
-    fields = {f.name: f for f in dataclasses.fields(FineTuneConfig)}
-    parser.add_argument("-c", "--config", metavar="FILE", help="an mlx_lm.lora YAML file; flags override it")
-    for flag, name in FLAGS.items():
-        f = fields[name]
-        kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
-        parser.add_argument(flag, dest=name, type=kind, default=None, metavar=name.upper(),
-                            help=f"{f.metadata['help']} (default: {f.default})")
-    for flag, name in SWITCHES.items():
-        parser.add_argument(flag, dest=name, action="store_true", default=None, help=fields[name].metadata["help"])
+    parser.add_argument("-c", "--config", metavar="FILE", help="a YAML config: train's layout, or an mlx_lm.lora "
+                        "file as it is; flags override it")
+    add_flags(parser, finetune_flags(), {"run_dir": "; without it only the adapters are written"})
+    for flag, key in ITERATION_FLAGS.items():
+        parser.add_argument(flag, dest=key, type=int, default=None, metavar="N",
+                            help=f"mlx_lm.lora's {key}: {ITERATION_KEYS[key]} counted in iterations (micro-batches of "
+                            "--batch-size rows); N / --grad-accumulation-steps optimizer steps")
+    parser.add_argument(
+        "--resume", nargs="?", const="auto", default=None, metavar="auto|PATH",
+        help="continue the run of --run-dir: 'auto' (the default when bare) takes its newest complete "
+        "checkpoint, PATH a given checkpoint directory; the run's saved configuration is used, changed "
+        "only by the flags a resume allows")
+    parser.add_argument(
+        "--overwrite", action="store_true",
+        help="start a new run in a --run-dir that holds one: the old run is moved aside to "
+        "RUN_DIR.old-<date>-<time> (never deleted); without it such a start is refused")
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="set any TrainConfig field, e.g. --set weight_decay=0.1, --set ema_decay=0.999; repeatable; "
+        "the dedicated flags win")
     parser.add_argument("--fuse", metavar="DIR", help="after training, write the base with the adapters folded "
                         "in as an mlx-lm model directory")
+    from mlx_train.launch.train import add_train_arguments
+
+    add_train_arguments(parser)  # --distributed, -n, --hostfile: as train's
 
 
-def build_config(args: argparse.Namespace):
-    """The FineTuneConfig of a command line: defaults, then --config, then the flags."""
-    from mlx_train.llm.finetune import FineTuneConfig
+def resolve_config(args: argparse.Namespace, log: Any = print) -> Any:
+    """The TrainConfig of a ``finetune`` command line. Without --resume: mlx_lm.lora's defaults < --config
+    < --set < flags. With --resume: the configuration the run saved (its checkpoint's, or config.yaml),
+    changed only by the flags given, as ``train --resume`` does.
 
-    cfg = FineTuneConfig.from_yaml(args.config) if args.config else FineTuneConfig()
-    given = {name: getattr(args, name) for name in [*FLAGS.values(), *SWITCHES.values()]
-             if getattr(args, name, None) is not None}
-    return dataclasses.replace(cfg, **given)
+    Example::
+
+        from mlx_train.cli.main import build_parser
+        args = build_parser("finetune").parse_args(["finetune", "--model", "base", "--data", "d", "--iters", "8"])
+        resolve_config(args).max_steps      # 8
+    """
+    from pathlib import Path
+
+    from mlx_train.cli.flags import build_config, resume_config
+    from mlx_train.cli.train import saved_config
+    from mlx_train.distributed.rank import supervised
+    from mlx_train.errors import ConfigError
+
+    for given, flag in ((args.num_processes, "-n"), (args.hostfile, "--hostfile")):
+        if given is not None and not args.distributed:
+            raise ConfigError(f"{flag} {given} only applies to a distributed run: add --distributed "
+                              f"(mlx-train finetune --distributed {flag} {given} ...), or leave {flag} out")
+    if args.overwrite and args.resume:
+        raise ConfigError("--overwrite starts the run over and --resume continues it: give one of them")
+    config = build_config(args, finetune=True)
+    if args.distributed and not config.run_dir:
+        raise ConfigError("finetune --distributed needs --run-dir: the ranks share the run directory's checkpoints")
+    if args.distributed and args.fuse:
+        raise ConfigError("--fuse cannot go with --distributed: fuse the run's adapters afterwards with "
+                          "mlx-train finetune ... --fuse on one process, or mlx_lm.fuse")
+    if not args.resume:
+        return config
+    if not config.run_dir:
+        if args.resume == "auto":
+            raise ConfigError("--resume continues the run of --run-dir: pass --run-dir RUN_DIR")
+        return config  # a checkpoint path: its configuration is the command line's
+    run_dir = Path(config.run_dir)
+    found = saved_config(run_dir, config.checkpoint_dir, args.resume, required=not supervised())
+    if found is None:  # a supervised group restarted before it saved anything: its --config is the run's
+        return config
+    config, notes = resume_config(args, found[0], found[1], str(run_dir), finetune=True)
+    changed = f", changed: {'; '.join(notes)}" if notes else ""
+    log(f"resuming {run_dir} with the configuration of {found[1]}{changed}")
+    return config
 
 
 def _check_fuse_target(model: str | None, fuse: str) -> None:
@@ -93,17 +135,32 @@ def _check_fuse_target(model: str | None, fuse: str) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Run ``mlx-train finetune``; prints a summary with the validation perplexity."""
+    from mlx_train.cli.train import startup_line
+    from mlx_train.distributed.rank import in_group, is_main_process, supervised
     from mlx_train.errors import CheckpointError
     from mlx_train.llm.finetune import finetune, fuse_model, resume_checkpoint
     from mlx_train.llm.models import is_quantized
 
-    cfg = build_config(args)
+    cfg = resolve_config(args)
     if args.fuse:
         _check_fuse_target(cfg.model, args.fuse)
-    if cfg.resume and resume_checkpoint(cfg) is None:  # from Python, "auto" may start a run; here it must continue one
+    if args.resume and not supervised() and resume_checkpoint(cfg, args.resume) is None:
+        # from Python, "auto" may start a run; here it must continue one (a restarted group may have none yet)
         raise CheckpointError(f"there is nothing to resume in {cfg.run_dir}: no checkpoint in "
-                              f"{cfg.path_in_run('checkpoints')}; start a new run without --resume")
-    result = finetune(cfg)
+                              f"{cfg.run_dir}/checkpoints; start a new run without --resume")
+    if args.distributed:
+        return _launch(args, cfg)
+    say = print if is_main_process() else (lambda *a, **k: None)
+    say(startup_line(), flush=True)
+    trainer_class = None
+    if in_group():  # a rank of `finetune --distributed`
+        from mlx_train.training import DistributedTrainer
+
+        trainer_class = DistributedTrainer
+    result = finetune(cfg, resume=args.resume, overwrite=args.overwrite, trainer_class=trainer_class,
+                      log=lambda message: say(message, flush=True))
+    if not is_main_process():
+        return 0
     trainer = result["trainer"]
     unit = "trained tokens" if cfg.train_mode == "sft" else "preference pairs"
     name = "finetune" if cfg.train_mode == "sft" else f"finetune {cfg.train_mode}"
@@ -129,3 +186,18 @@ def main(args: argparse.Namespace) -> int:
         lines.append("  mlx-lm does not read .gguf bases: add --fuse DIR to get a model directory it loads")
     print("\n".join(lines), flush=True)
     return 0 if math.isfinite(result.get("val_loss", 0.0)) else 1
+
+
+def _launch(args: argparse.Namespace, config: Any) -> int:
+    """``finetune --distributed``: make room in the run directory (or continue it), then run the ranks under
+    train's supervisor; each rank runs ``mlx-train finetune --config <the resolved config>``."""
+    from mlx_train.checkpointing import CheckpointManager
+    from mlx_train.launch.train import train_distributed
+    from mlx_train.llm.finetune import check_before_loading
+    from mlx_train.training.resume import make_room
+
+    check_before_loading(config, args.resume, args.overwrite, launched=True)
+    if not args.resume:
+        checkpoints = CheckpointManager(f"{config.run_dir}/checkpoints", keep_last=None, async_save=False)
+        make_room(checkpoints, config.run_dir, args.overwrite, print)
+    return train_distributed(args, config, command_name="finetune")

@@ -1,6 +1,8 @@
-"""The TrainConfig flags shared by ``mlx-train train`` and ``mlx-train optimize``: how a command
-line becomes a ``TrainConfig`` (defaults < ``--config`` < ``--set`` < dedicated flags), and how a
-resumed run takes its saved configuration with only the changes a resume allows.
+"""The TrainConfig flags shared by ``mlx-train train``, ``mlx-train finetune`` and ``mlx-train optimize``:
+how a command line becomes a ``TrainConfig`` (defaults < ``--config`` < ``--set`` < dedicated flags),
+and how a resumed run takes its saved configuration with only the changes a resume allows.
+``finetune`` has train's flags plus one per field of the llm section and mlx_lm.lora's flag names
+(``FINETUNE_FLAGS``, ``ITERATION_FLAGS``); every flag's help is its field's.
 
 Example::
 
@@ -34,8 +36,52 @@ FLAGS: dict[str, str] = {
     "--project-name": "project_name",
     "--run-name": "run_name",
 }
-# Other spellings of a dedicated flag (mlx_lm's scripts say --learning-rate).
-FLAG_ALIASES: dict[str, tuple[str, ...]] = {"--lr": ("--learning-rate",)}
+# Other spellings of a dedicated flag (mlx_lm's scripts say --learning-rate and --data).
+FLAG_ALIASES: dict[str, tuple[str, ...]] = {"--lr": ("--learning-rate",), "--dataset": ("--data",),
+                                            "--dpo-loss-type": ("--dpo-cpo-loss-type",)}
+# mlx_lm.lora's flags counted in iterations (micro-batches): flag -> its key (mlx_train.config.mlx_lm).
+ITERATION_FLAGS: dict[str, str] = {"--iters": "iters", "--steps-per-report": "steps_per_report",
+                                   "--steps-per-eval": "steps_per_eval", "--save-every": "save_every"}
+# mlx_lm.lora's other flag names for TrainConfig fields.
+_MLX_LM_FLAGS: dict[str, str] = {"--optimizer": "optimizer", "--grad-accumulation-steps": "gradient_accumulation",
+                                 "--grad-checkpoint": "gradient_checkpointing", "--val-batches": "val_batches"}
+
+
+def finetune_flags() -> dict[str, str]:
+    """``finetune``'s dedicated flags: train's, mlx_lm.lora's and one per llm field (``--num-layers``).
+
+    Example: ``finetune_flags()["--mask-prompt"]`` -> ``"mask_prompt"``.
+    """
+    from mlx_train.config import TrainConfig
+
+    llm = {f"--{name.replace('_', '-')}": name for name, field in TrainConfig.fields_help().items()
+           if field.section == "llm"}
+    return {**FLAGS, **_MLX_LM_FLAGS, **llm}
+
+
+def is_switch(name: str) -> bool:
+    """A bool field gets a switch (``--pack``) rather than a flag with a value."""
+    from mlx_train.config import TrainConfig
+
+    return TrainConfig.fields_help()[name].type in ("bool", "bool | None")
+
+
+def add_flags(parser: argparse.ArgumentParser, flags: dict[str, str], notes: dict[str, str] | None = None) -> None:
+    """One flag per entry of ``flags`` (flag -> TrainConfig field): its type, check and help are the field's."""
+    from mlx_train.config import TrainConfig
+
+    fields = TrainConfig.fields_help()
+    for flag, name in flags.items():
+        field = fields[name]
+        choices = f"; one of {', '.join(field.choices)}" if field.choices else ""
+        default = "none" if field.default is None else field.default
+        text = f"{field.help} (default: {default}{choices}{(notes or {}).get(name, '')})".replace("%", "%%")
+        names = (flag, *FLAG_ALIASES.get(flag, ()))
+        if is_switch(name):
+            parser.add_argument(*names, dest=name, action="store_true", default=None, help=text)
+        else:
+            parser.add_argument(*names, dest=name, default=None, type=_flag_type(name), metavar=name.upper(),
+                                help=text)
 
 _DATA_ORDER = "the data order and the position in the epoch are restored from the checkpoint"
 # Fields a resumed run must keep, and why: the checkpoint's state only fits the run as it was started.
@@ -57,6 +103,13 @@ FIXED_ON_RESUME: dict[str, str] = {
     "warmup_init": "the schedule goes on from the checkpoint's step",
     "monitor": "the best checkpoint and early stopping restored from the checkpoint were measured with it",
     "monitor_mode": "the best checkpoint and early stopping restored from the checkpoint were measured with it",
+    "fine_tune_type": "the checkpoint holds the trained parameters of that method",
+    "num_layers": "the checkpoint holds adapters of those blocks",
+    "lora_parameters": "the checkpoint holds adapters of that rank",
+    "max_seq_length": _DATA_ORDER + ", of rows cut at that length",
+    "pack": _DATA_ORDER + ", of rows packed that way",
+    "mask_prompt": "the rows and their trained tokens were built with it",
+    "train_mode": "the checkpoint's run was trained with that loss",
 }
 
 
@@ -100,12 +153,17 @@ def _set_value(item: str, current: Callable[[str], Any]) -> tuple[str, Any]:
         raise ConfigError(f"{origin}: {error}") from None
 
 
-def command_line_changes(args: argparse.Namespace, base: Any) -> dict[str, tuple[Any, str]]:
-    """The fields ``--set`` and the dedicated flags set: ``{field: (value, origin)}``, flags last.
+def command_line_changes(args: argparse.Namespace, base: Any,
+                         flags: dict[str, str] | None = None) -> dict[str, tuple[Any, str]]:
+    """The fields ``--set`` and the dedicated flags (``flags``, default train's) set: ``{field: (value,
+    origin)}``, flags last. mlx_lm.lora's counts (``--iters``) are ``Iterations``, resolved with the
+    final gradient_accumulation.
 
     Example: ``--set epochs=4 --lr 0.1`` gives ``{"epochs": (4, "--set epochs=4"), "learning_rate":
     (0.1, "--lr 0.1")}``.
     """
+    from mlx_train.config.mlx_lm import ITERATION_KEYS, iterations
+
     changes: dict[str, tuple[Any, str]] = {}
 
     def current(name: str) -> Any:
@@ -114,45 +172,70 @@ def command_line_changes(args: argparse.Namespace, base: Any) -> dict[str, tuple
     for item in args.overrides:
         name, value = _set_value(item, current)
         changes[name] = (value, f"--set {item}")
-    for flag, name in FLAGS.items():
-        value = getattr(args, name)
+    for flag, name in (flags or FLAGS).items():
+        value = getattr(args, name, None)
         if value is not None:
-            changes[name] = (value, f"{flag} {value}")
+            changes[name] = (value, flag if is_switch(name) else f"{flag} {value}")
+    for flag, key in ITERATION_FLAGS.items():
+        value = getattr(args, key, None)
+        if value is not None:
+            origin = f"{flag} {value}"
+            changes[ITERATION_KEYS[key]] = (iterations(key, value, origin), origin)
+            if key == "iters" and "epochs" not in changes:
+                changes["epochs"] = (None, origin)  # mlx_lm.lora loops over the data until iters
     return changes
 
 
 def apply_changes(config: Any, changes: dict[str, tuple[Any, str]]) -> Any:
     """``config`` with every change applied in one ``replace`` (so ``--set optimizer=sgd --set
     momentum=0.9`` works in either order); an error names the flags it comes from."""
+    from mlx_train.config.options import Deferred, options, resolve
+
+    values = {name: value for name, (value, _) in changes.items()}
     try:
-        return config.replace(**{name: value for name, (value, _) in changes.items()})
+        if any(isinstance(value, Deferred) for value in values.values()):
+            values = {name: value for name, value in resolve({**config.to_dict(), **values}, options(config)).items()
+                      if name in values}
+        return config.replace(**values)
     except ConfigError as error:
         named = [origin for name, (_, origin) in changes.items() if name in str(error)]
         origins = named or [origin for _, origin in changes.values()]
         raise ConfigError(f"{', '.join(origins)}: {error}") from None
 
 
-def build_config(args: argparse.Namespace) -> Any:
-    """The TrainConfig of a parsed ``train`` command line: defaults < --config < --set < flags."""
+def build_config(args: argparse.Namespace, finetune: bool = False) -> Any:
+    """The TrainConfig of a parsed ``train`` (or ``finetune``) command line: defaults < --config < --set <
+    flags; ``finetune`` starts from mlx_lm.lora's defaults and takes its flags."""
     from mlx_train.config import TrainConfig
 
-    config = TrainConfig.from_yaml(args.config) if args.config else TrainConfig()
-    return apply_changes(config, command_line_changes(args, config))
+    if not finetune:
+        config = TrainConfig.from_yaml(args.config) if args.config else TrainConfig()
+        return apply_changes(config, command_line_changes(args, config))
+    changes = _config_file_changes(args.config, finetune=True) if args.config else {}
+    base = TrainConfig.for_finetune({name: value for name, (value, _) in changes.items()})
+    changes.update(command_line_changes(args, base, finetune_flags()))
+    try:
+        return TrainConfig.for_finetune({name: value for name, (value, _) in changes.items()})
+    except ConfigError as error:
+        named = [origin for name, (_, origin) in changes.items() if name in str(error)]
+        raise ConfigError(f"{', '.join(named) + ': ' if named else ''}{error}") from None
 
 
-def _config_file_changes(path: str) -> dict[str, tuple[Any, str]]:
-    """The fields a ``--config`` file sets (only those it names), each with its origin."""
+def _config_file_changes(path: str, finetune: bool = False) -> dict[str, tuple[Any, str]]:
+    """The fields a ``--config`` file sets (only those it names), each with its origin; mlx_lm.lora's
+    iteration counts stay ``Iterations`` until the final gradient_accumulation is known."""
     from mlx_train.config import SECTIONS, TrainConfig
     from mlx_train.config.files import read
     from mlx_train.config.options import options
+    from mlx_train.config.train import dialect
 
-    TrainConfig.from_yaml(path)  # the file alone must be valid: its errors name its lines
-    return {name: (value, f"--config {path} ({name})") for name, value in read(path, options(TrainConfig),
-                                                                              SECTIONS).items()}
+    TrainConfig.from_yaml(path, finetune=finetune)  # the file alone must be valid: its errors name its lines
+    values = read(path, options(TrainConfig), SECTIONS, dialect(finetune), defer=True)
+    return {name: (value, f"--config {path} ({name})") for name, value in values.items()}
 
 
 def resume_config(args: argparse.Namespace, saved: Any, saved_path: str,
-                  run_dir: str | None = None) -> tuple[Any, list[str]]:
+                  run_dir: str | None = None, finetune: bool = False) -> tuple[Any, list[str]]:
     """The configuration of a resumed run: ``saved`` (its config.yaml) with the changes of the command line.
 
     Returns ``(config, notes)``: one note per changed field (``"epochs 1 -> 3 (--epochs 3)"``). A change
@@ -176,12 +259,14 @@ def resume_config(args: argparse.Namespace, saved: Any, saved_path: str,
     if derived(saved.run_dir, saved.checkpoint_dir):
         saved = saved.replace(checkpoint_dir=None)
     saved = saved.replace(run_dir=run_dir or saved.run_dir)
-    changes = _config_file_changes(args.config) if args.config else {}
-    changes.update(command_line_changes(args, saved))
+    changes = _config_file_changes(args.config, finetune) if args.config else {}
+    changes.update(command_line_changes(args, saved, finetune_flags() if finetune else None))
     if "checkpoint_dir" in changes and derived(saved.run_dir, changes["checkpoint_dir"][0]):
         del changes["checkpoint_dir"]
+    from mlx_train.config.options import Deferred
+
     changes = {name: change for name, change in changes.items()
-               if name != "run_dir" and change[0] != getattr(saved, name)}
+               if name != "run_dir" and (isinstance(change[0], Deferred) or change[0] != getattr(saved, name))}
     refused = []
     for name, (_, origin) in changes.items():
         if name in ("batch_size", "gradient_accumulation"):
@@ -198,5 +283,6 @@ def resume_config(args: argparse.Namespace, saved: Any, saved_path: str,
         raise ConfigError("; ".join(refused) + ". To resume, leave those out (the run's saved configuration is used);"
                           " to train with other values, start a new run: a new --run-dir, without --resume")
     config = apply_changes(saved, changes)
-    notes = [f"{name} {getattr(saved, name)!r} -> {value!r} ({origin})" for name, (value, origin) in changes.items()]
+    notes = [f"{name} {getattr(saved, name)!r} -> {getattr(config, name)!r} ({origin})"
+             for name, (_, origin) in changes.items() if getattr(config, name) != getattr(saved, name)]
     return config, notes

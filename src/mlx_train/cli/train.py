@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from mlx_train import rundir
-from mlx_train.cli.flags import FLAG_ALIASES, FLAGS, _flag_type, build_config, resume_config
+from mlx_train.cli.flags import FLAGS, add_flags, build_config, resume_config
 from mlx_train.errors import ConfigError, TrainingInterrupted, did_you_mean
 from mlx_train.rundir import choose_run_dir
 
@@ -48,26 +48,18 @@ started over: --resume continues it, --overwrite moves it aside to RUN_DIR.old-<
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``train`` flags; their help is TrainConfig's field help."""
     from mlx_train.builtin import DATASETS, MODELS  # names only: listing them loads no model code
-    from mlx_train.config import TrainConfig
 
     notes = {  # what the field help cannot know: the CLI's own choices and defaults
         "model": f"; built-in: {', '.join(MODELS)}",
         "dataset": f"; built-in: {', '.join(DATASETS)}",
         "run_dir": "; the CLI uses runs/<model>-<dataset>-<date>-<time>",
     }
-    fields = TrainConfig.fields_help()
     parser.add_argument(
-        "--config", metavar="FILE",
-        help="YAML config (sections training/optimizer/model/data, or flat field names); "
-        "overlays the defaults, the flags overlay it",
+        "-c", "--config", metavar="FILE",
+        help="YAML config (sections training/optimizer/model/data, or flat field names; mlx_lm.lora's keys "
+        "too); overlays the defaults, the flags overlay it",
     )
-    for flag, name in FLAGS.items():
-        field = fields[name]
-        choices = f"; one of {', '.join(field.choices)}" if field.choices else ""
-        default = "none" if field.default is None else field.default
-        text = f"{field.help} (default: {default}{choices}{notes.get(name, '')})".replace("%", "%%")
-        parser.add_argument(flag, *FLAG_ALIASES.get(flag, ()), dest=name, default=None, type=_flag_type(name),
-                            metavar=name.upper(), help=text)
+    add_flags(parser, FLAGS, notes)
     parser.add_argument(
         "--resume", nargs="?", const="auto", default=None, metavar="auto|PATH",
         help="continue from a checkpoint: 'auto' (the default when bare) takes the newest "

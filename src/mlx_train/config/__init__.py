@@ -28,6 +28,14 @@ YAML layout (every part optional; a flat file of field names also works)::
     data:          # name (-> dataset), batch_size, eval_batch_size, num_workers, shuffle,
                    # drop_last; other keys -> dataset_options
     model:         # name (-> model); other keys -> model_options
+    llm:           # mlx-train finetune: fine_tune_type, num_layers, lora_parameters, max_seq_length,
+                   # mask_prompt, pack, adapter_path, resume_adapter_file, quantized, test, test_batches,
+                   # train_mode, beta, dpo_loss_type, label_smoothing, reference_free,
+                   # reference_model_path, precompute_ref_log_probs
+
+mlx_lm.lora's flat files load too (``mlx_train.config.mlx_lm``): ``iters`` and its other counts of
+iterations become optimizer steps, ``optimizer_config`` and the ``lr_schedule`` mapping become the
+optimizer fields; ``from_yaml(path, finetune=True)`` starts from mlx_lm.lora's defaults.
 
 A hyper-parameter the chosen optimizer does not use (``beta1`` with ``sgd``) is an error when it
 is written under a section or differs from its default.

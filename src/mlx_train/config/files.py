@@ -19,12 +19,16 @@ from typing import Any, cast
 
 import yaml
 
-from mlx_train.config.options import Invalid, Option, convert, default_of, first_problem
+from mlx_train.config.options import Deferred, Invalid, Option, convert, default_of, first_problem, resolve
 from mlx_train.errors import ConfigError, did_you_mean
 
 Fields = Mapping[str, dataclasses.Field[Any]]
 # section -> {key: (field name, converter of the key's value or None)}
 Routes = dict[str, dict[str, tuple[str, Callable[[Any], Any] | None]]]
+# Rewrites the keys of another tool's files (mlx_lm.lora's) into field keys: (data, lines, source) -> data.
+Dialect = Callable[[Mapping[str, Any], dict[tuple[Any, ...], int], str], dict[str, Any]]
+# Other defaults than the fields', given the values a file sets: values -> {field: default}.
+Defaults = Callable[[Mapping[str, Any]], Mapping[str, Any]]
 
 
 def _spec(f: dataclasses.Field[Any]) -> Option:
@@ -44,8 +48,10 @@ def routes(fields: Fields, sections: tuple[str, ...]) -> Routes:
     return table
 
 
-def read(path: str | os.PathLike[str], fields: Fields, sections: tuple[str, ...]) -> dict[str, Any]:
-    """The checked field values a YAML file sets; an empty file sets none."""
+def read(path: str | os.PathLike[str], fields: Fields, sections: tuple[str, ...], dialect: Dialect | None = None,
+         defer: bool = False, defaults: Defaults | None = None) -> dict[str, Any]:
+    """The checked field values a YAML file sets; an empty file sets none (``build`` says what
+    ``dialect`` and ``defer`` do)."""
     source = os.fspath(path)
     try:
         with open(source, encoding="utf-8") as file:
@@ -53,7 +59,7 @@ def read(path: str | os.PathLike[str], fields: Fields, sections: tuple[str, ...]
     except OSError as error:
         raise ConfigError(f"cannot read config file {source}: {error.strerror or error}") from None
     data, lines = _parse(text, source, sections)
-    return build(data, source, lines, fields, sections)
+    return build(data, source, lines, fields, sections, dialect, defer, defaults)
 
 
 def _where(source: str, line: int | None) -> str:
@@ -127,22 +133,31 @@ class _Values:
 
 
 def build(data: Any, source: str, lines: dict[tuple[Any, ...], int], fields: Fields,
-          sections: tuple[str, ...]) -> dict[str, Any]:
+          sections: tuple[str, ...], dialect: Dialect | None = None, defer: bool = False,
+          defaults: Defaults | None = None) -> dict[str, Any]:
     """Map sections, keys and aliases onto fields and check every value with its location.
 
     Returns the values the data sets. A hyper-parameter written under a section counts as set
     even at its default value (``optimizer: {name: sgd, beta1: 0.9}`` is an error); in a flat
-    dict, such as ``to_dict()``, only values that differ from the default do.
+    dict, such as ``to_dict()``, only values that differ from the default do. A top-level key
+    that is no section is a field name or alias. ``dialect`` first rewrites another tool's keys;
+    a ``Deferred`` value it makes is resolved against the other values, or with ``defer`` returned
+    as it is (for a caller that adds more values before resolving). ``defaults`` gives other
+    defaults than the fields' (``mlx-train finetune``'s); the values returned then include them.
     """
     if not isinstance(data, Mapping):
         raise ConfigError(f"{source}: a config must be a mapping of sections ({', '.join(sections)}) "
                           f"or field names, got {type(data).__name__}")
+    if dialect is not None:
+        data = dialect(data, lines, source)
     table = routes(fields, sections)
+    flat = table["training"]
     found = _Values(source)
     for key, value in data.items():
         line = lines.get((key,))
-        # "optimizer" and "model" are both sections (a mapping) and fields (a name).
-        if key in sections and (isinstance(value, Mapping) or value is None or key not in fields):
+        # "optimizer" and "model" are both sections (a mapping) and fields (a name); "data" is a section and
+        # an alias of a field (mlx_lm.lora's data: DIR).
+        if key in sections and (isinstance(value, Mapping) or value is None or key not in flat):
             if not isinstance(value, (Mapping, type(None))):
                 raise ConfigError(f"{_where(source, line)}: section '{key}' must be a mapping of keys to "
                                   f"values, got {value!r}")
@@ -150,22 +165,41 @@ def build(data: Any, source: str, lines: dict[tuple[Any, ...], int], fields: Fie
                 _section_key(found, table, fields, key, sub, sub_value, lines.get((key, sub)))
         elif isinstance(key, str) and key in fields:
             found.put(key, value, key, line)
+        elif isinstance(key, str) and key in flat:
+            name, alias_value = flat[key]
+            if alias_value is not None and not isinstance(value, Deferred):
+                try:
+                    value = alias_value(value)
+                except Invalid as error:
+                    raise ConfigError(f"{_where(source, line)}: {key} {error}") from None
+            found.put(name, value, key, line)
         else:
             raise ConfigError(f"{_where(source, line)}: unknown top-level key {key!r}"
                               f"{did_you_mean(str(key), tuple(sections) + tuple(fields))}; expected a section "
                               f"({', '.join(sections)}) or a TrainConfig field (mlx-train train --help)")
     for name, value in found.values.items():
         path, line = found.origin(name)
+        if isinstance(value, Deferred):
+            continue
         try:
             found.values[name] = convert(fields[name], value)
         except Invalid as error:
             raise ConfigError(f"{_where(source, line)}: {path} {error}") from None
-    complete = {name: found.values.get(name, default_of(f)) for name, f in fields.items()}
+    values = dict(found.values)
+    if defaults is not None:
+        values = {**defaults(values), **values}
+    if defer:
+        return values
+    try:
+        values = resolve(values, fields)
+    except ConfigError as error:
+        raise ConfigError(f"{source}: {error}" if not str(error).startswith(source) else str(error)) from None
+    complete = {name: values.get(name, default_of(f)) for name, f in fields.items()}
     problem = first_problem(fields, complete, found.explicit)
     if problem:
         path, line = found.origin(problem[0])
         raise ConfigError(f"{_where(source, line)}: {path} {problem[1]}")
-    return found.values
+    return values
 
 
 def _section_key(found: _Values, table: Routes, fields: Fields, section: str, key: Any, value: Any,
@@ -182,7 +216,8 @@ def _section_key(found: _Values, table: Routes, fields: Fields, section: str, ke
         found.put(name, value, path, line)
         found.explicit.add(name)
         return
-    home = next((other for other, other_keys in table.items() if other != "training" and key in other_keys), None)
+    home = next((other for other, other_keys in table.items() if other != "training" and key in other_keys
+                 and not _spec(fields[other_keys[key][0]]).shared_name), None)
     rest = next((name for name, f in fields.items() if _spec(f).section == section and _spec(f).other_keys), None)
     # Keys of data:/model: that are not fields are options, unless they look like a typo of a field.
     close = difflib.get_close_matches(str(key), keys, n=1, cutoff=0.8)

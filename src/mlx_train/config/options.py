@@ -47,6 +47,8 @@ class Option:
     ``hint`` is added to a message about a number out of its bounds. A dict field with
     ``other_keys`` receives the keys of its section that are not fields
     (``model: {name: mlp, hidden_dims: [64]}`` -> ``model_options={"hidden_dims": [64]}``).
+    ``shared_name``: under such a section, the field's name is an option like any other
+    (``model: {num_layers: 4}`` is the built-in transformer's depth, not the llm field).
     """
 
     help: str
@@ -61,6 +63,7 @@ class Option:
     aliases: Mapping[str, Callable[[Any], Any] | None] = field(default_factory=dict)
     other_keys: bool = False
     hint: str | None = None
+    shared_name: bool = False
 
 
 def option(default: Any, help: str, *, section: str, **constraint: Any) -> Any:
@@ -132,6 +135,8 @@ def convert(f: dataclasses.Field[Any], value: Any) -> Any:
         raise Invalid(f"must be {_EXPECTED[kind]}, got null")
     if spec.parse is not None:
         value = spec.parse(value)
+        if value is None and optional:  # a spelling of "none" (mlx_lm.lora's -1 batches: all of them)
+            return None
     value = _of_kind(kind, optional, value)
     if spec.choices is not None:
         if value.lower() not in spec.choices:
@@ -222,6 +227,35 @@ def check_fields(obj: Any) -> None:
     problem = first_problem(fields, vars(obj))
     if problem:
         raise ConfigError(f"{where(problem[0])} {problem[1]}")
+
+
+class Deferred:
+    """A field value that needs the final values of other fields (mlx_lm.lora's ``iters`` counts
+    micro-batches, so its optimizer steps depend on ``gradient_accumulation``). ``resolve`` turns
+    every one of them into the field's value once all layers (file, flags) are known."""
+
+    def value(self, values: Mapping[str, Any]) -> Any:
+        """The field's value, given the other fields' values; raises ``ConfigError`` naming its origin."""
+        raise NotImplementedError
+
+
+def resolve(values: Mapping[str, Any], fields: Mapping[str, dataclasses.Field[Any]]) -> dict[str, Any]:
+    """``values`` with each ``Deferred`` value replaced by its value, computed from the other values
+    (the defaults of ``fields`` where ``values`` has none) and converted.
+
+    Example: ``resolve({"max_steps": Iterations(100, ...), "gradient_accumulation": 4}, fields)``
+    -> ``{"max_steps": 25, "gradient_accumulation": 4}``.
+    """
+    plain = {name: value for name, value in values.items() if not isinstance(value, Deferred)}
+    complete = {name: plain.get(name, default_of(f)) for name, f in fields.items()}
+    out = dict(values)
+    for name, value in values.items():
+        if isinstance(value, Deferred):
+            try:
+                out[name] = convert(fields[name], value.value(complete))
+            except Invalid as error:
+                raise ConfigError(f"{name} {error}") from None
+    return out
 
 
 # ----- value types shared by several configs -----

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, NamedTuple
 
-from mlx_train.config import files
+from mlx_train.config import files, mlx_lm
 from mlx_train.config.options import (
     Invalid,
     byte_count,
@@ -29,6 +29,7 @@ from mlx_train.config.options import (
     kind_of,
     option,
     options,
+    resolve,
 )
 from mlx_train.errors import ConfigError, did_you_mean
 
@@ -66,7 +67,7 @@ BACKEND_CHOICES = ("auto",) + BACKENDS
 
 _YAML_HEADER = "mlx-train configuration (TrainConfig), by section"
 #: The YAML sections, in the order ``to_yaml`` writes them.
-SECTIONS = ("training", "optimizer", "checkpoint", "memory", "distributed", "data", "model", "tracking")
+SECTIONS = ("training", "optimizer", "checkpoint", "memory", "distributed", "data", "model", "llm", "tracking")
 
 #: The experiment trackers ``report_to`` names (``mlx_train.training.trackers``).
 TRACKERS = ("tensorboard", "wandb", "mlflow")
@@ -171,7 +172,37 @@ in_memory = partial(option, section="memory")
 in_distributed = partial(option, section="distributed")
 in_data = partial(option, section="data")
 in_model = partial(option, section="model")
+in_llm = partial(option, section="llm")
 in_tracking = partial(option, section="tracking")
+
+#: The fine-tuning methods and training modes of ``mlx-train finetune`` (llm section).
+FINE_TUNE_TYPES = ("lora", "dora", "full")
+TRAIN_MODES = ("sft", "dpo", "orpo", "cpo")
+DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo")
+
+
+def _all_batches(value: Any) -> Any:
+    """mlx_lm.lora's ``-1`` batches means all of them: null here."""
+    return None if value == -1 and not isinstance(value, bool) else value
+
+
+def _layers(value: int, values: Mapping[str, Any]) -> str | None:
+    if value == -1 or value >= 1:
+        return None
+    return f"must be -1 (all blocks, as in mlx_lm.lora) or at least 1, got {value}"
+
+
+def _epochs_or_steps(value: Any, values: Mapping[str, Any]) -> str | None:
+    if value is None and values["max_steps"] is None:
+        return ("is null (as many epochs as max_steps needs) but max_steps is null too: set epochs, or "
+                "max_steps (mlx_lm.lora: iters)")
+    return None
+
+
+def _smoothing(value: float, values: Mapping[str, Any]) -> str | None:
+    if value and (values["train_mode"] == "orpo" or values["dpo_loss_type"] != "sigmoid"):
+        return "applies to the DPO sigmoid loss only; set it to 0 or use dpo_loss_type: sigmoid"
+    return None
 
 
 @dataclass
@@ -188,13 +219,17 @@ class TrainConfig:
     """
 
     # ----- training: the loop -----
-    epochs: int = in_training(10, "Passes over the training data (YAML: training.num_epochs).", minimum=1,
-                           aliases={"num_epochs": None})
+    epochs: int | None = in_training(10, "Passes over the training data (YAML: training.num_epochs); null: as "
+                                         "many as max_steps needs (mlx_lm.lora's iters loop over the data).",
+                                  minimum=1, aliases={"num_epochs": None}, check=_epochs_or_steps)
     max_steps: int | None = in_training(None, "Stop after this many optimizer steps, even mid-epoch "
-                                           "(null: run all epochs).", minimum=1)
+                                           "(null: run all epochs); mlx_lm.lora's iters counts micro-batches: "
+                                           "iters / gradient_accumulation steps.", minimum=1)
     gradient_accumulation: int = in_training(1, "Micro-batches whose gradients are averaged into one optimizer "
-                                             "step (YAML: training.gradient_accumulation_steps).", minimum=1,
-                                          aliases={"gradient_accumulation_steps": None})
+                                             "step (YAML: training.gradient_accumulation_steps, or mlx_lm.lora's "
+                                             "grad_accumulation_steps).", minimum=1,
+                                          aliases={"gradient_accumulation_steps": None,
+                                                   "grad_accumulation_steps": None})
     seed: int = in_training(0, "Seed of parameter initialisation, dropout and data order.", minimum=0)
     compile: bool = in_training(True, "Compile the training step with mx.compile (false: easier debugging).")
     report_every: str = in_training("10 steps", "How often to log training metrics: 'N steps' or 'N epochs' "
@@ -211,7 +246,8 @@ class TrainConfig:
                                                          "improvement of monitor (null: never stop early).",
                                                    minimum=0)
     val_batches: int | None = in_training(None, "Validate on the first N batches of the validation set only "
-                                                "(null: all of it); evaluate() always uses all.", minimum=1)
+                                                "(null or -1: all of it); evaluate() always uses all.", minimum=1,
+                                          parse=_all_batches)
     nonfinite: str = in_training("raise", "What a NaN/Inf loss or gradient does: 'raise' (stop with an error naming "
                                          "the step and batch), 'skip' (the update is undone and training goes on) "
                                          "or 'stop' (stop, keeping the last finite checkpoint).",
@@ -290,7 +326,9 @@ class TrainConfig:
                                           "doubles.", minimum=1)
     gradient_checkpointing: bool = in_memory(False, "Recompute the activations of repeated blocks in the backward "
                                                  "pass (mx.checkpoint): less memory, about a third more "
-                                                 "compute; which blocks: checkpoint_modules.")
+                                                 "compute; which blocks: checkpoint_modules (YAML alias: "
+                                                 "grad_checkpoint, mlx_lm.lora's name).",
+                                             aliases={"grad_checkpoint": None})
     checkpoint_modules: list = in_memory([], "Blocks gradient_checkpointing recomputes: dotted paths to a module "  # type: ignore[type-arg]
                                           "or a list of modules, e.g. ['encoder.layers'] (empty: model.layers).")
     memory_limit: int | None = in_memory(None, "Memory budget per device, bytes or a size like '8GB': a step whose "
@@ -321,9 +359,13 @@ class TrainConfig:
                                        choices=("raise", "warn", "broadcast"))
 
     # ----- data: the dataset and its batches -----
-    dataset: str = in_data("digits", "Built-in dataset the CLI trains on (YAML: data.name).", key="name")
-    batch_size: int = in_data(32, "Samples per micro-batch on each device; one optimizer step uses "
-                               "batch_size x gradient_accumulation x devices samples.", minimum=1)
+    dataset: str = in_data("digits", "What to train on. train: a built-in dataset (YAML: data.name); finetune: a "
+                                     "directory with train.jsonl/valid.jsonl/test.jsonl or a Hugging Face dataset "
+                                     "name (YAML: data, mlx_lm.lora's name).", key="name", aliases={"data": None})
+    batch_size: int = in_data(32, "Samples (rows) per micro-batch on each device; one optimizer step uses "
+                               "batch_size x gradient_accumulation x devices samples (mlx_lm.lora's batch_size "
+                               "per iteration; its distributed runs split it over the ranks, mlx-train's do not).",
+                              minimum=1)
     eval_batch_size: int | None = in_data(None, "Batch size for validation and evaluation (null: batch_size).",
                                        minimum=1)
     num_workers: int = in_data(2, "Background threads that prefetch batches (0: load in the training thread).",
@@ -335,9 +377,46 @@ class TrainConfig:
                                  other_keys=True)
 
     # ----- model: the built-in model -----
-    model: str = in_model("mlp", "Built-in model the CLI trains (YAML: model.name).", key="name")
+    model: str = in_model("mlp", "The model. train: a built-in model (YAML: model.name); finetune: the base "
+                                 "language model, an mlx-lm/Hugging Face directory, a Hugging Face repo id or a "
+                                 ".gguf file (YAML: model, as in mlx_lm.lora).", key="name")
     model_options: dict = in_model({}, "Keyword arguments of the built-in model (YAML: the other keys of model:).",  # type: ignore[type-arg]
                                 other_keys=True)
+
+    # ----- llm: fine-tuning a language model (mlx-train finetune; mlx_lm.lora's and mlx-lm-lora's names) -----
+    fine_tune_type: str = in_llm("lora", "How the base is tuned: lora, dora (adapters) or full (the blocks' weights).",
+                                 choices=FINE_TUNE_TYPES)
+    num_layers: int = in_llm(16, "Blocks to fine-tune, counted from the last (-1: all; 0 is refused). Under "
+                                 "model: a built-in model's option of that name instead.",
+                             check=_layers, shared_name=True)
+    lora_parameters: dict = in_llm({"rank": 8, "scale": 20.0, "dropout": 0.0},  # type: ignore[type-arg]
+                                   "LoRA/DoRA rank, scale, dropout and keys (mlx_lm.lora's lora_parameters).")
+    max_seq_length: int = in_llm(2048, "Longest sequence in tokens; longer documents are cut (and counted).",
+                                 minimum=1)
+    mask_prompt: bool = in_llm(False, "Train on completions only (prompt/completion and chat records).")
+    pack: bool = in_llm(False, "Pack several documents per row up to max_seq_length (no loss or attention across "
+                               "them).")
+    adapter_path: str = in_llm("adapters", "Where the adapters are written (mlx-lm format); relative to run_dir.")
+    resume_adapter_file: str | None = in_llm(None, "Adapters (directory or adapters.safetensors) to start from.")
+    quantized: bool | None = in_llm(None, "Keep a quantized base quantized (QLoRA); null: keep it on a GPU, "
+                                          "dequantize to float32 on a CPU (quantized matmuls are slow there).")
+    test: bool = in_llm(False, "Evaluate on the test split (test.jsonl) after training.")
+    test_batches: int | None = in_llm(500, "Test batches (null or -1: the whole test set).", minimum=1,
+                                      parse=_all_batches)
+    train_mode: str = in_llm("sft", "sft (next-token loss), dpo, orpo or cpo (preference rows: prompt, chosen, "
+                                    "rejected).", choices=TRAIN_MODES)
+    beta: float = in_llm(0.1, "DPO: temperature of the implicit reward; ORPO: weight of the odds-ratio term.",
+                         above=0)
+    dpo_loss_type: str = in_llm("sigmoid", "DPO/CPO loss: sigmoid, hinge or ipo (YAML alias: dpo_cpo_loss_type).",
+                                choices=DPO_LOSS_TYPES, aliases={"dpo_cpo_loss_type": None})
+    label_smoothing: float = in_llm(0.0, "DPO sigmoid: share of preference labels assumed wrong (conservative "
+                                         "DPO).", minimum=0, below=0.5, check=_smoothing)
+    reference_free: bool = in_llm(False, "DPO against a uniform reference (reference log-probabilities 0).")
+    reference_model_path: str | None = in_llm(None, "DPO reference model (null: the base model; with LoRA/DoRA "
+                                                    "the adapters are switched off, with full fine-tuning its "
+                                                    "log-probabilities are computed once before training).")
+    precompute_ref_log_probs: bool = in_llm(False, "DPO with LoRA/DoRA: compute the reference log-probabilities "
+                                                   "once before training (adapters off) instead of in every step.")
 
     # ----- tracking: experiment trackers (mlx-lm's --report-to, Hugging Face's report_to) -----
     report_to: list = in_tracking([], "Experiment trackers that receive the config, the metrics and the final "  # type: ignore[type-arg]
@@ -352,18 +431,40 @@ class TrainConfig:
 
     # ----- building -----
     @classmethod
-    def from_yaml(cls, path: str | os.PathLike[str]) -> TrainConfig:
-        """Load a YAML file, sectioned (see ``mlx_train.config``) or flat; an empty file gives the defaults.
+    def from_yaml(cls, path: str | os.PathLike[str], finetune: bool = False) -> TrainConfig:
+        """Load a YAML file, sectioned (see ``mlx_train.config``) or flat; an empty file gives the defaults
+        (``finetune``: ``mlx-train finetune``'s, mlx_lm.lora's). mlx_lm.lora's files load as they are
+        (``mlx_train.config.mlx_lm``).
 
         Errors name the file and line: ``custom.yaml:5: unknown key 'batch_sise' in section
         'training' (did you mean 'batch_size'?)``.
         """
-        return cls(**files.read(path, options(cls), SECTIONS))
+        return cls(**files.read(path, options(cls), SECTIONS, dialect(finetune),
+                                defaults=mlx_lm.finetune_defaults if finetune else None))
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any], source: str = "<dict>") -> TrainConfig:
-        """Build from a dict shaped like the YAML (sections and/or flat field names), e.g. ``to_dict()``."""
-        return cls(**files.build(data, source, {}, options(cls), SECTIONS))
+    def from_dict(cls, data: Mapping[str, Any], source: str = "<dict>", finetune: bool = False) -> TrainConfig:
+        """Build from a dict shaped like the YAML (sections and/or flat field names and aliases, mlx_lm.lora's
+        keys too), e.g. ``to_dict()``; ``finetune``: on ``mlx-train finetune``'s defaults.
+
+        Example: ``TrainConfig.from_dict({"iters": 100, "grad_accumulation_steps": 4}).max_steps`` -> ``25``.
+        """
+        return cls(**files.build(data, source, {}, options(cls), SECTIONS, dialect(finetune),
+                                 defaults=mlx_lm.finetune_defaults if finetune else None))
+
+    @classmethod
+    def for_finetune(cls, given: Mapping[str, Any]) -> TrainConfig:
+        """The config of ``mlx-train finetune``: its defaults (mlx_lm.lora's) under field values ``given``,
+        which may hold ``Deferred`` counts (``--iters``) resolved here.
+
+        Example: ``TrainConfig.for_finetune({"model": "base", "dataset": "data"}).optimizer`` -> ``"adam"``.
+        """
+        return cls(**resolve({**mlx_lm.finetune_defaults(given), **given}, _FIELDS))
+
+    @property
+    def data(self) -> str:
+        """``dataset``, by mlx_lm.lora's name for it (``config.data``)."""
+        return self.dataset
 
     def replace(self, **overrides: Any) -> TrainConfig:
         """A copy with some fields changed; unknown names and wrong values raise ``ConfigError``."""
@@ -378,7 +479,8 @@ class TrainConfig:
         return {name: copy.deepcopy(getattr(self, name)) for name in _FIELDS}
 
     def sections(self) -> dict[str, dict[str, Any]]:
-        """The config in the YAML layout; optimizer hyper-parameters the optimizer does not use are left out.
+        """The config in the YAML layout; optimizer hyper-parameters the optimizer does not use are left out,
+        and so is the llm section when all of it is at its defaults (a ``train`` run).
 
         Example::
 
@@ -386,6 +488,9 @@ class TrainConfig:
             # {"name": "sgd", "learning_rate": 0.001, ..., "weight_decay": 0.01, "momentum": 0.0, ...}
         """
         unused = HYPER_PARAMETERS - set(OPTIMIZERS[self.optimizer][1])
+        if all(getattr(self, name) == default_of(f) for name, f in _FIELDS.items()
+               if f.metadata["option"].section == "llm"):
+            unused |= {name for name, f in _FIELDS.items() if f.metadata["option"].section == "llm"}
         return files.sectioned(self.to_dict(), options(self), SECTIONS, leave_out=unused)
 
     def to_yaml(self, path: str | os.PathLike[str]) -> None:
@@ -433,6 +538,11 @@ class TrainConfig:
     def monitor_direction(self) -> str:
         """``"min"`` or ``"max"``: ``monitor_mode``, with ``auto`` resolved by ``metric_direction``."""
         return metric_direction(self.monitor, self.monitor_mode)
+
+
+def dialect(finetune: bool) -> files.Dialect:
+    """The translation of mlx_lm.lora's keys, with the optimizer in force when a file names none."""
+    return partial(mlx_lm.translate, optimizer="adam" if finetune else "adamw", finetune=finetune)
 
 
 class FieldHelp(NamedTuple):

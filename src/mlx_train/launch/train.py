@@ -69,8 +69,9 @@ def cluster_for(num_processes: int | None, hostfile: str | None, backend: str):
     return cluster
 
 
-def train_distributed(args: argparse.Namespace, config: Any, log=print) -> int:
-    """Run ``mlx-train train --distributed`` with the parsed ``args`` and resolved ``config``."""
+def train_distributed(args: argparse.Namespace, config: Any, log=print, command_name: str = "train") -> int:
+    """Run ``mlx-train train --distributed`` (or ``command_name``: ``finetune``) with the parsed ``args`` and
+    resolved ``config``; every rank runs that subcommand with the resolved config."""
     from mlx_train.errors import TrainingInterrupted
     from mlx_train.launch.supervisor import RecoveryPolicy, Supervisor
 
@@ -83,7 +84,7 @@ def train_distributed(args: argparse.Namespace, config: Any, log=print) -> int:
     config_path = state_dir / rundir.LAUNCH_CONFIG_FILE
     config.to_yaml(str(config_path))
     python = hosts.python or sys.executable
-    command = [python, "-m", "mlx_train", "train", "--config", str(config_path.resolve())]
+    command = [python, "-m", "mlx_train", command_name, "--config", str(config_path.resolve())]
     if args.resume:
         command += ["--resume", args.resume]
     world = hosts.num_processes
@@ -99,7 +100,7 @@ def train_distributed(args: argparse.Namespace, config: Any, log=print) -> int:
         result = supervisor.run()
     except TrainingInterrupted as stop:  # the ranks saved a checkpoint at one step: say how to go on
         hostfile = f" --hostfile {args.hostfile}" if args.hostfile else ""
-        print(f"to continue: mlx-train train --distributed -n {world}{hostfile} --run-dir {run_dir} --resume",
+        print(f"to continue: mlx-train {command_name} --distributed -n {world}{hostfile} --run-dir {run_dir} --resume",
               file=sys.stderr)
         return int(stop.code)  # 128 + signal, as schedulers expect
     restarts = len(result.restarts)

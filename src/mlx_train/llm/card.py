@@ -22,13 +22,13 @@ from mlx_train import rundir
 CARD_FILE = "README.md"
 FACTS_FILE = "model_card.json"  # the card's facts, so a fused model's card can be written from the adapters'
 _HYPER = ("train_mode", "fine_tune_type", "num_layers", "lora_parameters", "learning_rate", "optimizer", "batch_size",
-          "grad_accumulation_steps", "iters", "epochs", "max_seq_length", "mask_prompt", "pack", "seed")
+          "gradient_accumulation", "max_steps", "epochs", "max_seq_length", "mask_prompt", "pack", "seed")
 _PREFERENCE = ("beta", "dpo_loss_type", "label_smoothing", "reference_free", "reference_model_path",
                "precompute_ref_log_probs")
 
 
 def card_facts(cfg: Any, result: dict[str, Any]) -> dict[str, Any]:
-    """What a card says about a finished :func:`~mlx_train.llm.finetune.finetune` run.
+    """What a card says about a finished :func:`~mlx_train.llm.finetune.finetune` run (``cfg``: its TrainConfig).
 
     Example: ``card_facts(cfg, finetune(cfg))["metrics"]["val_loss"]``.
     """
@@ -43,7 +43,7 @@ def card_facts(cfg: Any, result: dict[str, Any]) -> dict[str, Any]:
             metrics[f"val_{key}"] = round(value, 6)
     if "val_perplexity" in result:
         metrics["val_perplexity"] = round(result["val_perplexity"], 6)
-    return {"base_model": cfg.model, "data": cfg.data, "method": cfg.fine_tune_type, "train_mode": cfg.train_mode,
+    return {"base_model": cfg.model, "data": cfg.dataset, "method": cfg.fine_tune_type, "train_mode": cfg.train_mode,
             "hyperparameters": hyper, "metrics": metrics}
 
 

@@ -91,7 +91,10 @@ class PreferenceConfig:
 
     @classmethod
     def from_finetune(cls, cfg: Any) -> PreferenceConfig:
-        """The preference settings of a :class:`~mlx_train.llm.finetune.FineTuneConfig`."""
+        """The preference settings of a fine-tuning run's ``TrainConfig`` (its llm section).
+
+        Example: ``PreferenceConfig.from_finetune(TrainConfig(train_mode="dpo", beta=0.5)).beta`` -> ``0.5``.
+        """
         return cls(cfg.train_mode, float(cfg.beta), cfg.dpo_loss_type, float(cfg.label_smoothing),
                    bool(cfg.reference_free))
 

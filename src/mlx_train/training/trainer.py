@@ -41,6 +41,7 @@ from mlx_train.training.schedule import (
     Cadences,
     at_epoch_end,
     batch_place,
+    length_of,
     nonfinite_inputs,
     total_steps,
 )
@@ -159,7 +160,7 @@ class Trainer:
                 raise ConfigError("train() needs a train_dataset: none was given and there is no earlier "
                                   "train() call whose datasets could be reused")
             loader, val_loader = self._loaders
-            epochs = _epoch_of(loader, self.state) + (epochs or self.config.epochs)
+            epochs = _epoch_of(loader, self.state) + (epochs or self.config.epochs or _epochs_for(loader, self.config))
             return self._run(loader, val_loader, epochs, checkpoint_dir, callbacks or [], resume, overwrite)
         cfg = self.config
         loader = train_dataset if isinstance(train_dataset, DataLoader) else DataLoader(
@@ -213,9 +214,9 @@ class Trainer:
     def _run(self, loader: Iterable[Any], val_loader: Iterable[Any] | None, epochs: int | None,
              checkpoint_dir: str | None, callbacks: Any, resume: str | None, overwrite: bool = False) -> dict[str, Any]:
         cfg, state = self.config, self.state
-        self.epochs = epochs = epochs or cfg.epochs
+        self._shard(loader, val_loader)  # first: epochs: null counts this rank's batches
+        self.epochs = epochs = epochs or cfg.epochs or _epochs_for(loader, cfg)
         state.stop_training = False
-        self._shard(loader, val_loader)
         callbacks = CallbackList(self._default_callbacks() + list(callbacks))
         checkpoints = self._checkpoints(checkpoint_dir or cfg.checkpoint_dir)
         if overwrite and resume:
@@ -626,6 +627,12 @@ def _check_model(model: Any) -> None:
         raise ConfigError(
             f"the model must be an mlx.nn.Module, got {type(model).__name__}; wrap a function in a Module "
             "subclass whose __call__ computes the outputs (its parameters are then found and trained)")
+
+
+def _epochs_for(loader: Any, config: TrainConfig) -> int:
+    """``epochs: null``: as many passes as ``max_steps`` needs (a loader of unknown length: until max_steps)."""
+    per_epoch = length_of(loader)
+    return math.ceil((config.max_steps or 1) / per_epoch) if per_epoch else 2**62
 
 
 def _epoch_of(loader: Any, state: LoopState) -> int:

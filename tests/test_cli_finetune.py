@@ -1,0 +1,168 @@
+"""`mlx-train train` and `mlx-train finetune` speak one language: the same flags with the same meaning,
+-c/--config, --set, bare --resume with the run's saved config.yaml, the start-up banner."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import yaml
+
+pytest.importorskip("mlx_lm")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))
+
+import llm_tiny  # noqa: E402
+
+from mlx_train.cli.main import build_parser, main  # noqa: E402
+from mlx_train.config import TrainConfig  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ftcli")
+    llm_tiny.write_model_dir(str(root / "base"), seed=5)
+    llm_tiny.write_data(str(root / "data"), "completion", n_train=12, n_valid=4)
+    return root
+
+
+def _finetune(setup, run, *extra):
+    return ["finetune", "--model", str(setup / "base"), "--data", str(setup / "data"), "--num-layers", "1",
+            "--run-dir", str(run), *extra]
+
+
+def _config(command, *flags):
+    from mlx_train.cli.finetune import resolve_config as finetune_config
+    from mlx_train.cli.train import resolve_config as train_config
+
+    args = build_parser(command).parse_args([command, *flags])
+    return (train_config if command == "train" else finetune_config)(args, log=lambda message: None)
+
+
+@pytest.mark.parametrize("flags,field,value", [
+    (["--lr", "0.02"], "learning_rate", 0.02),
+    (["--learning-rate", "0.02"], "learning_rate", 0.02),
+    (["--max-steps", "7"], "max_steps", 7),
+    (["--batch-size", "3"], "batch_size", 3),
+    (["--epochs", "2"], "epochs", 2),
+    (["--seed", "9"], "seed", 9),
+    (["--set", "ema_decay=0.9"], "ema_decay", 0.9),
+    (["--set", "weight_decay=0.2", "--set", "optimizer=adamw"], "weight_decay", 0.2),
+    (["--precision", "bf16"], "precision", "bfloat16"),
+])
+def test_a_flag_means_the_same_in_train_and_finetune(tmp_path, flags, field, value):
+    common = ["--run-dir", str(tmp_path / "r")]
+    trained = _config("train", *common, *flags)
+    tuned = _config("finetune", *common, "--model", "base", "--data", "data", *flags)
+    assert getattr(trained, field) == getattr(tuned, field) == value
+
+
+def test_config_files_and_set_on_both_commands(tmp_path):
+    (tmp_path / "c.yaml").write_text("training:\n  seed: 4\noptimizer:\n  name: sgd\n  momentum: 0.5\n")
+    for command, extra in (("train", []), ("finetune", ["--model", "b", "--data", "d"])):
+        for spelling in ("-c", "--config"):
+            config = _config(command, spelling, str(tmp_path / "c.yaml"), "--set", "momentum=0.25", *extra)
+            assert (config.seed, config.optimizer, config.momentum) == (4, "sgd", 0.25)
+
+
+def test_mlx_lm_flags_count_iterations_against_the_final_accumulation(tmp_path):
+    (tmp_path / "lora.yaml").write_text("iters: 100\nsteps_per_eval: 20\n")
+    config = _config("finetune", "-c", str(tmp_path / "lora.yaml"), "--grad-accumulation-steps", "4", "--model", "b",
+                     "--data", "d")
+    assert (config.max_steps, config.eval_every, config.epochs) == (25, "5 steps", None)
+    config = _config("finetune", "--iters", "12", "--save-every", "6", "--grad-accumulation-steps", "3",
+                     "--model", "b", "--data", "d")
+    assert (config.max_steps, config.checkpoint_every) == (4, "2 steps")
+    # --max-steps is counted in optimizer steps in both commands; --epochs with it bounds the run as in train
+    config = _config("finetune", "--max-steps", "12", "--grad-accumulation-steps", "3", "--model", "b", "--data", "d")
+    assert (config.max_steps, config.epochs) == (12, None)
+    assert _config("finetune", "--epochs", "2", "--model", "b", "--data", "d").max_steps is None
+
+
+# finetune's flags before train and finetune shared one language (mlx_lm.lora's and mlx-lm-lora's names, and ours)
+FORMER_FLAGS = ("--model --data --fine-tune-type --optimizer --num-layers --batch-size --iters --epochs --val-batches "
+                "--learning-rate --steps-per-report --steps-per-eval --grad-accumulation-steps --resume-adapter-file "
+                "--adapter-path --save-every --test-batches --max-seq-length --seed --run-dir --resume --report-to "
+                "--project-name --run-name --train-mode --beta --dpo-loss-type --dpo-cpo-loss-type --label-smoothing "
+                "--reference-model-path --mask-prompt --test --grad-checkpoint --pack --quantized --overwrite "
+                "--reference-free --precompute-ref-log-probs -c --config --fuse").split()
+
+
+def test_finetune_keeps_every_flag_it_had_and_takes_trains():
+    def flags(command):
+        parser = build_parser(command)._subcommands[command]
+        return {flag for action in parser._actions for flag in action.option_strings}
+
+    finetune = flags("finetune")
+    assert not [flag for flag in FORMER_FLAGS if flag not in finetune]
+    assert not sorted(flags("train") - finetune - {"--optimize-memory"})  # a memory plan is train's alone
+
+
+def test_finetune_help_comes_from_the_fields(capsys):
+    assert main(["finetune", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    fields = TrainConfig.fields_help()
+    for name in ("num_layers", "pack", "train_mode", "max_steps", "batch_size"):
+        assert " ".join(fields[name].help.split())[:40] in out, name
+    for flag in ("--iters", "--steps-per-report", "--grad-accumulation-steps", "--lr", "--set", "--resume",
+                 "--overwrite", "--data", "-c"):
+        assert flag in out
+
+
+def test_finetune_run_dir_config_yaml_banner_and_bare_resume(setup, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(_finetune(setup, run, "--iters", "2", "--batch-size", "4", "--lr", "1e-3", "--set",
+                          "ema_decay=0.9")) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].startswith("mlx-train ") and "| MLX " in out.splitlines()[0]  # train's banner
+    assert "step 2 |" in out  # train's progress lines
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert saved["llm"]["num_layers"] == 1 and saved["training"]["ema_decay"] == 0.9
+    assert saved["training"]["max_steps"] == 2 and saved["model"]["name"] == str(setup / "base")
+    from mlx_train.training.ema import checkpoint_ema_weights
+
+    assert checkpoint_ema_weights(str(run / "checkpoints" / "step-00000002"))  # EMA, as in train
+    # bare --resume: the saved configuration, changed only where a resume may change it
+    assert main(["finetune", "--run-dir", str(run), "--resume", "--max-steps", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "resuming" in out and "max_steps 2 -> 3 (--max-steps 3)" in out and "finetune: 3 steps" in out
+    assert yaml.safe_load((run / "config.yaml").read_text())["training"]["max_steps"] == 3
+    assert main(["finetune", "--run-dir", str(run), "--resume", "--num-layers", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "num_layers cannot change on resume" in err and "Traceback" not in err
+
+
+def test_finetune_resume_without_a_run_is_one_line(tmp_path, capsys):
+    assert main(["finetune", "--run-dir", str(tmp_path / "none"), "--resume"]) == 4
+    assert "nothing to resume" in capsys.readouterr().err
+    assert main(["finetune", "--resume"]) == 2
+    assert "pass --run-dir" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_finetune_distributed_on_two_local_ranks(setup, tmp_path, capsys, monkeypatch):
+    """`finetune --distributed -n 2` runs the finetune subcommand on 2 ranks under train's supervisor: 2 x 2 rows
+    per step train as one process with 4 rows per step does."""
+    import json
+
+    monkeypatch.setenv("MLX_TRAIN_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "1")  # two ranks on two cores
+    common = ["--iters", "3", "--lr", "1e-2", "--steps-per-report", "1", "--set", "num_workers=0", "--max-restarts",
+              "0", "--val-batches", "1"]
+    code = main(_finetune(setup, tmp_path / "two", "--distributed", "-n", "2", "--batch-size", "2", *common))
+    out = capsys.readouterr()
+    assert code == 0, out.err[-3000:]
+    assert "distributed run: 2 processes x batch 2 x accumulation 1 = global batch 4" in out.out
+    assert sorted(p.name for p in (tmp_path / "two").glob("heartbeat-*.json")) == ["heartbeat-0.json",
+                                                                                    "heartbeat-1.json"]
+    assert (tmp_path / "two" / "adapters" / "adapters.safetensors").exists()
+    assert main(_finetune(setup, tmp_path / "one", "--batch-size", "4", *common)) == 0
+
+    def losses(run):
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        return [(row["step"], row["loss"]) for row in rows if row["kind"] == "train"]
+
+    two, one = losses(tmp_path / "two"), losses(tmp_path / "one")
+    assert [s for s, _ in two] == [s for s, _ in one] == [1, 2, 3]
+    assert [loss for _, loss in two] == pytest.approx([loss for _, loss in one], rel=1e-4)
