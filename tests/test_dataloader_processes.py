@@ -1,8 +1,10 @@
 """DataLoader(worker_type="process"): the same batches as threads and no workers (order, resume, shards),
-worker errors with the sample and the original message, and no process left behind."""
+worker errors with the sample and the original message, workers kept across epochs, and no process
+left behind."""
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import signal
@@ -80,6 +82,11 @@ def loaders(dataset, **options) -> dict[str, DataLoader]:
             "processes": DataLoader(dataset, num_workers=2, worker_type="process", **options)}
 
 
+def close(runs: dict[str, DataLoader]) -> None:
+    for loader in runs.values():
+        loader.close()
+
+
 def no_workers_left() -> bool:
     deadline = time.monotonic() + 10
     while multiprocessing.active_children() and time.monotonic() < deadline:
@@ -91,11 +98,16 @@ def no_workers_left() -> bool:
 @pytest.mark.parametrize("batching", [None, LengthBucketing(lengths="tokens")], ids=["fixed", "bucketed"])
 def test_processes_threads_and_no_workers_give_the_same_batches_over_two_epochs(batching):
     runs = loaders(PythonWork(), batch_size=6, seed=4, batching=batching)
-    epochs = {name: [as_numpy(loader), as_numpy(loader)] for name, loader in runs.items()}
+    epochs = {name: [as_numpy(loader)] for name, loader in runs.items()}
+    pids = runs["processes"]._pool.pids()
+    for name, loader in runs.items():
+        epochs[name].append(as_numpy(loader))
+    assert runs["processes"]._pool.pids() == pids  # the second epoch kept the workers
     for name in ("threads", "processes"):
         for epoch in (0, 1):
             assert_same(epochs[name][epoch], epochs["none"][epoch])
     assert not np.array_equal(epochs["none"][0][0]["label"], epochs["none"][1][0]["label"])  # a new order
+    close(runs)
     assert no_workers_left()
 
 
@@ -109,6 +121,7 @@ def test_resume_mid_epoch_and_two_rank_shards_match_with_processes():
     for loader in loaders(PythonWork(), batch_size=4, seed=1).values():
         loader.load_state_dict(state)
         assert_same(as_numpy(loader), rest)
+        loader.close()
     for rank in (0, 1):
         shards = loaders(PythonWork(), batch_size=3, seed=2)
         for loader in shards.values():
@@ -116,6 +129,7 @@ def test_resume_mid_epoch_and_two_rank_shards_match_with_processes():
         expected = as_numpy(shards["none"])
         assert_same(as_numpy(shards["processes"]), expected)
         assert_same(as_numpy(shards["threads"]), expected)
+        close(shards)
     assert no_workers_left()
 
 
@@ -126,6 +140,7 @@ def test_big_batches_come_back_through_shared_memory_and_are_freed():
     assert sum(np.array(v).nbytes for v in batch) >= workers.SHARED_MEMORY_MIN_BYTES
     runs["none"].set_epoch(0)
     assert_same(as_numpy(runs["processes"]), as_numpy(runs["none"]))
+    close(runs)
     assert no_workers_left()
     if os.path.isdir("/dev/shm"):
         assert set(os.listdir("/dev/shm")) - before == set()
@@ -138,6 +153,10 @@ def test_a_worker_error_has_the_sample_and_the_original_message_and_stops_the_wo
         list(loader)
     notes = "\n".join(getattr(info.value, "__notes__", []))
     assert "sample 13" in notes and "data worker process" in notes and "__getitem__" in notes
+    loader.set_epoch(0)
+    with pytest.raises(KeyError, match="bad row 13"):  # the same workers, past the batches left in flight
+        list(loader)
+    loader.close()
     assert no_workers_left()
 
 
@@ -167,15 +186,22 @@ def test_process_workers_refuse_what_they_cannot_run():
 
 
 # ------------------------------------------------------------------ shutdown
-def test_abandoned_iteration_stops_every_worker_process():
+def test_an_abandoned_iteration_is_continued_and_close_or_collection_stops_the_workers():
+    reference = as_numpy(DataLoader(PythonWork(200), batch_size=4, num_workers=0))
     loader = DataLoader(PythonWork(200), batch_size=4, num_workers=2, worker_type="process")
     it = iter(loader)
-    next(it)
+    first = as_numpy([next(it)])
     children = multiprocessing.active_children()
     assert len(children) == 2 and all(c.name.startswith(workers.PROCESS_PREFIX) for c in children)
-    del it
+    del it  # batches 1..4 are in flight: the next iteration drops them and continues at batch 1
+    assert_same(first + as_numpy(loader), reference)
+    loader.close()
     assert no_workers_left()
-    assert loader.position == 1
+    next(iter(loader))  # a new epoch starts new workers
+    assert len(multiprocessing.active_children()) == 2
+    del loader
+    gc.collect()
+    assert no_workers_left()
 
 
 def _alive(pids: list[int]) -> list[int]:

@@ -9,6 +9,7 @@ arithmetic on index lists, never by reading and discarding samples.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Generator, Iterator
 from typing import Any, cast
 
@@ -22,7 +23,7 @@ from .collate import Batch, to_mx
 from .prefetch import prefetch
 from .sources import ArraySource, IterableSource, lengths_of, make_source
 from .stream import StreamCursor
-from .workers import process_batches, read_batch
+from .workers import WorkerPool, read_batch
 
 __all__ = ["DataLoader"]
 
@@ -78,13 +79,13 @@ class DataLoader:
       share the dataset, so ``__getitem__`` must be safe to call from several
       threads. Enough when a sample is mostly numpy, file reads or a fast
       tokenizer, which release the GIL.
-    - ``"process"``: worker processes (started with ``spawn``, for each pass
-      over the data), for samples that do Python work (augmenting, tokenising
-      in Python) and so hold the GIL. The dataset and ``collate_fn`` must be
-      picklable (module-level classes and functions) and should return numpy
-      arrays; a script must guard its entry point with
-      ``if __name__ == "__main__":``. Batches, their order, sharding and resume
-      are the same as with threads or no workers (see :mod:`.workers`).
+    - ``"process"``: worker processes, started (with ``spawn``) on the first
+      epoch and kept for the next ones until :meth:`close`, for samples that do
+      Python work (augmenting, tokenising in Python) and so hold the GIL. The
+      dataset and ``collate_fn`` must be picklable (module-level classes and
+      functions) and should return numpy arrays; a script must guard its entry
+      point with ``if __name__ == "__main__":``. Batches, their order, sharding
+      and resume are the same as with threads or no workers (see :mod:`.workers`).
 
     Example::
 
@@ -146,6 +147,7 @@ class DataLoader:
         self._epoch, self._position = 0, 0
         self._cursor = StreamCursor(source) if isinstance(source, IterableSource) else None
         self._plan_cache: tuple[tuple[Any, ...], EpochPlan] | None = None
+        self._pool: WorkerPool | None = None
 
     # ---------------------------------------------------------------- properties
     @property
@@ -313,8 +315,7 @@ class DataLoader:
             if self._num_workers == 0:
                 batches = (to_mx(self._collate(plan, k)) for k in range(start, stop))
             elif self._worker_type == "process":
-                batches = process_batches(self._source, self._collate_fn, lambda task: _index(plan, start + task),
-                                          stop - start, self._num_workers, to_mx)
+                batches = self._worker_pool().batches(lambda task: _index(plan, start + task), stop - start, to_mx)
             else:
                 batches = self._prefetched(plan, start, stop)
             try:
@@ -339,6 +340,24 @@ class DataLoader:
     def _collate(self, plan: EpochPlan, k: int) -> Batch:
         """Batch k as numpy arrays (runs on a worker thread when num_workers > 0)."""
         return read_batch(self._source, self._collate_fn, _index(plan, k))
+
+    def _worker_pool(self) -> WorkerPool:
+        """This loader's worker processes, started on first use and kept for the next epochs."""
+        if self._pool is None or not self._pool.usable:
+            self.close()
+            self._pool = WorkerPool(self._source, self._collate_fn, self._num_workers)
+            weakref.finalize(self, self._pool.close)
+        return self._pool
+
+    def close(self) -> None:
+        """Stop the worker processes (``worker_type="process"``) now instead of when the loader is
+        garbage-collected or Python exits; a later iteration starts new ones.
+
+        Example: ``loader.close()``.
+        """
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
 
     def _prefetched(self, plan: EpochPlan, start: int, stop: int) -> Generator[Batch, None, None]:
         results = prefetch(lambda task: self._collate(plan, start + task), stop - start, self._num_workers)

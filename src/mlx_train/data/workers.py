@@ -15,11 +15,14 @@ Errors: an exception in a worker is re-raised in the consumer with its type and 
 naming the sample (as without workers) and a note holding the worker's traceback. A worker that
 dies (a crash in native code, the out-of-memory killer) is reported with its exit code.
 
-Shutdown: closing the consuming generator (end of epoch, ``break``, an exception, ``KeyboardInterrupt``,
-garbage collection) asks each worker to stop, then terminates and kills any that do not within a
-couple of seconds, and joins them all. Workers ignore SIGINT (Ctrl-C reaches the whole process
-group; the consumer decides), exit by themselves when the consumer's end of their pipe closes
-(even if it was SIGKILLed), and are daemons, so interpreter exit ends them too.
+Lifetime: a :class:`WorkerPool` serves every epoch of its DataLoader (starting processes costs about
+a second); an iteration abandoned part-way leaves its in-flight batches to be read and dropped by
+the next one. ``DataLoader.close()``, garbage collection of the loader or interpreter exit close
+the pool: each worker is asked to stop, then terminated and killed if it does not within a couple
+of seconds, and joined. A worker that died or a broken pool is replaced at the next epoch.
+Workers ignore SIGINT (Ctrl-C reaches the whole process group; the consumer decides), exit by
+themselves when the consumer's end of their pipe closes (even if it was SIGKILLed), and are
+daemons.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from mlx_train.errors import DataError
 
 from .collate import Batch, pad_collate
 
-__all__ = ["read_batch", "process_batches", "PROCESS_PREFIX", "SHARED_MEMORY_MIN_BYTES", "START_METHOD"]
+__all__ = ["read_batch", "WorkerPool", "PROCESS_PREFIX", "SHARED_MEMORY_MIN_BYTES", "START_METHOD"]
 
 PROCESS_PREFIX = "mlx_train-data-process"
 SHARED_MEMORY_MIN_BYTES = 1 << 20  # smaller batches are pickled through the pipe
@@ -205,13 +208,25 @@ def _job(source: Any, collate_fn: Any) -> bytes:
         ) from None
 
 
-class _Workers:
-    """``num_workers`` spawned processes, each with its own pipe."""
+class WorkerPool:
+    """``num_workers`` spawned processes that read and collate batches of one dataset, each with its own pipe.
 
-    def __init__(self, job: bytes, num_workers: int) -> None:
+    The pool outlives an iteration (a DataLoader keeps it for its next epochs); :meth:`close` stops it.
+    Example::
+
+        pool = WorkerPool(make_source(dataset), None, num_workers=2)
+        for batch in pool.batches(lambda k: np.arange(4 * k, 4 * k + 4), 10, to_mx):
+            ...
+        pool.close()
+    """
+
+    def __init__(self, source: Any, collate_fn: Callable[[list[Any]], Batch] | None, num_workers: int) -> None:
+        job = _job(source, collate_fn)
         context: Any = multiprocessing.get_context(START_METHOD)
         self.conns: list[Connection] = []
         self.procs: list[Any] = []
+        self.waiting = [0] * num_workers  # tasks asked of each worker and not yet answered
+        self.broken = False
         try:
             for w in range(num_workers):
                 ours, theirs = context.Pipe(duplex=True)
@@ -225,29 +240,65 @@ class _Workers:
             self.close()
             raise
 
-    def ask(self, task: int, index: Any) -> None:
-        self.conns[task % len(self.conns)].send((task, index))
+    @property
+    def usable(self) -> bool:
+        """Whether every worker is alive and answering."""
+        return not self.broken and bool(self.procs) and all(p.is_alive() for p in self.procs)
 
-    def answer(self, task: int) -> Any:
-        """The reply for ``task`` (its worker answers in the order it was asked)."""
-        w = task % len(self.conns)
+    def pids(self) -> list[int]:
+        """The workers' process ids."""
+        return [int(p.pid) for p in self.procs]
+
+    def batches(self, index_of: Callable[[int], Any], num_tasks: int, convert: Callable[[Batch], Batch],
+                depth: int = 2) -> Generator[Batch, None, None]:
+        """Yield ``convert(batch k)`` for ``k < num_tasks`` in order, ``depth`` batches per worker ahead."""
+        self._settle()
+        n = len(self.conns)
+        ahead = depth * n
+        for task in range(min(ahead, num_tasks)):
+            self._ask(task % n, task, index_of(task))
+        for task in range(num_tasks):
+            kind, payload = self._answer(task % n, task)
+            if kind == "error":
+                _raise(*payload)
+            if task + ahead < num_tasks:
+                self._ask(task % n, task + ahead, index_of(task + ahead))
+            yield _unpack(payload, convert)
+
+    def _ask(self, w: int, task: int, index: Any) -> None:
+        self.conns[w].send((task, index))
+        self.waiting[w] += 1
+
+    def _answer(self, w: int, task: int) -> Any:
+        """The next reply of worker ``w`` (a worker answers in the order it was asked)."""
         conn, proc = self.conns[w], self.procs[w]
         while True:
             try:
                 if conn.poll(_POLL_SECONDS):
-                    return conn.recv()
+                    reply = conn.recv()
+                    self.waiting[w] -= 1
+                    return reply
             except (EOFError, OSError):
                 proc.join(_POLL_SECONDS)
             if not proc.is_alive():
+                code = proc.exitcode
+                self.close()  # the other workers are of no use without this one
                 raise DataError(
-                    f"data worker process {w} (pid {proc.pid}) ended with exit code {proc.exitcode} while producing "
+                    f"data worker process {w} (pid {proc.pid}) ended with exit code {code} while producing "
                     f"batch {task} of this iteration (killed for memory? a crash in native code?); with "
                     "worker_type='process' a script must start from an `if __name__ == \"__main__\":` block; run "
                     "with num_workers=0 to see the failure in this process"
                 )
 
+    def _settle(self) -> None:
+        """Read and free the replies an abandoned iteration left in flight."""
+        for w, waiting in enumerate(self.waiting):
+            for _ in range(waiting):
+                _release(self._answer(w, -1))
+
     def close(self) -> None:
         """Stop every worker: ask, wait a little, then terminate and kill; free unread shared memory."""
+        self.broken = True
         for conn in self.conns:
             try:
                 conn.send(None)
@@ -264,6 +315,7 @@ class _Workers:
                     proc.kill()
                 proc.join()
             conn.close()
+        self.conns, self.procs = [], []
 
     @staticmethod
     def _drain(conn: Connection, proc: Any, deadline: float) -> None:
@@ -274,44 +326,8 @@ class _Workers:
                     _release(conn.recv())
             while conn.poll(0):
                 _release(conn.recv())
-        except (EOFError, OSError):
+        except (EOFError, OSError, ValueError):
             pass
-
-
-def process_batches(
-    source: Any,
-    collate_fn: Callable[[list[Any]], Batch] | None,
-    index_of: Callable[[int], Any],
-    num_tasks: int,
-    num_workers: int,
-    convert: Callable[[Batch], Batch],
-    depth: int = 2,
-) -> Generator[Batch, None, None]:
-    """Yield ``convert(read_batch(source, collate_fn, index_of(k)))`` for ``k < num_tasks``, in order,
-    computed ahead on ``num_workers`` worker processes.
-
-    Example::
-
-        for batch in process_batches(source, None, lambda k: np.arange(4 * k, 4 * k + 4), 10, 2, to_mx):
-            ...
-    """
-    if num_tasks <= 0:
-        return
-    job = _job(source, collate_fn)
-    workers = _Workers(job, min(num_workers, num_tasks))
-    ahead = depth * len(workers.conns)
-    try:
-        for task in range(min(ahead, num_tasks)):
-            workers.ask(task, index_of(task))
-        for task in range(num_tasks):
-            kind, payload = workers.answer(task)
-            if kind == "error":
-                _raise(*payload)
-            if task + ahead < num_tasks:
-                workers.ask(task + ahead, index_of(task + ahead))
-            yield _unpack(payload, convert)
-    finally:
-        workers.close()
 
 
 def _raise(pickled: bytes | None, text: str) -> None:
