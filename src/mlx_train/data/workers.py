@@ -280,6 +280,9 @@ class WorkerPool:
                     return reply
             except (EOFError, OSError):
                 proc.join(_POLL_SECONDS)
+            except BaseException:
+                self.broken = True  # interrupted inside recv: the pipe may hold half a message
+                raise
             if not proc.is_alive():
                 code = proc.exitcode
                 self.close()  # the other workers are of no use without this one
