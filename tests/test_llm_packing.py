@@ -116,6 +116,7 @@ def test_the_loss_of_a_packed_epoch_is_the_loss_of_its_documents_alone(shape, pa
     rows = SequenceDataset(docs, 64, pack=pack)
     total, count, batches = 0.0, 0, 0
     for batch in make_loader(rows, batch_size=2, seed=0, num_workers=0, drop_last=False):
+        assert ("segments" in batch) == (pack == "best_fit")  # by length: documents apart with no mask
         loss, tokens = lm_loss(model, batch)
         total += loss.item() * tokens.item()
         count += int(tokens.item())
