@@ -177,7 +177,7 @@ class DataLoader:
 
     @property
     def num_workers(self) -> int:
-        """Prefetch threads (0: synchronous)."""
+        """Background workers, threads or processes (see worker_type; 0: synchronous)."""
         return self._num_workers
 
     @property
