@@ -11,7 +11,8 @@ arrays, and against the step alone on prebuilt batches for the map-style set.
 Last, for a map-style dataset whose samples are tokenised in pure Python (the GIL-bound case),
 batches/s with no workers, 2 threads and 2 worker processes (``worker_type="process"``), as
 ratios to no workers: in epoch 0 (which includes starting the processes) and in later epochs
-(the loader keeps its processes).
+(the loader keeps its processes), and the CPU time the consuming (training) process itself spends
+per batch: what the data leaves of its cores to the training step.
 
 Run: ``PYTHONPATH=src python bench/dataloader.py [--quick] [--python-heavy-only]``
 """
@@ -94,23 +95,26 @@ def python_heavy(seconds: float, batch_size: int) -> None:
         first[name] = len(tokens) / (time.perf_counter() - t0)
         assert all(np.array_equal(a, b) for a, b in zip(tokens, reference, strict=True)), name
     later: dict[str, list[float]] = {name: [] for name in kinds}
+    cpu: dict[str, list[float]] = {name: [] for name in kinds}  # this process's CPU time (all its threads)
     rounds = 2 if seconds < 1 else 4
     for _ in range(rounds):  # the next epochs, the kinds alternating
         for name, loader in loaders.items():
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             count = sum(1 for _ in loader)
             later[name].append(count / (time.perf_counter() - t0))
+            cpu[name].append((time.process_time() - c0) / count)
     for loader in loaders.values():
         loader.close()
-    print(f"\n{'Python-heavy map-style (tokenise text per sample)':50s} {'epoch 0 b/s':>12s} {'ratio':>6s} "
-          f"{'later b/s':>10s} {'ratio':>6s}")
+    print(f"\n{'Python-heavy map-style (tokenise text per sample)':42s} {'epoch 0 b/s':>12s} {'ratio':>6s} "
+          f"{'later b/s':>10s} {'ratio':>6s} {'consumer CPU ms/batch':>22s}")
     base = statistics.median(later["no workers"])
     for name in kinds:
         rate = statistics.median(later[name])
-        print(f"{name:50s} {first[name]:>12.1f} {first[name] / first['no workers']:>6.2f} {rate:>10.1f} "
-              f"{rate / base:>6.2f}")
+        print(f"{name:42s} {first[name]:>12.1f} {first[name] / first['no workers']:>6.2f} {rate:>10.1f} "
+              f"{rate / base:>6.2f} {statistics.median(cpu[name]) * 1e3:>22.2f}")
     print(f"({len(reference)} batches of {batch_size} per epoch, {os.cpu_count()} CPUs; epoch 0 includes starting "
-          f"the processes; later: median of {rounds} epochs, the kinds alternating)")
+          f"the processes; later: median of {rounds} epochs, the kinds alternating; consumer CPU: the CPU time of "
+          "the training process itself, worker threads included, per batch)")
 
 
 class SeqModel(nn.Module):
