@@ -105,7 +105,7 @@ def python_heavy(seconds: float, batch_size: int) -> None:
             cpu[name].append((time.process_time() - c0) / count)
     for loader in loaders.values():
         loader.close()
-    print(f"\n{'Python-heavy map-style (tokenise text per sample)':42s} {'epoch 0 b/s':>12s} {'ratio':>6s} "
+    print(f"\n{'map-style, Python tokenising per sample':42s} {'epoch 0 b/s':>12s} {'ratio':>6s} "
           f"{'later b/s':>10s} {'ratio':>6s} {'consumer CPU ms/batch':>22s}")
     base = statistics.median(later["no workers"])
     for name in kinds:
