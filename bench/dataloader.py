@@ -8,12 +8,20 @@ is faster than the step). It then times whole epochs of "loader + step"
 against a hand-written loop (numpy permutation, ``mx.array(x[idx])``, step) for
 arrays, and against the step alone on prebuilt batches for the map-style set.
 
-Run: ``PYTHONPATH=src python bench/dataloader.py [--quick]``
+Last, for a map-style dataset whose samples are tokenised in pure Python (the GIL-bound case),
+batches/s with no workers, 2 threads and 2 worker processes (``worker_type="process"``), as
+ratios to no workers: in epoch 0 (which includes starting the processes) and in later epochs
+(the loader keeps its processes), and the CPU time the consuming (training) process itself spends
+per batch: what the data leaves of its cores to the training step.
+
+Run: ``PYTHONPATH=src python bench/dataloader.py [--quick] [--python-heavy-only]``
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
 import time
 from functools import partial
 
@@ -41,6 +49,72 @@ class PythonWorkDataset:
         row = self.x[i]
         scale = 1.0 / (max(row.tolist()) + 1e-6)  # a little Python per sample
         return (row * np.float32(scale)).clip(0.0, 1.0), int(self.y[i])
+
+
+class TokenizeText:
+    """Map-style: each sample is a text tokenised in pure Python (lower-casing, word split, a vocabulary
+    lookup with a character fallback), as a tokenizer written in Python would; a {"tokens", "label"} dict."""
+
+    WORDS = ("the quick brown fox jumps over lazy dog while seven wizards quietly hex jovial kings and "
+             "thou art the king of all that lies beneath heaven I shall not yield my sword").split()
+
+    def __init__(self, n: int, words_per_text: int = 1500) -> None:
+        self.n, self.words = n, words_per_text
+        self.vocab = {w: i + 300 for i, w in enumerate(sorted(set(self.WORDS)))}
+
+    def __len__(self) -> int:
+        return self.n
+
+    def text(self, i: int) -> str:
+        words = self.WORDS
+        return " ".join(words[(i * 31 + j * j * 7) % len(words)].upper() if j % 11 == 0 else
+                        words[(i * 31 + j * j * 7) % len(words)] for j in range(self.words))
+
+    def __getitem__(self, i: int) -> dict:
+        ids = []
+        for word in self.text(i).lower().split():
+            token = self.vocab.get(word)
+            if token is None:
+                ids.extend(ord(c) for c in word)
+            else:
+                ids.append(token)
+        return {"tokens": ids[:512], "label": i % 4}
+
+
+def python_heavy(seconds: float, batch_size: int) -> None:
+    """Batches/s of a pure-Python tokenising dataset: no workers, threads, processes (ratios to none)."""
+    data = TokenizeText(3000)
+    kinds = {"no workers": {"num_workers": 0}, "2 threads": {"num_workers": 2},
+             "2 processes": {"num_workers": 2, "worker_type": "process"}}
+    loaders = {name: DataLoader(data, batch_size, seed=0, **options) for name, options in kinds.items()}
+    reference = [np.array(b["tokens"]) for b in DataLoader(data, batch_size, seed=0, num_workers=0)]
+    first: dict[str, float] = {}
+    for name, loader in loaders.items():  # epoch 0: the processes start here
+        t0 = time.perf_counter()
+        tokens = [np.array(b["tokens"]) for b in loader]
+        first[name] = len(tokens) / (time.perf_counter() - t0)
+        assert all(np.array_equal(a, b) for a, b in zip(tokens, reference, strict=True)), name
+    later: dict[str, list[float]] = {name: [] for name in kinds}
+    cpu: dict[str, list[float]] = {name: [] for name in kinds}  # this process's CPU time (all its threads)
+    rounds = 2 if seconds < 1 else 4
+    for _ in range(rounds):  # the next epochs, the kinds alternating
+        for name, loader in loaders.items():
+            t0, c0 = time.perf_counter(), time.process_time()
+            count = sum(1 for _ in loader)
+            later[name].append(count / (time.perf_counter() - t0))
+            cpu[name].append((time.process_time() - c0) / count)
+    for loader in loaders.values():
+        loader.close()
+    print(f"\n{'map-style, Python tokenising per sample':42s} {'epoch 0 b/s':>12s} {'ratio':>6s} "
+          f"{'later b/s':>10s} {'ratio':>6s} {'consumer CPU ms/batch':>22s}")
+    base = statistics.median(later["no workers"])
+    for name in kinds:
+        rate = statistics.median(later[name])
+        print(f"{name:42s} {first[name]:>12.1f} {first[name] / first['no workers']:>6.2f} {rate:>10.1f} "
+              f"{rate / base:>6.2f} {statistics.median(cpu[name]) * 1e3:>22.2f}")
+    print(f"({len(reference)} batches of {batch_size} per epoch, {os.cpu_count()} CPUs; epoch 0 includes starting "
+          f"the processes; later: median of {rounds} epochs, the kinds alternating; consumer CPU: the CPU time of "
+          "the training process itself, worker threads included, per batch)")
 
 
 class SeqModel(nn.Module):
@@ -128,9 +202,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="shorter timings")
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--python-heavy-only", action="store_true", help="only the threads/processes table")
     args = parser.parse_args()
     secs = 0.6 if args.quick else 2.0
     bs = args.batch_size
+    if args.python_heavy_only:
+        python_heavy(secs, bs)
+        return
     rng = np.random.default_rng(0)
     x = rng.random((1797, 64), dtype=np.float32)
     y = rng.integers(0, 10, 1797).astype(np.int32)
@@ -208,6 +286,7 @@ def main() -> None:
         reference = best["arrays: hand-written loop"] if name.startswith("arrays") else best[
             "map-style: step on prebuilt batches"]
         print(f"{name:40s} {seconds * 1e3:>9.2f} {reference / seconds:>13.3f}")
+    python_heavy(secs, bs)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ arithmetic on index lists, never by reading and discarding samples.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Generator, Iterator
 from typing import Any, cast
 
@@ -18,15 +19,18 @@ import numpy as np
 from mlx_train.errors import DataError, did_you_mean
 
 from .batching import EpochPlan, plan_epoch
-from .collate import Batch, pad_collate, to_mx
+from .collate import Batch, to_mx
 from .prefetch import prefetch
 from .sources import ArraySource, IterableSource, lengths_of, make_source
 from .stream import StreamCursor
+from .workers import WorkerPool, read_batch
 
 __all__ = ["DataLoader"]
 
 STATE_FORMAT = "mlx_train.DataLoader/1"
-_OPTIONS = ("dataset", "batch_size", "shuffle", "num_workers", "drop_last", "seed", "collate_fn", "batching")
+_OPTIONS = ("dataset", "batch_size", "shuffle", "num_workers", "drop_last", "seed", "collate_fn", "batching",
+            "worker_type")
+WORKER_TYPES = ("thread", "process")
 _THREAD_MIN_BATCH_BYTES = 1 << 20  # arrays: smaller batches are gathered on the consumer thread
 
 
@@ -37,6 +41,25 @@ def _check_int(value: Any, name: str, minimum: int, example: str) -> int:
     return int(value)
 
 
+def _check_worker_type(value: Any, source: Any) -> str:
+    if value not in WORKER_TYPES:
+        raise DataError(f"worker_type must be one of {', '.join(map(repr, WORKER_TYPES))}, got {value!r}"
+                        f"{did_you_mean(str(value), WORKER_TYPES)}")
+    if value == "process" and isinstance(source, IterableSource):
+        raise DataError(
+            f"worker_type='process' needs random access to samples, but the dataset "
+            f"({type(source.dataset).__name__}) is an iterable read in order; use worker_type='thread' (one "
+            "reader thread), or a map-style dataset (__len__ and __getitem__)"
+        )
+    return str(value)
+
+
+def _index(plan: EpochPlan, k: int) -> np.ndarray | slice:
+    """The sample indices of this rank's part of batch ``k``."""
+    s, e = plan.starts[k], plan.stops[k]
+    return plan.order[s:e] if plan.order is not None else slice(s, e)
+
+
 class DataLoader:
     """Batches from arrays, a map-style dataset or an iterable, in a seeded, resumable order.
 
@@ -45,11 +68,24 @@ class DataLoader:
     ``collate_fn`` (default :func:`~mlx_train.data.default_collate`: stack, pad
     token sequences to a multiple of 32 with a mask). Batches reach the
     consumer as ``mx.array``. ``num_workers > 0`` reads and collates upcoming
-    batches on background threads, in order (so ``__getitem__`` must be safe to
-    call from several threads); arrays batches under 1 MiB are gathered on the
-    consumer thread, where that is cheaper than a hand-off. Iterables are read
-    in order (``shuffle`` does not apply). ``batching`` takes
+    batches in the background, in order; arrays batches under 1 MiB are gathered
+    on the consumer thread, where that is cheaper than a hand-off. Iterables are
+    read in order (``shuffle`` does not apply). ``batching`` takes
     :class:`LengthBucketing` or :class:`TokenBudget`. Iterate one loop at a time.
+
+    ``worker_type`` says what the ``num_workers`` workers are:
+
+    - ``"thread"`` (default): threads in this process. Cheap to start and they
+      share the dataset, so ``__getitem__`` must be safe to call from several
+      threads. Enough when a sample is mostly numpy, file reads or a fast
+      tokenizer, which release the GIL.
+    - ``"process"``: worker processes, started (with ``spawn``) on the first
+      epoch and kept for the next ones until :meth:`close`, for samples that do
+      Python work (augmenting, tokenising in Python) and so hold the GIL. The
+      dataset and ``collate_fn`` must be picklable (module-level classes and
+      functions) and should return numpy arrays; a script must guard its entry
+      point with ``if __name__ == "__main__":``. Batches, their order, sharding
+      and resume are the same as with threads or no workers (see :mod:`.workers`).
 
     Example::
 
@@ -69,11 +105,13 @@ class DataLoader:
         seed: int = 0,
         collate_fn: Callable[[list[Any]], Batch] | None = None,
         batching: Any = None,
+        worker_type: str = "thread",
     ) -> None:
         if isinstance(dataset, DataLoader):
             raise DataError("dataset is already a DataLoader; use loader.replace(...) to change its options")
         options = dict(dataset=dataset, batch_size=batch_size, shuffle=shuffle, num_workers=num_workers,
-                       drop_last=drop_last, seed=seed, collate_fn=collate_fn, batching=batching)
+                       drop_last=drop_last, seed=seed, collate_fn=collate_fn, batching=batching,
+                       worker_type=worker_type)
         self._setup(make_source(dataset), options)
 
     def _setup(self, source: Any, options: dict[str, Any]) -> None:
@@ -86,6 +124,7 @@ class DataLoader:
         self._drop_last = bool(options["drop_last"])
         self._collate_fn: Callable[[list[Any]], Batch] | None = options["collate_fn"]
         self._batching = options["batching"]
+        self._worker_type = _check_worker_type(options["worker_type"], source)
         if self._collate_fn is not None and not callable(self._collate_fn):
             raise DataError(f"collate_fn must be a function of a list of samples, got {self._collate_fn!r}")
         if self._batching is not None:
@@ -108,6 +147,7 @@ class DataLoader:
         self._epoch, self._position = 0, 0
         self._cursor = StreamCursor(source) if isinstance(source, IterableSource) else None
         self._plan_cache: tuple[tuple[Any, ...], EpochPlan] | None = None
+        self._pool: WorkerPool | None = None
 
     # ---------------------------------------------------------------- properties
     @property
@@ -137,8 +177,13 @@ class DataLoader:
 
     @property
     def num_workers(self) -> int:
-        """Prefetch threads (0: synchronous)."""
+        """Background workers, threads or processes (see worker_type; 0: synchronous)."""
         return self._num_workers
+
+    @property
+    def worker_type(self) -> str:
+        """What the workers are: ``"thread"`` or ``"process"``."""
+        return self._worker_type
 
     @property
     def shuffle(self) -> bool:
@@ -269,6 +314,8 @@ class DataLoader:
             batches: Generator[Batch, None, None]
             if self._num_workers == 0:
                 batches = (to_mx(self._collate(plan, k)) for k in range(start, stop))
+            elif self._worker_type == "process":
+                batches = self._worker_pool().batches(lambda task: _index(plan, start + task), stop - start, to_mx)
             else:
                 batches = self._prefetched(plan, start, stop)
             try:
@@ -292,15 +339,25 @@ class DataLoader:
 
     def _collate(self, plan: EpochPlan, k: int) -> Batch:
         """Batch k as numpy arrays (runs on a worker thread when num_workers > 0)."""
-        s, e = plan.starts[k], plan.stops[k]
-        index = plan.order[s:e] if plan.order is not None else slice(s, e)
-        if isinstance(self._source, ArraySource) and self._collate_fn is None:
-            return self._source.gather(index)
-        samples = self._source.samples(index)
-        if self._collate_fn is not None:
-            return self._collate_fn(samples)
-        where = range(s, e) if plan.order is None else index.tolist()  # type: ignore[union-attr]  # an array here
-        return pad_collate(samples, indices=where)
+        return read_batch(self._source, self._collate_fn, _index(plan, k))
+
+    def _worker_pool(self) -> WorkerPool:
+        """This loader's worker processes, started on first use and kept for the next epochs."""
+        if self._pool is None or not self._pool.usable:
+            self.close()
+            self._pool = WorkerPool(self._source, self._collate_fn, self._num_workers)
+            weakref.finalize(self, self._pool.close)
+        return self._pool
+
+    def close(self) -> None:
+        """Stop the worker processes (``worker_type="process"``) now instead of when the loader is
+        garbage-collected or Python exits; a later iteration starts new ones.
+
+        Example: ``loader.close()``.
+        """
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
 
     def _prefetched(self, plan: EpochPlan, start: int, stop: int) -> Generator[Batch, None, None]:
         results = prefetch(lambda task: self._collate(plan, start + task), stop - start, self._num_workers)
@@ -414,7 +471,7 @@ class DataLoader:
                                 f"options: {', '.join(_OPTIONS)}")
         options = dict(dataset=self._dataset, batch_size=self._batch_size, shuffle=self._shuffle,
                        num_workers=self._num_workers, drop_last=self._drop_last, seed=self._seed,
-                       collate_fn=self._collate_fn, batching=self._batching)
+                       collate_fn=self._collate_fn, batching=self._batching, worker_type=self._worker_type)
         options.update(changes)
         new_data = "dataset" in changes and changes["dataset"] is not self._dataset
         new = DataLoader.__new__(DataLoader)

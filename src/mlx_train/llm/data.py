@@ -11,6 +11,19 @@ prediction: ``inputs``, ``targets``, ``loss_mask`` (1 where the target is traine
 prompt, never the first token of the next document) and, when packed, ``segments`` (1, 2, ...
 per document, 0 for padding) so attention can stay inside a document.
 
+Two ways to fill a step with ``batch_size x max_seq_length`` tokens (``pack=``):
+
+- ``"best_fit"`` (or ``True``): several documents per row (best fit, longest first); attention
+  stays inside a document through a block-diagonal ``[L, L]`` mask per row, so a row still pays
+  for attention across its whole length.
+- ``"by_length"``: every document is its own row, and :func:`make_loader` makes batches of rows of
+  similar length, as many as fit in ``batch_size x max_seq_length`` padded tokens
+  (:class:`~mlx_train.data.TokenBudget`). No mask is needed (plain causal attention), and little
+  is padded because the rows of a batch have nearly the same length.
+
+Neither is the default: on the Linux CPU, bench/packing.py measured both below plain length
+bucketing in real tokens/s (SmolLM2-135M, LoRA), which already pads little.
+
 Rows are built once from the data (deterministically), so the DataLoader's arithmetic resume
 applies unchanged; :func:`make_loader` buckets them by token length and pads to a multiple of 8.
 
@@ -36,6 +49,7 @@ from mlx_train.errors import ConfigError, DataError
 
 PAD_MULTIPLE = 8
 SPLITS = ("train", "valid", "test")
+PACKINGS = ("best_fit", "by_length")
 
 
 def load_records(data: str) -> dict[str, list[dict]]:
@@ -207,11 +221,22 @@ def pack_documents(lengths: np.ndarray, capacity: int) -> list[list[int]]:
     return [sorted(r) for r in rows]
 
 
+def _packing(pack: bool | str) -> str | None:
+    if pack is False or pack is None:
+        return None
+    if pack is True:
+        return "best_fit"
+    if pack in PACKINGS:
+        return str(pack)
+    raise ConfigError(f"pack={pack!r} is not a packing; use False, True (= 'best_fit') or one of {PACKINGS}")
+
+
 class SequenceDataset:
     """Map-style dataset of training rows (one document each, or packed documents).
 
     ``lengths`` are the rows' token lengths (for :class:`~mlx_train.data.LengthBucketing`).
-    ``segments`` are emitted for packed rows when ``document_mask`` is true.
+    ``segments`` are emitted for packed rows when ``document_mask`` is true. ``pack`` is
+    ``False``, ``True``/``"best_fit"`` or ``"by_length"`` (see the module docstring).
 
     Example::
 
@@ -219,14 +244,16 @@ class SequenceDataset:
         rows[0]["inputs"].shape, rows.real_tokens
     """
 
-    def __init__(self, documents: Documents, max_seq_length: int | None = None, pack: bool = False,
+    def __init__(self, documents: Documents, max_seq_length: int | None = None, pack: bool | str = False,
                  document_mask: bool = True) -> None:
         self.documents = documents
-        self.packed = bool(pack)
-        if pack:
-            if max_seq_length is None:
-                raise ConfigError("packing needs max_seq_length (the tokens per packed row)")
-            self.rows = pack_documents(documents.lengths, max_seq_length)
+        self.packing = _packing(pack)
+        self.max_seq_length = max_seq_length
+        if self.packing is not None and max_seq_length is None:
+            raise ConfigError(f"pack={pack!r} needs max_seq_length (the tokens per row)")
+        self.packed = self.packing == "best_fit"  # several documents per row
+        if self.packed:
+            self.rows = pack_documents(documents.lengths, max_seq_length)  # type: ignore[arg-type]  # checked above
         else:
             self.rows = [[i] for i in range(len(documents))]
         self.document_mask = bool(document_mask) and self.packed
@@ -297,20 +324,24 @@ def collate(samples: Sequence[dict], multiple: int = PAD_MULTIPLE) -> dict[str, 
 def make_loader(dataset: Any, batch_size: int, seed: int = 0, shuffle: bool = True,
                 num_workers: int = 1, multiple: int = PAD_MULTIPLE, drop_last: bool = True) -> Any:
     """A DataLoader over ``dataset`` (a :class:`SequenceDataset`, or preference pairs): batches of rows
-    of similar token length, padded to ``multiple``.
+    of similar token length, padded to ``multiple``. A dataset built with ``pack="by_length"`` gets
+    batches of as many rows as fit in ``batch_size x max_seq_length`` padded tokens instead.
 
     Example: ``loader = make_loader(train_rows, batch_size=4, seed=0)``.
     """
     from functools import partial
 
-    from mlx_train.data import DataLoader, LengthBucketing
+    from mlx_train.data import DataLoader, LengthBucketing, TokenBudget
 
     if len(dataset) < batch_size and drop_last:
         raise DataError(f"the training set has {len(dataset)} rows, fewer than one batch of {batch_size}; "
                         "lower --batch-size or add data")
+    batching: Any = LengthBucketing(lengths=dataset.lengths)
+    if getattr(dataset, "packing", None) == "by_length":
+        budget = batch_size * -(-dataset.max_seq_length // multiple) * multiple
+        batching = TokenBudget(max_tokens=budget, lengths=dataset.lengths, multiple=multiple)
     return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, num_workers=num_workers, drop_last=drop_last,
-                      seed=seed, collate_fn=partial(collate, multiple=multiple),
-                      batching=LengthBucketing(lengths=dataset.lengths))
+                      seed=seed, collate_fn=partial(collate, multiple=multiple), batching=batching)
 
 
 def describe_documents(name: str, documents: Documents, rows: SequenceDataset | None = None) -> str:
@@ -322,5 +353,7 @@ def describe_documents(name: str, documents: Documents, rows: SequenceDataset | 
     if rows is not None and rows.packed:
         fill = documents.lengths.sum() / max(len(rows) * (documents.max_seq_length or 1), 1)
         text += f"; packed into {len(rows)} rows ({fill:.0%} full)"
+    elif rows is not None and rows.packing == "by_length":
+        text += f"; batched by length up to batch_size x {rows.max_seq_length} tokens (no attention mask)"
     return text
 
