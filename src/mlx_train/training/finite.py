@@ -56,8 +56,13 @@ class FiniteWatch:
         self.start(running, step)
         if len(marks) < 2:
             return []
+        # The common case costs one or two scalar reads: a count that did not grow, a sum still finite (a sum
+        # that turns NaN/Inf never turns finite again). Only then are all the marks read.
+        last = cast(float, marks[-1].item())
+        if (last == marks[0].item()) if key == "nonfinite" else math.isfinite(last):
+            return []
         values = cast("list[float]", mx.stack(marks).tolist())  # a list of floats: scalars stacked
         if key == "nonfinite":  # a count of the undone steps
             return [first + i for i in range(1, len(values)) if values[i] > values[i - 1]]
-        return [first + i for i in range(1, len(values))  # a sum that turns NaN stays NaN: its first step
+        return [first + i for i in range(1, len(values))  # the first step of a sum that is no longer finite
                 if not math.isfinite(values[i]) and math.isfinite(values[i - 1])]

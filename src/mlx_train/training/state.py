@@ -217,7 +217,8 @@ class LoopState:
         window starts here, its on-device sums back at zero (no sync)."""
         self.trained_items += items
         self.report_base = {**{k: v for k, v in totals.items() if not k.startswith(WINDOW_PREFIX)}, "step": self.step}
-        self.running = {k: mx.array(0.0) if k.startswith(WINDOW_PREFIX) else v for k, v in self.running.items()}
+        zero = mx.array(0.0)  # arrays are immutable: one zero serves every window sum
+        self.running = {k: zero if k.startswith(WINDOW_PREFIX) else v for k, v in self.running.items()}
 
     def end_epoch(self, logs: dict[str, Any]) -> None:
         """The epoch's end ran (validation, logs): ``logs`` join the history, the epoch's sums are closed."""

@@ -138,6 +138,10 @@ class TrainStep:
         return running
 
     def __call__(self, state: Any, batch: Any) -> dict[str, mx.array]:
+        if self._single:  # one micro-batch, one process: the shortest path
+            running = self.micro(batch, None, state.running, True, False)[1]
+            mx.eval(self.state, running)
+            return running
         running, grads = state.running, None
         parts = split_batch(batch, self.options.accumulation)
         last = len(parts) - 1

@@ -569,7 +569,7 @@ class Trainer:
     def _epoch_complete(self, loader: Iterable[Any]) -> bool:
         if not isinstance(loader, DataLoader):
             return not self._done()
-        if at_epoch_end(loader) and loader.epoch == self.state.epoch:
+        if loader.epoch == self.state.epoch and at_epoch_end(loader):  # (the epoch's length only when needed)
             loader.set_epoch(self.state.epoch + 1)  # stopped right on the last batch: the epoch is done
         return loader.epoch > self.state.epoch
 
