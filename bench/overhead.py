@@ -6,11 +6,15 @@ mlx-lm's trainer is: one ``mx.compile``d step with model/optimizer/RNG state cap
 summed losses, ``mx.eval`` once per step, a report every 10 steps. Both clocks start at the
 report of step 10 (compilation and warm-up left out) and stop after the last step; the Trainer
 is timed from its ``on_report`` and ``on_fit_end`` events, so no per-batch callback is added to it.
+Each side is timed twice: wall time (the ratio that matters on a quiet machine) and this process's
+CPU time, all threads (``time.process_time``: on a machine shared with other jobs it moves far less
+with their load, which mostly makes wall time wait).
 Workloads: ``mlp`` (the digits MLP) and ``transformer`` (the character-level transformer on the
 built-in text corpus).
 
     python bench/overhead.py            # both workloads, 5 rounds each
     python bench/overhead.py --rounds 7 --workload mlp
+    python bench/overhead.py --rounds 31 --steps 400 --workload mlp     # a busy machine: short rounds
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ def _loss(model, *batch):
 
 
 def hand_written(data, info, name, options, batch_size, epochs, max_steps):
-    """The baseline: a compiled step and a plain loop, mlx-lm style. Returns steps/s."""
+    """The baseline: a compiled step and a plain loop, mlx-lm style. Returns (steps/s, steps per CPU second)."""
     mx.random.seed(0)
     model = build_model(name, info, **options)
     optimizer = optim.AdamW(learning_rate=1e-3)
@@ -85,13 +89,22 @@ def hand_written(data, info, name, options, batch_size, epochs, max_steps):
                 _ = (losses / items).item()
                 losses, items = mx.array(0.0), mx.array(0.0)
             if steps == WARMUP:
-                start = time.perf_counter()  # compilation and warm-up left out
+                start = _clocks()  # compilation and warm-up left out
             if steps >= max_steps:
-                return (steps - WARMUP) / (time.perf_counter() - start)
-    return (steps - WARMUP) / (time.perf_counter() - start)
+                return _rates(steps - WARMUP, start, _clocks())
+    return _rates(steps - WARMUP, start, _clocks())
 
 
 WARMUP = 10  # steps before the clocks start (a report is due there on both sides)
+
+
+def _clocks() -> tuple[float, float]:
+    return time.perf_counter(), time.process_time()
+
+
+def _rates(steps: int, start: tuple[float, float], end: tuple[float, float]) -> tuple[float, float]:
+    """(steps per wall second, steps per CPU second of this process)."""
+    return steps / (end[0] - start[0]), steps / (end[1] - start[1])
 
 
 class _Timer:
@@ -103,10 +116,10 @@ class _Timer:
 
     def on_report(self, trainer, logs):
         if logs["step"] == WARMUP:
-            self.start = time.perf_counter()
+            self.start = _clocks()
 
     def on_fit_end(self, trainer, history):
-        self.end, self.steps = time.perf_counter(), trainer.step
+        self.end, self.steps = _clocks(), trainer.step
 
 
 def with_trainer(data, info, name, options, batch_size, epochs, max_steps):
@@ -117,13 +130,15 @@ def with_trainer(data, info, name, options, batch_size, epochs, max_steps):
     trainer = Trainer(model, optimizer, batch_size=batch_size, report_every="10 steps", max_steps=max_steps)
     with contextlib.redirect_stdout(io.StringIO()):
         trainer.train(data, epochs=epochs, callbacks=[timer])
-    return (timer.steps - WARMUP) / (timer.end - timer.start)
+    return _rates(timer.steps - WARMUP, timer.start, timer.end)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--workload", choices=sorted(WORKLOADS), action="append")
+    parser.add_argument("--steps", type=int, help="steps per round (default: the workload's); on a busy machine "
+                        "many short rounds give steadier medians than a few long ones")
     args = parser.parse_args()
     from mlx_train import _blas
 
@@ -131,19 +146,23 @@ def main() -> None:
     rows = []
     for workload in args.workload or sorted(WORKLOADS):
         dataset, name, options, batch_size, epochs, max_steps = WORKLOADS[workload]
+        max_steps = args.steps or max_steps
         splits = load_dataset(dataset, seed=0)
         hand, ours = [], []
-        for _ in range(args.rounds):
-            hand.append(hand_written(splits["train"], splits["info"], name, options, batch_size, epochs, max_steps))
-            ours.append(with_trainer(splits["train"], splits["info"], name, options, batch_size, epochs, max_steps))
-        ratios = [o / h for h, o in zip(hand, ours, strict=True)]
-        print(f"{workload}: per-round ratios " + " ".join(f"{r:.3f}" for r in ratios))
-        rows.append((workload, batch_size, statistics.median(hand), statistics.median(ours),
-                     statistics.median(ratios)))
+        for i in range(args.rounds):  # the side that goes first alternates too: no order effect favours one
+            sides = [(hand, hand_written), (ours, with_trainer)]
+            for results, run in sides if i % 2 == 0 else sides[::-1]:
+                results.append(run(splits["train"], splits["info"], name, options, batch_size, epochs, max_steps))
+        wall = [o[0] / h[0] for h, o in zip(hand, ours, strict=True)]
+        cpu = [o[1] / h[1] for h, o in zip(hand, ours, strict=True)]
+        print(f"{workload}: per-round ratios, wall " + " ".join(f"{r:.3f}" for r in wall) +
+              "; CPU " + " ".join(f"{r:.3f}" for r in cpu))
+        rows.append((workload, batch_size, statistics.median(h[0] for h in hand),
+                     statistics.median(o[0] for o in ours), statistics.median(wall), statistics.median(cpu)))
     print(f"\n{'workload':<12} {'batch':>5} {'hand-written steps/s':>21} {'Trainer steps/s':>16} "
-          f"{'median ratio':>13}")
-    for workload, batch_size, h, o, ratio in rows:
-        print(f"{workload:<12} {batch_size:>5} {h:>21.1f} {o:>16.1f} {ratio:>13.3f}")
+          f"{'wall ratio':>11} {'CPU ratio':>10}   (medians over {args.rounds} rounds)")
+    for workload, batch_size, h, o, ratio, cpu_ratio in rows:
+        print(f"{workload:<12} {batch_size:>5} {h:>21.1f} {o:>16.1f} {ratio:>11.3f} {cpu_ratio:>10.3f}")
 
 
 if __name__ == "__main__":
