@@ -51,6 +51,11 @@ class Trainer:
     field, given as ``config=`` or as a keyword (``precision="bfloat16"``, ``max_grad_norm=1.0``).
     Everything a checkpoint holds is in ``trainer.state`` (a ``LoopState``).
 
+    The step path never waits for the device: a NaN/Inf loss or gradient is looked for at the next
+    report, validation, checkpoint or epoch end (and at the end of the run), where
+    ``nonfinite="raise"``/``"stop"`` act and name the step it happened at; nothing after that step
+    is ever saved or kept as best. With ``"skip"`` the step undoes its own update as it runs.
+
     Example::
 
         trainer = Trainer(model=model, optimizer=optim.AdamW(1e-3), batch_size=32, gradient_accumulation=4)
