@@ -62,9 +62,11 @@ def test_skip_names_every_skipped_step_and_keeps_the_weights_finite(capsys):
     assert np.isfinite(history["train_loss"]).all()
 
 
-def test_stop_found_at_the_epoch_end_keeps_no_best_weights_and_no_epoch_logs(tmp_path):
+# found at the epoch's end, or at a report on the epoch's last step
+@pytest.mark.parametrize("report_every", ["100 steps", "8 steps"])
+def test_stop_found_at_the_epoch_end_keeps_no_best_weights_and_no_epoch_logs(tmp_path, report_every):
     best = tmp_path / "best.safetensors"
-    trainer = _trainer(_mlp(), nonfinite="stop", report_every="100 steps")
+    trainer = _trainer(_mlp(), nonfinite="stop", report_every=report_every)
     x, y = _data(bad=(20,))
     history = trainer.train((x, y), (x[:8], y[:8]), epochs=2, checkpoint_dir=str(tmp_path / "ck"),
                             callbacks=[ModelCheckpoint(str(best))])  # saves every epoch, best or not

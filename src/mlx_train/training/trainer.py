@@ -264,7 +264,8 @@ class Trainer:
                             checkpoints.raise_failed_save()
                         if self._done():
                             break
-                    if self._check_finite(loader) or not self._epoch_complete(loader):
+                    # Non-finite weights (found now or at a look during the epoch) never reach an epoch's end.
+                    if self._check_finite(loader) or self._poisoned or not self._epoch_complete(loader):
                         break
                     self._end_epoch(loader, val_loader, callbacks, meter, every)
                     due_save = every.save.by_epoch(state.epoch + 1) or every.save.by_step(state.step)
@@ -561,14 +562,17 @@ class Trainer:
             return {}
         first_step, first_position = self._epoch_start
         wanted = {first_position + step - first_step - 1: step for step in steps}
-        replay = loader.replace(num_workers=0)
-        replay.set_epoch(self.state.epoch)
         found: dict[int, str] = {}
-        for index, batch in enumerate(replay):
-            if index in wanted:
-                found[wanted[index]] = nonfinite_inputs(batch)
-            if index >= max(wanted):
-                break
+        try:
+            replay = loader.replace(num_workers=0)
+            replay.set_epoch(self.state.epoch)
+            for index, batch in enumerate(replay):
+                if index in wanted:
+                    found[wanted[index]] = nonfinite_inputs(batch)
+                if index >= max(wanted):
+                    break
+        except Exception:  # noqa: BLE001  # a detail of the message: never in the way of the error it explains
+            pass
         return found
 
     def _epoch_complete(self, loader: Iterable[Any]) -> bool:
