@@ -155,6 +155,9 @@ class Trainer:
         (``trainer.train(callbacks=[...])`` trains ``epochs`` more epochs). A new run (no ``resume``)
         into a ``checkpoint_dir`` or ``run_dir`` that holds another run is refused; ``resume="auto"``
         continues that run, ``overwrite=True`` moves it aside (``<dir>.old-<date>-<time>``) first.
+
+        A DataLoader given here yields whole optimizer-step batches, each split into
+        ``gradient_accumulation`` micro-batches (``fit`` differs: its DataLoader yields micro-batches).
         """
         if train_dataset is None:
             if self._loaders is None:
