@@ -6,9 +6,11 @@ mlx-lm's trainer is: one ``mx.compile``d step with model/optimizer/RNG state cap
 summed losses, ``mx.eval`` once per step, a report every 10 steps. Both clocks start at the
 report of step 10 (compilation and warm-up left out) and stop after the last step; the Trainer
 is timed from its ``on_report`` and ``on_fit_end`` events, so no per-batch callback is added to it.
-Each side is timed twice: wall time (the ratio that matters on a quiet machine) and this process's
-CPU time, all threads (``time.process_time``: on a machine shared with other jobs it moves far less
-with their load, which mostly makes wall time wait).
+Each side is timed three ways: wall time (the ratio that matters on a quiet machine); this process's
+CPU time, all threads (``time.process_time``); and the main thread's CPU time per step
+(``time.thread_time``: the host work of the loop, from data to dispatch and bookkeeping, while MLX
+computes on its own threads). On a machine shared with other jobs the CPU times move far less with
+their load, which mostly makes wall time wait.
 Workloads: ``mlp`` (the digits MLP) and ``transformer`` (the character-level transformer on the
 built-in text corpus).
 
@@ -98,13 +100,13 @@ def hand_written(data, info, name, options, batch_size, epochs, max_steps):
 WARMUP = 10  # steps before the clocks start (a report is due there on both sides)
 
 
-def _clocks() -> tuple[float, float]:
-    return time.perf_counter(), time.process_time()
+def _clocks() -> tuple[float, float, float]:
+    return time.perf_counter(), time.process_time(), time.thread_time()
 
 
-def _rates(steps: int, start: tuple[float, float], end: tuple[float, float]) -> tuple[float, float]:
-    """(steps per wall second, steps per CPU second of this process)."""
-    return steps / (end[0] - start[0]), steps / (end[1] - start[1])
+def _rates(steps: int, start: tuple[float, ...], end: tuple[float, ...]) -> tuple[float, float, float]:
+    """(steps per wall second, steps per CPU second of this process, main-thread CPU microseconds per step)."""
+    return steps / (end[0] - start[0]), steps / (end[1] - start[1]), (end[2] - start[2]) / steps * 1e6
 
 
 class _Timer:
@@ -157,12 +159,15 @@ def main() -> None:
         cpu = [o[1] / h[1] for h, o in zip(hand, ours, strict=True)]
         print(f"{workload}: per-round ratios, wall " + " ".join(f"{r:.3f}" for r in wall) +
               "; CPU " + " ".join(f"{r:.3f}" for r in cpu))
+        host = (statistics.median(h[2] for h in hand), statistics.median(o[2] for o in ours))
         rows.append((workload, batch_size, statistics.median(h[0] for h in hand),
-                     statistics.median(o[0] for o in ours), statistics.median(wall), statistics.median(cpu)))
+                     statistics.median(o[0] for o in ours), statistics.median(wall), statistics.median(cpu), host))
     print(f"\n{'workload':<12} {'batch':>5} {'hand-written steps/s':>21} {'Trainer steps/s':>16} "
-          f"{'wall ratio':>11} {'CPU ratio':>10}   (medians over {args.rounds} rounds)")
-    for workload, batch_size, h, o, ratio, cpu_ratio in rows:
-        print(f"{workload:<12} {batch_size:>5} {h:>21.1f} {o:>16.1f} {ratio:>11.3f} {cpu_ratio:>10.3f}")
+          f"{'wall ratio':>11} {'CPU ratio':>10} {'main-thread us/step hand, Trainer':>34}   "
+          f"(medians of {args.rounds} rounds)")
+    for workload, batch_size, h, o, ratio, cpu_ratio, host in rows:
+        print(f"{workload:<12} {batch_size:>5} {h:>21.1f} {o:>16.1f} {ratio:>11.3f} {cpu_ratio:>10.3f} "
+              f"{host[0]:>25.1f}, {host[1]:>7.1f}")
 
 
 if __name__ == "__main__":
