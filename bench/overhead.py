@@ -3,10 +3,20 @@
 Both sides train the same model on the same data with the same batch size, in this process,
 alternating rounds so machine noise hits both. The hand-written loop is written the way
 mlx-lm's trainer is: one ``mx.compile``d step with model/optimizer/RNG state captured, lazily
-summed losses, ``mx.eval`` once per step, a report every 10 steps.
+summed losses, ``mx.eval`` once per step, a report every 10 steps. Both clocks start at the
+report of step 10 (compilation and warm-up left out) and stop after the last step; the Trainer
+is timed from its ``on_report`` and ``on_fit_end`` events, so no per-batch callback is added to it.
+Each side is timed three ways: wall time (the ratio that matters on a quiet machine); this process's
+CPU time, all threads (``time.process_time``); and the main thread's CPU time per step
+(``time.thread_time``: the host work of the loop, from data to dispatch and bookkeeping, while MLX
+computes on its own threads). On a machine shared with other jobs the CPU times move far less with
+their load, which mostly makes wall time wait.
+Workloads: ``mlp`` (the digits MLP) and ``transformer`` (the character-level transformer on the
+built-in text corpus).
 
-    python bench/overhead.py            # both workloads, 3 rounds each
-    python bench/overhead.py --rounds 5 --workload mlp
+    python bench/overhead.py            # both workloads, 5 rounds each
+    python bench/overhead.py --rounds 7 --workload mlp
+    python bench/overhead.py --rounds 31 --steps 400 --workload mlp     # a busy machine: short rounds
 """
 
 from __future__ import annotations
@@ -33,7 +43,7 @@ from mlx_train.training import Trainer
 WORKLOADS = {
     # name: (dataset, model, model options, batch size, epochs, steps per round)
     "mlp": ("digits", "mlp", {}, 32, 60, 2000),
-    "transformer": ("text", "transformer", {}, 32, 1, 60),
+    "transformer": ("text", "transformer", {}, 32, 1, 70),
 }
 
 
@@ -51,7 +61,7 @@ def _loss(model, *batch):
 
 
 def hand_written(data, info, name, options, batch_size, epochs, max_steps):
-    """The baseline: a compiled step and a plain loop, mlx-lm style. Returns steps/s."""
+    """The baseline: a compiled step and a plain loop, mlx-lm style. Returns (steps/s, steps per CPU second)."""
     mx.random.seed(0)
     model = build_model(name, info, **options)
     optimizer = optim.AdamW(learning_rate=1e-3)
@@ -77,44 +87,60 @@ def hand_written(data, info, name, options, batch_size, epochs, max_steps):
             losses, items = losses + loss * count, items + count
             mx.eval(state, losses, items)
             steps += 1
-            if steps == 5:
-                start = time.perf_counter()  # skip compilation
             if steps % 10 == 0:
                 _ = (losses / items).item()
                 losses, items = mx.array(0.0), mx.array(0.0)
+            if steps == WARMUP:
+                start = _clocks()  # compilation and warm-up left out
             if steps >= max_steps:
-                return (steps - 5) / (time.perf_counter() - start)
-    return (steps - 5) / (time.perf_counter() - start)
+                return _rates(steps - WARMUP, start, _clocks())
+    return _rates(steps - WARMUP, start, _clocks())
 
 
-class _StartTimer:
-    """Starts the clock after the 5th step, like the baseline (skips compilation)."""
+WARMUP = 10  # steps before the clocks start (a report is due there on both sides)
+
+
+def _clocks() -> tuple[float, float, float]:
+    return time.perf_counter(), time.process_time(), time.thread_time()
+
+
+def _rates(steps: int, start: tuple[float, ...], end: tuple[float, ...]) -> tuple[float, float, float]:
+    """(steps per wall second, steps per CPU second of this process, main-thread CPU microseconds per step)."""
+    return steps / (end[0] - start[0]), steps / (end[1] - start[1]), (end[2] - start[2]) / steps * 1e6
+
+
+class _Timer:
+    """Starts the clock at the report of step ``WARMUP`` and stops it when training ends (no per-batch hook)."""
 
     def __init__(self):
-        self.start = None
+        self.start = self.end = None
         self.steps = 0
 
-    def on_batch_end(self, trainer, step):
-        self.steps = step
-        if step == 5:
-            self.start = time.perf_counter()
+    def on_report(self, trainer, logs):
+        if logs["step"] == WARMUP:
+            self.start = _clocks()
+
+    def on_fit_end(self, trainer, history):
+        self.end, self.steps = _clocks(), trainer.step
 
 
 def with_trainer(data, info, name, options, batch_size, epochs, max_steps):
     mx.random.seed(0)
     model = build_model(name, info, **options)
     optimizer = optim.AdamW(learning_rate=1e-3)
-    timer = _StartTimer()
+    timer = _Timer()
     trainer = Trainer(model, optimizer, batch_size=batch_size, report_every="10 steps", max_steps=max_steps)
     with contextlib.redirect_stdout(io.StringIO()):
         trainer.train(data, epochs=epochs, callbacks=[timer])
-    return (timer.steps - 5) / (time.perf_counter() - timer.start)
+    return _rates(timer.steps - WARMUP, timer.start, timer.end)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--workload", choices=sorted(WORKLOADS), action="append")
+    parser.add_argument("--steps", type=int, help="steps per round (default: the workload's); on a busy machine "
+                        "many short rounds give steadier medians than a few long ones")
     args = parser.parse_args()
     from mlx_train import _blas
 
@@ -122,16 +148,26 @@ def main() -> None:
     rows = []
     for workload in args.workload or sorted(WORKLOADS):
         dataset, name, options, batch_size, epochs, max_steps = WORKLOADS[workload]
+        max_steps = args.steps or max_steps
         splits = load_dataset(dataset, seed=0)
         hand, ours = [], []
-        for _ in range(args.rounds):
-            hand.append(hand_written(splits["train"], splits["info"], name, options, batch_size, epochs, max_steps))
-            ours.append(with_trainer(splits["train"], splits["info"], name, options, batch_size, epochs, max_steps))
-        h, o = statistics.median(hand), statistics.median(ours)
-        rows.append((workload, batch_size, h, o, o / h))
-    print(f"\n{'workload':<12} {'batch':>5} {'hand-written steps/s':>21} {'Trainer steps/s':>16} {'ratio':>6}")
-    for workload, batch_size, h, o, ratio in rows:
-        print(f"{workload:<12} {batch_size:>5} {h:>21.1f} {o:>16.1f} {ratio:>6.3f}")
+        for i in range(args.rounds):  # the side that goes first alternates too: no order effect favours one
+            sides = [(hand, hand_written), (ours, with_trainer)]
+            for results, run in sides if i % 2 == 0 else sides[::-1]:
+                results.append(run(splits["train"], splits["info"], name, options, batch_size, epochs, max_steps))
+        wall = [o[0] / h[0] for h, o in zip(hand, ours, strict=True)]
+        cpu = [o[1] / h[1] for h, o in zip(hand, ours, strict=True)]
+        print(f"{workload}: per-round ratios, wall " + " ".join(f"{r:.3f}" for r in wall) +
+              "; CPU " + " ".join(f"{r:.3f}" for r in cpu))
+        host = (statistics.median(h[2] for h in hand), statistics.median(o[2] for o in ours))
+        rows.append((workload, batch_size, statistics.median(h[0] for h in hand),
+                     statistics.median(o[0] for o in ours), statistics.median(wall), statistics.median(cpu), host))
+    print(f"\n{'workload':<12} {'batch':>5} {'hand-written steps/s':>21} {'Trainer steps/s':>16} "
+          f"{'wall ratio':>11} {'CPU ratio':>10} {'main-thread us/step hand, Trainer':>34}   "
+          f"(medians of {args.rounds} rounds)")
+    for workload, batch_size, h, o, ratio, cpu_ratio, host in rows:
+        print(f"{workload:<12} {batch_size:>5} {h:>21.1f} {o:>16.1f} {ratio:>11.3f} {cpu_ratio:>10.3f} "
+              f"{host[0]:>25.1f}, {host[1]:>7.1f}")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from mlx.utils import tree_flatten
 from mlx_train.errors import CheckpointError, OutOfMemoryError
 from mlx_train.training.callbacks import Callback, CallbackList
 from mlx_train.training.losses import METRIC_PREFIX
-from mlx_train.training.meter import Meter
+from mlx_train.training.meter import Meter, report_window
 from mlx_train.training.oom import CPU_MESSAGE, MemoryGuard, MemoryPolicy
 from mlx_train.training.state import LoopState, assign_leaves, saved_parameters
 
@@ -163,19 +163,23 @@ def test_meter_splits_time_and_reports_the_window_loss():
 
     for batch in meter.timed(loader()):
         clock.now += 1.0  # the step
-        meter.count(batch)
+        state.advance({}, meter.count(batch))
     meter.pause()
     clock.now += 10.0  # validation: not counted
     meter.resume()
-    logs = meter.report({"loss_sum": 12.0, "items": 6.0}, learning_rate=0.1)
+    totals = {"loss_sum": 12.0, "items": 6.0}
+    window = report_window(totals, state.report_base)
+    logs = meter.report(window, learning_rate=0.1)
+    assert state.report_base == {"loss_sum": 0.0, "items": 0.0, "step": 0}  # the meter only reads the state
+    state.close_window(totals, window["items"])
     assert logs["loss"] == 2.0 and logs["steps_per_second"] == pytest.approx(2 / 3.0)
     assert logs["time_data"] == pytest.approx(0.5) and logs["time_compute"] == pytest.approx(1.0)
     assert logs["samples_per_second"] == pytest.approx(16 / 3.0) and state.trained_samples == 16
-    assert logs["peak_memory_gb"] == 2.0
+    assert logs["peak_memory_gb"] == 2.0 and state.step == 2
     # the next window starts from the reported totals
-    meter.count((np.zeros((4, 3)),))
-    assert meter.report({"loss_sum": 15.0, "items": 9.0}, 0.1)["loss"] == 1.0
-    assert state.report_base == {"loss_sum": 15.0, "items": 9.0, "step": 0}
+    state.advance({}, meter.count((np.zeros((4, 3)),)))
+    assert meter.report(report_window({"loss_sum": 15.0, "items": 9.0}, state.report_base), 0.1)["loss"] == 1.0
+    assert state.report_base == {"loss_sum": 12.0, "items": 6.0, "step": 2}
 
 
 # -- the memory guard -----------------------------------------------------------------------
@@ -206,11 +210,12 @@ def test_the_guard_retries_the_same_batch_with_half_the_micro_batch():
     assert calls == [32, 16, 8]
     assert int(counter["n"].item()) == 1  # the two failed attempts were undone
     assert guard.batch_size == 8 and guard.accumulation == 4
-    assert state.micro_batch["batch_size"] == 8 and state.micro_batch["gradient_accumulation"] == 4
+    settings = guard.settings()
+    assert settings["batch_size"] == 8 and settings["gradient_accumulation"] == 4
     assert "retrying the same step with micro-batch 16" in messages[0]
     # a new guard built from the saved settings starts where this one settled
     resumed = MemoryGuard(lambda acc, ckpt: FakeStep(acc, 8, counter, calls), 1, MemoryPolicy(),
-                          settings=state.micro_batch)
+                          settings=settings)
     calls.clear()
     resumed(state, (mx.zeros((32, 2)),))
     assert calls == [8]
@@ -258,12 +263,12 @@ def test_budget_decisions_come_from_the_first_step_of_a_shape_and_carry_over_a_r
     guard = MemoryGuard(lambda acc, ckpt: MeasuredStep(acc, allocations, calls), 1, policy, log=lambda m: None)
     state = LoopState()
     for _ in range(3):  # the second step of the shape peaks over the budget: noise, not a decision
-        state.running = guard(state, (mx.zeros((16, 2)),))
+        state.advance(guard(state, (mx.zeros((16, 2)),)), 16)
     assert guard.events == [] and guard.batch_size is None
     # Resumed from the recorded settings, the shape's first step here is not measured again.
     allocations[:] = [8 * mb]
     resumed = MemoryGuard(lambda acc, ckpt: MeasuredStep(acc, allocations, calls), 1, policy,
-                          settings=state.micro_batch, log=lambda m: None)
+                          settings=guard.settings(), log=lambda m: None)
     resumed(state, (mx.zeros((16, 2)),))
     assert resumed.events == []
     # A new shape's first step is measured: over the budget, the next steps shrink.

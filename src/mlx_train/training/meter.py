@@ -1,15 +1,17 @@
 """Metering between reports: speed, where the step time went, and the report window's loss.
 
-The ``Meter`` only measures: it is handed the epoch's loss totals already summed over ranks, so
-no collective hides in it, and its clock is injectable, so tests need no sleeps.
+The ``Meter`` only measures, and only reads the loop state: it is handed the window's loss sums already
+summed over ranks, so no collective hides in it, and its clock is injectable, so tests need no sleeps.
 
 Example::
 
     meter = Meter(state, world_size=1, clock=fake_clock)
     for batch in meter.timed(loader):
-        state.running = step(state, batch); state.step += 1
-        meter.count(batch)
-    logs = meter.report({"loss_sum": 12.0, "items": 32.0}, learning_rate=1e-3)
+        running = step(state, batch)
+        state.advance(running, meter.count(batch))
+    window = report_window(totals, state.report_base)
+    logs = meter.report(window, learning_rate=1e-3)
+    state.close_window(totals, window["items"])
 
 The window's loss is read from the step's window sums (``window:loss_sum``, ``window:items``) when the
 totals hold them: exact, where a difference of two large float32 epoch sums would lose precision.
@@ -31,7 +33,8 @@ class Meter:
 
     It splits the step time: waiting for the loader (``timed``), the step itself (from a batch's
     arrival to ``count``) and checkpoint saves (``resume(checkpoint=True)``). Validation counts in
-    none of them. Trained samples are counted in the loop state, so a checkpoint holds them.
+    none of them. It never writes the loop state: ``count`` returns the samples the loop's step
+    transition (``LoopState.advance``) adds up.
     """
 
     def __init__(self, state: Any, world_size: int = 1, clock: Callable[[], float] = time.perf_counter,
@@ -63,13 +66,13 @@ class Meter:
             yield batch
             start = self.clock()
 
-    def count(self, batch: Any) -> None:
-        """One optimizer step on ``batch`` has finished."""
+    def count(self, batch: Any) -> int:
+        """One optimizer step on ``batch`` has been dispatched; returns its samples over all ranks."""
         self.step_seconds += self.clock() - self._fetched
         samples = batch_size_of(batch)
         self.pending_samples += samples
         self.pending_steps += 1
-        self.state.trained_samples += samples * self.world_size
+        return samples * self.world_size
 
     def pause(self) -> None:
         self._pause_start = self.clock()
@@ -85,13 +88,13 @@ class Meter:
         """Steps were counted since the last report."""
         return self.pending_steps > 0
 
-    def report(self, totals: dict[str, float], learning_rate: float, grad_norm: float | None = None) -> dict[str, Any]:
-        """The report's logs. ``totals``: the epoch's ``loss_sum`` and ``items`` (and a loss's ``metric:<name>``
-        sums), and the same sums over the report window (``window:<key>``), summed over ranks; each metric is
-        reported as its mean over the report's items."""
+    def report(self, window: dict[str, float], learning_rate: float,
+               grad_norm: float | None = None) -> dict[str, Any]:
+        """The report's logs, from ``window``: the loss, item and metric sums since the last report, summed over
+        ranks (``report_window``); each metric is reported as its mean over the window's items. Starts the
+        meter's next window; the loop state's (``LoopState.close_window``) is the caller's to start."""
         state, now = self.state, self.clock()
         seconds = max(now - self.start - self.paused, 1e-9)
-        window = report_window(totals, state.report_base)
         d_items = window["items"]
         samples = self.pending_samples * self.world_size
         logs = {
@@ -105,14 +108,12 @@ class Meter:
             "peak_memory_gb": self.peak_memory() / 1e9,
         }
         logs.update(metric_means(window, d_items))
-        state.trained_items += d_items
         if d_items > samples * 1.5:  # sequences: items are tokens
             logs["tokens_per_second"] = d_items / seconds
-            logs["trained_tokens"] = state.trained_items
+            logs["trained_tokens"] = state.trained_items + d_items
         if grad_norm is not None:
             logs["grad_norm"] = grad_norm
         logs.update(self._step_times(seconds))
-        state.report_base = {**{k: v for k, v in totals.items() if not k.startswith(WINDOW_PREFIX)}, "step": state.step}
         self.pending_samples = self.pending_steps = 0
         self.start, self.paused = now, 0.0
         self.data_seconds = self.step_seconds = self.checkpoint_seconds = 0.0

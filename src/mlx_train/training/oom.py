@@ -157,15 +157,16 @@ class MemoryGuard:
     """Runs optimizer steps and recovers from running out of memory.
 
     ``build(accumulation, checkpointing) -> step`` makes a step function (``running = step(state,
-    batch)``); the guard wraps it: ``state.running = guard(state, batch)``. When a step runs out of
+    batch)``); the guard wraps it: ``running = guard(state, batch)``. When a step runs out of
     memory the guard puts the step's state back, builds a step with twice the accumulation (or
-    gradient checkpointing) and retries the same batch. The settings it runs with are written to
-    ``state.micro_batch``; ``events`` lists every change and why.
+    gradient checkpointing) and retries the same batch. The settings it runs with are ``settings()``
+    (the loop's owner records them in the loop state for a checkpoint; the guard only reads that state);
+    ``events`` lists every change and why.
 
     Example::
 
         guard = MemoryGuard(lambda acc, ckpt: build_step(...), accumulation=1, policy=MemoryPolicy())
-        state.running = guard(state, batch)
+        state.advance(guard(state, batch), samples)
     """
 
     #: The in-step callbacks its steps were built with (set by the Trainer that builds it).
@@ -217,7 +218,7 @@ class MemoryGuard:
                     raise
                 raise self._not_undoable(state, str(error)) from error
             self._tight = mx.get_peak_memory() > self._tight_above
-            return cast("dict[str, Any]", result)
+            return result  # type: ignore[no-any-return]  # the step's running sums
         saved, key = [container[name] for container, name in self._slots], mx.random.state[0]  # type: ignore[index]
         try:
             result, failure = self._attempt(state, batch)
@@ -254,7 +255,6 @@ class MemoryGuard:
         if measured and failure is None:
             peak = mx.get_peak_memory() - before + (self.resident or 0)
             self.checked.append(key)
-            state.micro_batch = self.settings()
         over = here = peak > (budget or 0)
         if self.group is not None:  # every rank votes after every step, so that they stay in step
             over, failed = self._vote(here, failure is not None)
@@ -347,7 +347,6 @@ class MemoryGuard:
         self.events.append({"step": state.step + 1, "reason": reason, "batch_size": self.batch_size,
                             "gradient_accumulation": self.accumulation,
                             "gradient_checkpointing": self.checkpointing})
-        state.micro_batch = self.settings()
         self.log(f"{reason}; starting with micro-batch {self.batch_size} x accumulation {self.accumulation} "
                  "(same effective batch)")
 
@@ -424,7 +423,6 @@ class MemoryGuard:
         self.events.append({"step": step, "reason": reason, "batch_size": self.batch_size,
                             "gradient_accumulation": self.accumulation,
                             "gradient_checkpointing": self.checkpointing})
-        state.micro_batch = self.settings()
         if kept:
             self.log(f"step {step} went over the memory budget ({reason}); the step is kept, the next ones use "
                      f"{change}")

@@ -1,9 +1,14 @@
 """The loop state: everything a checkpoint holds, in one object.
 
-``LoopState`` is what the Trainer's loop reads and writes between steps: step and epoch
-counters, the epoch's running sums (on the device), history, the last validation, the float16
-loss scale, the micro-batch settings memory recovery settled on, the stop flag and the report
-window. ``capture`` turns it (with the model, optimizer, loader and callbacks) into arrays by
+``LoopState`` is what the Trainer's loop reads between steps: step and epoch counters, the epoch's
+running sums (on the device), history, the last validation, the float16 loss scale, the micro-batch
+settings memory recovery settled on, the stop flag and the report window. Only its own methods
+change it (the verbs: ``advance`` is the step transition, ``begin_epoch``/``close_window``/
+``end_epoch``, ``record_*``, ``request_stop``...); everything else reads it, and
+tests/test_loop_state_writers.py fails on a write from anywhere else. The one container written
+from outside is ``loss_scale``: the compiled float16 step holds it and updates it in place.
+
+``capture`` turns it (with the model, optimizer, loader and callbacks) into arrays by
 group plus a JSON document; ``restore`` puts all of it back **in place**: every array is written
 into the container that already holds it, so the compiled step (which captured those
 containers) keeps working, and trees of any structure round-trip — frozen or parameterless
@@ -13,7 +18,9 @@ in chunks (``HistoryChunks``), so what a save writes does not grow with the epoc
 Example::
 
     state = LoopState()
-    arrays, saved = state.capture(model, optimizer, loader, callbacks, config)
+    state.begin_epoch(0, step.zero_running())
+    state.advance(step(state, batch), samples=32)      # the step transition
+    arrays, saved = state.capture(model, optimizer, loader, callbacks, config, running)
     ...
     state.restore(path, arrays, saved, model, optimizer, loader, callbacks)
 """
@@ -191,14 +198,62 @@ class LoopState:
     base_model: dict[str, Any] | None = None
     history_chunks: HistoryChunks = field(default_factory=HistoryChunks)
 
-    def reset_running(self, zero: dict[str, mx.array]) -> None:
-        """Start a new epoch's sums."""
+    # -- the verbs: the only code that changes the loop state (tests/test_loop_state_writers.py checks it) --
+
+    def begin_epoch(self, epoch: int, zero: dict[str, mx.array]) -> None:
+        """Start epoch ``epoch`` with fresh sums ``zero`` (the step's ``zero_running()``)."""
+        self.epoch, self.epoch_done = epoch, False
         self.running = dict(zero)
         self.report_base = {"loss_sum": 0.0, "items": 0.0, "step": self.step}
 
-    def reset_window(self) -> None:
-        """Start a new report window: its sums (``window:<key>``) back to zero, on the device (no sync)."""
-        self.running = {k: mx.array(0.0) if k.startswith(WINDOW_PREFIX) else v for k, v in self.running.items()}
+    def advance(self, running: dict[str, mx.array], samples: int) -> None:
+        """The step transition: one optimizer step on ``samples`` samples (over all ranks) gave ``running``."""
+        self.running = running
+        self.step += 1
+        self.trained_samples += samples
+
+    def close_window(self, totals: dict[str, float], items: float) -> None:
+        """A report read the window (``totals``: the epoch's sums over ranks; ``items`` the window's): the next
+        window starts here, its on-device sums back at zero (no sync)."""
+        self.trained_items += items
+        self.report_base = {**{k: v for k, v in totals.items() if not k.startswith(WINDOW_PREFIX)}, "step": self.step}
+        zero = mx.array(0.0)  # arrays are immutable: one zero serves every window sum
+        self.running = {k: zero if k.startswith(WINDOW_PREFIX) else v for k, v in self.running.items()}
+
+    def end_epoch(self, logs: dict[str, Any]) -> None:
+        """The epoch's end ran (validation, logs): ``logs`` join the history, the epoch's sums are closed."""
+        for key, value in {"epoch": self.epoch, **logs}.items():
+            self.history.setdefault(key, []).append(value)
+        self.running, self.epoch_done = {}, True
+
+    @property
+    def next_epoch(self) -> int:
+        """The epoch to train next when the loader does not count epochs (a plain iterable)."""
+        return self.epoch + 1 if self.epoch_done else self.epoch
+
+    def record_validation(self, logs: dict[str, Any]) -> None:
+        """The last validation's logs (saved with a checkpoint, added to the epoch's logs)."""
+        self.last_val = logs
+
+    def record_micro_batch(self, settings: dict[str, Any]) -> None:
+        """The micro-batch settings memory recovery settled on (``MemoryGuard.settings()``)."""
+        self.micro_batch = dict(settings)
+
+    def set_running(self, values: dict[str, mx.array]) -> None:
+        """Replace some running sums (distributed saves: rank 0 holds the totals, the others zero)."""
+        self.running = {**self.running, **values}
+
+    def request_stop(self, stop: bool = True) -> None:
+        """Stop after the current step (``stop=False`` clears the flag, as a new ``train`` call does)."""
+        self.stop_training = bool(stop)
+
+    def set_base_model(self, base: dict[str, Any] | None) -> None:
+        """The frozen base a checkpoint of trainable parameters needs (``{"path", "sha256"}``)."""
+        self.base_model = base
+
+    def set_loss_scale(self, scale: float) -> None:
+        """The float16 loss scale to start from; written into the container the compiled step holds."""
+        self.loss_scale["scale"] = mx.array(scale)
 
     # -- checkpoints ----------------------------------------------------------------------
 

@@ -1,6 +1,6 @@
 """The training step: one builder, one step function.
 
-``build_step`` returns a ``TrainStep``; the loop reads ``state.running = step(state, batch)``.
+``build_step`` returns a ``TrainStep``; the loop's transition is ``state.advance(step(state, batch), n)``.
 A step takes one step batch, splits it into ``accumulation`` micro-batches and runs each through
 a function compiled once with the model, optimizer and RNG state captured
 (``mx.compile(fn, inputs=state, outputs=state)``); the last micro-batch applies the update.
@@ -12,8 +12,8 @@ update after the optimizer.
 Example::
 
     step = build_step(model, optimizer, Loss(), StepOptions(accumulation=4), state.loss_scale)
-    state.running = step.zero_running()
-    state.running = step(state, batch)          # one optimizer step, one mx.eval per micro-batch
+    state.begin_epoch(0, step.zero_running())
+    state.advance(step(state, batch), 32)       # one optimizer step, one mx.eval per micro-batch
 """
 
 from __future__ import annotations
@@ -138,6 +138,10 @@ class TrainStep:
         return running
 
     def __call__(self, state: Any, batch: Any) -> dict[str, mx.array]:
+        if self._single:  # one micro-batch, one process: the shortest path
+            running = self.micro(batch, None, state.running, True, False)[1]
+            mx.eval(self.state, running)
+            return running
         running, grads = state.running, None
         parts = split_batch(batch, self.options.accumulation)
         last = len(parts) - 1

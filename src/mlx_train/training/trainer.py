@@ -29,22 +29,16 @@ from mlx_train.errors import (
 from mlx_train.training.callbacks import CallbackList, EarlyStopping, ModelCheckpoint
 from mlx_train.training.evaluation import Evaluator
 from mlx_train.training.extensions import StepExtension
+from mlx_train.training.finite import FiniteWatch
 from mlx_train.training.heartbeat import Heartbeat
 from mlx_train.training.interrupt import StopSignals
 from mlx_train.training.labels import LabelCheck
 from mlx_train.training.loggers import MetricsLogger, ProgressBar
 from mlx_train.training.losses import Loss, metric_means
-from mlx_train.training.meter import Meter
+from mlx_train.training.meter import Meter, report_window
 from mlx_train.training.oom import MemoryGuard, MemoryPolicy, any_rank
 from mlx_train.training.resume import keep_global_batch, make_room, refuse_fresh_start, resume_candidates, run_locks
-from mlx_train.training.schedule import (
-    Cadences,
-    at_epoch_end,
-    batch_place,
-    length_of,
-    nonfinite_inputs,
-    total_steps,
-)
+from mlx_train.training.schedule import Cadences, at_epoch_end, length_of, nonfinite_inputs, total_steps
 from mlx_train.training.state import LoopState, summed_over_ranks
 from mlx_train.training.step import Reduction, StepOptions, TrainStep, build_step
 
@@ -56,6 +50,11 @@ class Trainer:
     ``batch_size * gradient_accumulation`` samples. Every other knob is a ``TrainConfig``
     field, given as ``config=`` or as a keyword (``precision="bfloat16"``, ``max_grad_norm=1.0``).
     Everything a checkpoint holds is in ``trainer.state`` (a ``LoopState``).
+
+    The step path never waits for the device: a NaN/Inf loss or gradient is looked for at the next
+    report, validation, checkpoint or epoch end (and at the end of the run), where
+    ``nonfinite="raise"``/``"stop"`` act and name the step it happened at; nothing after that step
+    is ever saved or kept as best. With ``"skip"`` the step undoes its own update as it runs.
 
     Example::
 
@@ -91,7 +90,7 @@ class Trainer:
         self.optimizer = optimizer
         self.loss = Loss(loss_fn)
         self.state = LoopState()
-        self.state.loss_scale["scale"] = mx.array(self.config.loss_scale if self.config.precision == "float16" else 1.0)
+        self.state.set_loss_scale(self.config.loss_scale if self.config.precision == "float16" else 1.0)
         self.epochs: int | None = None
         self.total_steps: int | None = None
         self.group: Any = None
@@ -112,6 +111,8 @@ class Trainer:
         self._poisoned = False
         self._signals: StopSignals | None = None
         self._voted_stop = False
+        self._watch = FiniteWatch()
+        self._epoch_start = (0, 0)  # (step, loader position) where the current epoch's steps began here
         self.evaluator = Evaluator(model, self.loss, self.config.precision, self.config.compile, self.log)
 
     # -- the loop state, by name ----------------------------------------------------------
@@ -127,7 +128,7 @@ class Trainer:
 
     @stop_training.setter
     def stop_training(self, value: bool) -> None:
-        self.state.stop_training = bool(value)
+        self.state.request_stop(value)
 
     @property
     def base_model(self) -> dict[str, Any] | None:
@@ -136,7 +137,7 @@ class Trainer:
 
     @base_model.setter
     def base_model(self, value: dict[str, Any] | None) -> None:
-        self.state.base_model = value
+        self.state.set_base_model(value)
 
     @property
     def is_main(self) -> bool:
@@ -154,6 +155,9 @@ class Trainer:
         (``trainer.train(callbacks=[...])`` trains ``epochs`` more epochs). A new run (no ``resume``)
         into a ``checkpoint_dir`` or ``run_dir`` that holds another run is refused; ``resume="auto"``
         continues that run, ``overwrite=True`` moves it aside (``<dir>.old-<date>-<time>``) first.
+
+        A DataLoader given here yields whole optimizer-step batches, each split into
+        ``gradient_accumulation`` micro-batches (``fit`` differs: its DataLoader yields micro-batches).
         """
         if train_dataset is None:
             if self._loaders is None:
@@ -216,7 +220,7 @@ class Trainer:
         cfg, state = self.config, self.state
         self._shard(loader, val_loader)  # first: epochs: null counts this rank's batches
         self.epochs = epochs = epochs or cfg.epochs or _epochs_for(loader, cfg)
-        state.stop_training = False
+        state.request_stop(False)
         callbacks = CallbackList(self._default_callbacks() + list(callbacks))
         checkpoints = self._checkpoints(checkpoint_dir or cfg.checkpoint_dir)
         if overwrite and resume:
@@ -237,41 +241,40 @@ class Trainer:
             meter = Meter(state, self.group.size() if self.group is not None else 1)
             meter.comm_seconds = self.comm_seconds
             per_batch = callbacks.has("on_batch_end")
+            voting = self.group is not None and self.group.size() > 1
             labels = LabelCheck.for_run(self.loss, self.model, loader)
+            watch = self._watch
             callbacks.call("on_fit_start", self)
             try:
                 while _epoch_of(loader, state) < epochs and not self._done():
                     self._begin_epoch(loader, callbacks)
+                    due = _next_due(every, state.step)
+                    # The step path: nothing here waits for the device. A NaN/Inf is looked for at the next
+                    # report, validation, checkpoint or epoch end (``_check_finite``), which names its step.
                     for batch in meter.timed(loader):
                         if labels is not None:
                             labels.batch(batch)  # a no-op when the whole dataset was checked at start
-                        state.running = step(state, batch)
-                        state.step += 1
-                        self._vote_stop(signals)
-                        meter.count(batch)
-                        self._check_finite(batch, loader)
+                        state.advance(step(state, batch), meter.count(batch))
+                        watch.add(state.running)
+                        if voting:
+                            self._vote_stop(signals)
                         if per_batch:
                             callbacks.call("on_batch_end", self, state.step)
-                        if every.report.by_step(state.step):
-                            self._report(callbacks, meter)
-                        if every.validate.by_step(state.step) and val_loader is not None:
-                            self._validate(val_loader, callbacks, meter)
-                        # A save due on an epoch's last step waits for the epoch's end: the checkpoint then
-                        # holds its validation, history and callback decisions, and a resume does not redo them.
-                        if every.save.by_step(state.step) and checkpoints and not at_epoch_end(loader):
-                            self._save(checkpoints, loader, callbacks, meter)
+                        if state.step >= due:
+                            self._boundary(loader, val_loader, checkpoints, callbacks, meter, every)
+                            due = _next_due(every, state.step)
                         if checkpoints:
                             checkpoints.raise_failed_save()
                         if self._done():
                             break
-                    if not self._epoch_complete(loader):
+                    # Non-finite weights (found now or at a look during the epoch) never reach an epoch's end.
+                    if self._check_finite(loader) or self._poisoned or not self._epoch_complete(loader):
                         break
-                    self._end_epoch(val_loader, callbacks, meter, every)
-                    due = every.save.by_epoch(state.epoch + 1) or every.save.by_step(state.step)
-                    if checkpoints and due and self._saved_step != state.step:
+                    self._end_epoch(loader, val_loader, callbacks, meter, every)
+                    due_save = every.save.by_epoch(state.epoch + 1) or every.save.by_step(state.step)
+                    if checkpoints and due_save and self._saved_step != state.step:
                         self._save(checkpoints, loader, callbacks, meter)
-                    if not isinstance(loader, DataLoader):
-                        state.epoch += 1
+                self._check_finite(loader)
                 if checkpoints and self._saved_step != state.step:
                     self._save(checkpoints, loader, callbacks, meter)
                 if checkpoints:
@@ -284,6 +287,7 @@ class Trainer:
             finally:
                 if checkpoints:
                     checkpoints.wait(raise_error=False)
+                state.record_micro_batch(step.settings())  # where memory recovery settled: the next train() call
             # Still under the signal handlers: a late SIGTERM cannot cut on_fit_end short (the run is saved).
             history = self._history_with_open_epoch()
             callbacks.call("on_fit_end", self, history)
@@ -311,55 +315,79 @@ class Trainer:
         state = self.state
         epoch = _epoch_of(loader, state)
         if epoch != state.epoch or not state.running:  # a new epoch (a resumed one keeps its sums)
-            state.epoch, state.epoch_done = epoch, False
-            state.reset_running(self.memory_guard.step.zero_running())  # type: ignore[union-attr]  # set by _run
+            state.begin_epoch(epoch, self.memory_guard.step.zero_running())  # type: ignore[union-attr]  # set by _run
+        self._watch.start(state.running, state.step)
+        self._epoch_start = (state.step, loader.position if isinstance(loader, DataLoader) else 0)
         callbacks.call("on_epoch_start", self, state.epoch)
 
-    def _end_epoch(self, val_loader: Iterable[Any] | None, callbacks: CallbackList, meter: Meter,
-                   every: Cadences) -> None:
+    def _end_epoch(self, loader: Iterable[Any], val_loader: Iterable[Any] | None, callbacks: CallbackList,
+                   meter: Meter, every: Cadences) -> None:
         state = self.state
+        self._check_finite(loader)
         if not every.report.by_step(state.step) and meter.pending:
-            self._report(callbacks, meter)
+            self._report(loader, callbacks, meter)
         totals = self._totals()
         logs = {"train_loss": totals["loss_sum"] / max(totals["items"], 1.0)}
         logs.update(metric_means(totals, totals["items"], "train_"))
         if val_loader is not None and every.validate.by_epoch(state.epoch + 1):
-            self._validate(val_loader, callbacks, meter)
+            self._validate(loader, val_loader, callbacks, meter)
         logs.update({k: v for k, v in state.last_val.items() if k not in ("step", "epoch", "val_time")})
         logs["learning_rate"] = float(self.optimizer.learning_rate.item())
         logs.update(callbacks.report_metrics())
-        for key, value in {"epoch": state.epoch, **logs}.items():
-            state.history.setdefault(key, []).append(value)
-        state.running, state.epoch_done = {}, True
+        state.end_epoch(logs)
         callbacks.call("on_epoch_end", self, state.epoch, logs)
 
-    def _report(self, callbacks: CallbackList, meter: Meter) -> None:
-        grad_norm = self.state.running.get("grad_norm")
-        logs = meter.report(self._totals(), float(self.optimizer.learning_rate.item()),
+    def _boundary(self, loader: Iterable[Any], val_loader: Iterable[Any] | None,
+                  checkpoints: CheckpointManager | None, callbacks: CallbackList, meter: Meter,
+                  every: Cadences) -> None:
+        """What is due after this step by the step cadences: a report, a validation, a save. Each first looks
+        for non-finite steps (``_check_finite``)."""
+        step = self.state.step
+        if every.report.by_step(step):
+            self._report(loader, callbacks, meter)
+        if every.validate.by_step(step) and val_loader is not None:
+            self._validate(loader, val_loader, callbacks, meter)
+        # A save due on an epoch's last step waits for the epoch's end: the checkpoint then
+        # holds its validation, history and callback decisions, and a resume does not redo them.
+        if every.save.by_step(step) and checkpoints and not at_epoch_end(loader):
+            self._save(checkpoints, loader, callbacks, meter)
+
+    def _report(self, loader: Iterable[Any], callbacks: CallbackList, meter: Meter) -> None:
+        self._check_finite(loader)
+        state = self.state
+        grad_norm = state.running.get("grad_norm")
+        totals = self._totals()
+        window = report_window(totals, state.report_base)
+        logs = meter.report(window, float(self.optimizer.learning_rate.item()),
                             None if grad_norm is None else float(grad_norm.item()))  # type: ignore[arg-type]
-        self.state.reset_window()  # the window's sums were just read (and summed over ranks): start the next
+        state.close_window(totals, window["items"])  # the window was read (and summed over ranks): the next starts
         callbacks.call("on_report", self, {**logs, **callbacks.report_metrics()})
 
-    def _validate(self, val_loader: Iterable[Any], callbacks: CallbackList, meter: Meter) -> None:
+    def _validate(self, loader: Iterable[Any], val_loader: Iterable[Any], callbacks: CallbackList,
+                  meter: Meter) -> None:
+        self._check_finite(loader)
         meter.pause()
         with callbacks.validation_weights(self.model):
             logs = {"step": self.state.step, "epoch": self.state.epoch,
                     **self._evaluate_loader(val_loader, self.config.val_batches)}
-        self.state.last_val = logs
+        self.state.record_validation(logs)
         callbacks.call("on_validation_end", self, logs)
         meter.resume()
 
     def _save(self, checkpoints: CheckpointManager, loader: Iterable[Any], callbacks: CallbackList,
               meter: Meter) -> None:
         state = self.state
+        self._check_finite(loader)
         if self._poisoned:
             return  # non-finite weights are never saved: the last finite checkpoint stays the newest
         self._saved_step = state.step
+        state.record_micro_batch(self.memory_guard.settings() if self.memory_guard is not None else {})
         totals = self._totals() if state.running else {}
         if self.group is not None and self.group.size() > 1 and state.running:
             # Canonical form of the running sums: rank 0 holds the totals, the others zero, as after a resume.
             mine = totals if self.is_main else {k: 0.0 for k in totals}
-            state.running = {**state.running, **{k: mx.array(v) for k, v in mine.items()}}
+            state.set_running({k: mx.array(v) for k, v in mine.items()})
+            self._watch.start(state.running, state.step)
         if not self.is_main:
             return  # only rank 0 writes; every rank holds the same state
         meter.pause()
@@ -416,7 +444,8 @@ class Trainer:
         self.state.restore(path, arrays, saved, self.model, self.optimizer, resized, callbacks,
                            rank=self.group.rank() if self.group is not None else 0)
         if resized is not loader:  # another number of processes: another micro-batch count per step
-            self.config, self.state.micro_batch = config, {**self.state.micro_batch, "step_batch": None}
+            self.config = config
+            self.state.record_micro_batch({**self.state.micro_batch, "step_batch": None})
             if self._loaders is not None and self._loaders[0] is loader:
                 self._loaders = (resized, *self._loaders[1:])
         return resized
@@ -446,7 +475,7 @@ class Trainer:
 
         guard = MemoryGuard(build, cfg.gradient_accumulation, policy, self.group, self.log, settings)
         guard.extensions = extensions
-        self.state.micro_batch = guard.settings()
+        self.state.record_micro_batch(guard.settings())
         return guard
 
     def _done(self) -> bool:
@@ -490,35 +519,69 @@ class Trainer:
         self.log(message)
         return TrainingInterrupted(signum, self.state.step, saved, message)
 
-    def _check_finite(self, batch: Any, loader: Iterable[Any]) -> None:
-        """Act on a NaN/Inf loss or gradient flagged inside the step (a value the step already computed)."""
-        running = self.state.running
-        flag = running.get("nonfinite")  # guarded steps count; otherwise a NaN/Inf makes loss_sum non-finite
-        loss_sum = running["loss_sum"].item()
-        if (flag is not None and not flag.item()) or (flag is None and math.isfinite(loss_sum)):  # type: ignore[arg-type]
-            return
-        policy, step = self.config.nonfinite, self.state.step
-        where = f"step {step} (epoch {self.state.epoch + 1}{batch_place(loader)})"
-        culprit = nonfinite_inputs(batch)
+    def _check_finite(self, loader: Iterable[Any]) -> bool:
+        """Act on the NaN/Inf losses or gradients flagged inside the steps since the last look (one host read).
+
+        The loop looks before every report, validation, checkpoint and epoch end, and when the run ends:
+        ``nonfinite="raise"`` and ``"stop"`` act there, up to one report/checkpoint interval after the step,
+        and name the step; nothing after it is ever saved or kept as best. ``"skip"``: the step's update was
+        already undone inside it; the look only says so. Returns True when the run must stop here.
+        """
+        state = self.state
+        bad = self._watch.take(state.running, state.step)
+        if not bad:
+            return False
+        policy, batches = self.config.nonfinite, self._replayed(loader, bad)
         if policy == "skip":
-            self.state.running["nonfinite"] = mx.array(0.0)
-            self.log(f"non-finite loss or gradient at {where}{culprit}: the update was skipped (nonfinite='skip')")
-            return
+            for step in bad:
+                self.log(f"non-finite loss or gradient at {self._where(loader, step)}{batches.get(step, '')}: the "
+                         "update was skipped (nonfinite='skip')")
+            return False
         self._poisoned = True  # the update was applied: this state must never be saved
+        step = bad[0]
+        where, culprit = self._where(loader, step), batches.get(step, "")
+        later = f", found at step {state.step}" if state.step != step else ""
         advice = ("resume from the last checkpoint; find the bad samples, lower learning_rate, set max_grad_norm, "
                   "or set nonfinite='skip' to skip such steps")
         if policy == "stop":
-            self.state.stop_training = True
-            self.log(f"non-finite loss or gradient at {where}{culprit}; stopping (nonfinite='stop'). The model's "
-                     f"weights are not finite; the last finite checkpoint is kept. To continue: {advice}")
-            return
-        raise NonFiniteError(f"non-finite loss or gradient at {where}{culprit}. The model's weights are no longer "
-                             f"finite and nothing was saved after this step. To fix: {advice}")
+            state.request_stop()
+            self.log(f"non-finite loss or gradient at {where}{culprit}; stopping{later} (nonfinite='stop'). The "
+                     f"model's weights are not finite; the last finite checkpoint is kept. To continue: {advice}")
+            return True
+        raise NonFiniteError(f"non-finite loss or gradient at {where}{culprit}{later}. The model's weights are no "
+                             f"longer finite and nothing was saved after this step. To fix: {advice}")
+
+    def _where(self, loader: Iterable[Any], step: int) -> str:
+        """"step 5 (epoch 1, batch 5 of 8)" for a step of the current epoch."""
+        first_step, first_position = self._epoch_start
+        length = length_of(loader) if isinstance(loader, DataLoader) else None
+        place = "" if length is None else f", batch {first_position + step - first_step} of {length}"
+        return f"step {step} (epoch {self.state.epoch + 1}{place})"
+
+    def _replayed(self, loader: Iterable[Any], steps: list[int]) -> dict[int, str]:
+        """Which samples of the given steps' batches hold NaN/Inf (only on this error path): a DataLoader's
+        batches are read again from the start of the epoch (a copy of it: the loader is not moved)."""
+        if not isinstance(loader, DataLoader) or loader.num_samples is None:
+            return {}
+        first_step, first_position = self._epoch_start
+        wanted = {first_position + step - first_step - 1: step for step in steps}
+        found: dict[int, str] = {}
+        try:
+            replay = loader.replace(num_workers=0)
+            replay.set_epoch(self.state.epoch)
+            for index, batch in enumerate(replay):
+                if index in wanted:
+                    found[wanted[index]] = nonfinite_inputs(batch)
+                if index >= max(wanted):
+                    break
+        except Exception:  # noqa: BLE001  # a detail of the message: never in the way of the error it explains
+            pass
+        return found
 
     def _epoch_complete(self, loader: Iterable[Any]) -> bool:
         if not isinstance(loader, DataLoader):
             return not self._done()
-        if at_epoch_end(loader) and loader.epoch == self.state.epoch:
+        if loader.epoch == self.state.epoch and at_epoch_end(loader):  # (the epoch's length only when needed)
             loader.set_epoch(self.state.epoch + 1)  # stopped right on the last batch: the epoch is done
         return loader.epoch > self.state.epoch
 
@@ -636,4 +699,11 @@ def _epochs_for(loader: Any, config: TrainConfig) -> int:
 
 
 def _epoch_of(loader: Any, state: LoopState) -> int:
-    return loader.epoch if hasattr(loader, "epoch") else state.epoch
+    """The epoch to train next: the loader's, or for a plain iterable the loop state's."""
+    return loader.epoch if hasattr(loader, "epoch") else state.next_epoch
+
+
+def _next_due(every: Cadences, step: int) -> float:
+    """The next step after ``step`` at which a report, validation or save is due by the step cadences."""
+    periods = [c.step_n for c in (every.report, every.validate, every.save) if c.step_n]
+    return min((step // n + 1) * n for n in periods) if periods else math.inf
