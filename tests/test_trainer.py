@@ -321,3 +321,27 @@ def test_with_frozen_parameters_checkpoints_and_best_weights_hold_only_what_trai
     assert set(mx.load(str(best))) == trainable == set(stopper.best_weights) == {"layers.2.weight", "layers.2.bias"}
     latest = sorted(p for p in os.listdir(tmp_path / "ck") if p.startswith("step-"))[-1]
     assert set(mx.load(str(tmp_path / "ck" / latest / "model.safetensors"))) == trainable
+
+
+@pytest.mark.parametrize("accumulation", [1, 3])
+def test_fit_and_train_read_a_dataloader_batch_the_same_way(digits, accumulation):
+    """A DataLoader's batch is a micro-batch for train() as for fit(): the same steps, the same weights,
+    and a step of batch_size x accumulation samples (as train() on arrays)."""
+    x, y = digits["train"]
+    runs = {}
+    for how in ("fit", "train", "arrays"):
+        model = _mlp(digits["info"])
+        trainer = Trainer(model, optim.Adam(1e-3), batch_size=8, gradient_accumulation=accumulation, seed=2,
+                          max_steps=12, shuffle=False, **_quiet())
+        loader = DataLoader((x, y), batch_size=8, shuffle=False, seed=2)
+        if how == "fit":
+            trainer.fit(loader, epochs=1, save_best=False)
+        elif how == "train":
+            trainer.train(loader, epochs=1)
+        else:
+            trainer.train((x, y), epochs=1)
+        assert trainer.step == 12
+        assert trainer.state.trained_samples == 12 * 8 * accumulation
+        runs[how] = _flat(model)
+    assert _max_rel_err(runs["fit"], runs["train"]) == 0.0
+    assert _max_rel_err(runs["train"], runs["arrays"]) < 1e-6

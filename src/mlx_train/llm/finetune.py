@@ -264,8 +264,8 @@ def finetune(config: TrainConfig, callbacks: list | None = None, resume: str | N
         raise ConfigError(f"--test: {config.dataset} has no test records to evaluate on; add some, or leave --test "
                           "out")
     train_rows, valid_rows = splits["train"], splits.get("valid")
-    step_rows = config.batch_size * config.gradient_accumulation  # one loader batch is one optimizer step
-    loader = data.make_loader(train_rows, step_rows, seed=config.seed, num_workers=config.num_workers)
+    # A loader batch is a micro-batch; the Trainer takes gradient_accumulation of them per optimizer step.
+    loader = data.make_loader(train_rows, config.batch_size, seed=config.seed, num_workers=config.num_workers)
     trainer = trainer_class(model, loss_fn=_loss_for(config), config=_for_trainer(config))
     # Checkpoints of a run with a frozen base hold the trained parameters and this reference.
     trainer.base_model = models.base_reference(config.model) if os.path.exists(config.model) else \

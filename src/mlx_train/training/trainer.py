@@ -156,8 +156,9 @@ class Trainer:
         into a ``checkpoint_dir`` or ``run_dir`` that holds another run is refused; ``resume="auto"``
         continues that run, ``overwrite=True`` moves it aside (``<dir>.old-<date>-<time>``) first.
 
-        A DataLoader given here yields whole optimizer-step batches, each split into
-        ``gradient_accumulation`` micro-batches (``fit`` differs: its DataLoader yields micro-batches).
+        A DataLoader's batch is a micro-batch, as in ``fit``: with gradient accumulation each optimizer
+        step takes ``gradient_accumulation`` of them. A dataset that is not a DataLoader is batched with
+        the config's ``batch_size`` (per micro-batch) the same way.
         """
         if train_dataset is None:
             if self._loaders is None:
@@ -167,7 +168,7 @@ class Trainer:
             epochs = _epoch_of(loader, self.state) + (epochs or self.config.epochs or _epochs_for(loader, self.config))
             return self._run(loader, val_loader, epochs, checkpoint_dir, callbacks or [], resume, overwrite)
         cfg = self.config
-        loader = train_dataset if isinstance(train_dataset, DataLoader) else DataLoader(
+        loader = self._micro_loader(train_dataset) if isinstance(train_dataset, DataLoader) else DataLoader(
             train_dataset, batch_size=cfg.batch_size * cfg.gradient_accumulation, shuffle=cfg.shuffle,
             num_workers=cfg.num_workers, drop_last=cfg.drop_last, seed=cfg.seed)
         val_loader = val_dataset if val_dataset is None or isinstance(val_dataset, DataLoader) else \
