@@ -107,7 +107,7 @@ class DistributedTrainer(Trainer):
         optimizer: optim.Optimizer | None = None,
         loss_fn: Callable | None = None,
         device_config: Any = None,
-        strategy: str = "data_parallel",
+        strategy: str | None = None,
         config: TrainConfig | None = None,
         distributed_config: Any = None,
         **overrides: Any,
@@ -118,6 +118,7 @@ class DistributedTrainer(Trainer):
         self.group = _init_group(self.config.distributed_backend)
         world = self.group.size()
         self.backend = active_backend(world_size=world)
+        strategy = strategy or self.config.distributed_strategy
         check_strategy(strategy, self.backend, world)
         if distributed_config is not None:
             distributed_config.check_world_size(world)
@@ -125,7 +126,11 @@ class DistributedTrainer(Trainer):
         self.monitor = self._make_monitor()
         if self.monitor is not None:
             self.collective = self.monitor.collective
-        if world > 1:
+        #: Tensor parallelism: the split axis of each sharded parameter (``tensor_parallel.shard_layout``).
+        self.layout: dict[str, int] = {}
+        if strategy == "tensor_parallel":
+            self._setup_tensor_parallel(model)
+        elif world > 1:
             arm = (lambda: self.monitor.arm("gradient all-reduce")) if self.monitor is not None else None
             sharded = strategy == "fsdp"
             self.gradient_reduction = (sharded_reduction if sharded else fused_average)(self.group, arm)
@@ -142,6 +147,23 @@ class DistributedTrainer(Trainer):
                     self.comm_seconds = estimate_step_comm_seconds(model, self.group)  # reports show time_comm
         if strategy == "fsdp":
             self.model = nn.fully_shard(model, group=self.group)  # the model itself when alone
+
+    def _setup_tensor_parallel(self, model: nn.Module) -> None:
+        """Split ``model`` over the group (its ``shard(group)``, unless already split) and make the
+        replicated parameters rank 0's; gradients then need no all-reduce (``tensor_parallel_reduction``)."""
+        if self.world_size == 1:
+            return
+        from mlx_train.distributed import tensor_parallel
+        from mlx_train.distributed.checksum import broadcast_from_rank0
+
+        self.layout.update(tensor_parallel.shard_model(model, self.group))
+        mx.eval(model.parameters())  # collectives pending in lazy parameters run first, in the same order
+        replicated = [(k, v) for k, v in tree_flatten(model.parameters()) if k not in self.layout]
+        with self.collective("start-up broadcast of rank 0's replicated parameters"):
+            model.update(broadcast_from_rank0(tree_unflatten(replicated), self.group), strict=False)
+            mx.eval(model.parameters())
+        arm = (lambda: self.monitor.arm("tensor-parallel step")) if self.monitor is not None else None
+        self.gradient_reduction = tensor_parallel.tensor_parallel_reduction(self.group, self.layout, arm)
 
     @property
     def world_size(self) -> int:
@@ -160,6 +182,16 @@ class DistributedTrainer(Trainer):
                 "parameters and optimizer state, and a checkpoint must hold them whole. Train without "
                 "checkpoint_dir, or use strategy='data_parallel' (which resumes on any number of ranks)"
             )
+        if self._tensor_parallel:
+            from mlx_train.distributed.tensor_parallel import shard_layout
+
+            self.layout.clear()  # adapters added since the trainer was made are sharded too
+            self.layout.update(shard_layout(self.model))
+            if self.config.checksum_every:
+                raise ConfigError(
+                    "checksum_every compares the ranks' whole parameters, but with strategy 'tensor_parallel' "
+                    "each rank holds other slices: leave checksum_every unset (tensor_parallel.replicated_agree "
+                    "compares the replicated parameters)")
         if resume is None and (checkpoint_dir or self.config.checkpoint_dir):
             resume = rank_runtime.restart_resume()
         extra = [self.monitor] if self.monitor is not None else []
@@ -173,6 +205,22 @@ class DistributedTrainer(Trainer):
         except RuntimeError as error:
             self._raise_transport_error(error)
             raise
+
+    @property
+    def _tensor_parallel(self) -> bool:
+        return self.strategy == "tensor_parallel" and self.world_size > 1
+
+    def _batch_ranks(self) -> int:
+        return 1 if self._tensor_parallel else super()._batch_ranks()
+
+    def _shard(self, *loaders: Any) -> None:
+        if not self._tensor_parallel:  # tensor parallel ranks all train on the whole batch
+            super()._shard(*loaders)
+
+    def _reduce(self, values: dict[str, mx.array]) -> dict[str, float]:
+        if self._tensor_parallel:  # every rank computed the same sums (on the whole batch): report rank 0's
+            values = {k: v if self.rank == 0 else mx.zeros_like(v) for k, v in values.items()}
+        return super()._reduce(values)
 
     def evaluate(self, dataset: Any) -> dict[str, float]:
         try:
