@@ -131,7 +131,7 @@ def _train(out, mode, *extra, ranks=1):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("mode,extra", [("lora", ["0.05"]), ("dora", []), ("full", [])])
+@pytest.mark.parametrize("mode,extra", [("lora", ["--max-grad-norm", "0.05"]), ("dora", []), ("full", [])])
 def test_two_tensor_parallel_ranks_train_like_one_process(tmp_path, mode, extra):
     one, one_trained = _train(tmp_path / "one", mode, *extra)
     two, two_trained = _train(tmp_path / "two", mode, *extra, ranks=2)
@@ -154,6 +154,77 @@ def test_two_tensor_parallel_ranks_train_like_one_process(tmp_path, mode, extra)
                 moments = [k for k in rank["optimizer_shapes"] if k.startswith(key + ".")]  # Adam's m and v
                 assert moments and all(rank["optimizer_shapes"][k] == rank["shapes"][key] for k in moments), key
     assert any(key in ranks[0]["shapes"] for key in ranks[0]["layout"])
+
+
+def _logits_with_adapters(tmp_path, adapters):
+    """The tiny llama loaded by ``mlx_lm.load`` with ``adapters``: its logits on fixed tokens."""
+    sys.path.insert(0, SCRIPTS)
+    import llm_tiny
+    from mlx_lm import load
+
+    from mlx_train.llm.models import save_model
+
+    base = tmp_path / "base"
+    if not base.exists():
+        model, config = llm_tiny.make_model(96, seed=0)
+        save_model(model, llm_tiny.make_tokenizer(), config, str(base))
+    model, _ = load(str(base), adapter_path=None if adapters is None else str(adapters))
+    tokens = mx.array(np.random.default_rng(1).integers(0, 96, size=(2, 12)))
+    return np.array(model(tokens))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_gathered_adapters_load_with_mlx_lm_like_one_process_s(tmp_path):
+    _train(tmp_path / "one", "lora")
+    _train(tmp_path / "two", "lora", ranks=2)
+    config = json.loads((tmp_path / "two" / "adapters" / "adapter_config.json").read_text())
+    assert config["fine_tune_type"] == "lora" and config["lora_parameters"]["rank"] == 4
+    one = _logits_with_adapters(tmp_path, tmp_path / "one" / "adapters")
+    two = _logits_with_adapters(tmp_path, tmp_path / "two" / "adapters")
+    assert np.allclose(one, two, atol=1e-4)
+    assert not np.allclose(one, _logits_with_adapters(tmp_path, None), atol=1e-3)  # the adapters count
+
+
+def _supervised(run_dir, *extra):
+    from mlx_train.launch.supervisor import RecoveryPolicy, supervise
+
+    run_dir.mkdir(parents=True)
+    command = [sys.executable, os.path.join(SCRIPTS, "tp_run.py"), str(run_dir), "lora", "--checkpoint-dir",
+               str(run_dir / "ckpt"), *extra]
+    with open(run_dir / "output.txt", "w") as out:
+        return supervise(command, num_processes=2, run_dir=run_dir, checkpoint_dir=str(run_dir / "ckpt"),
+                         policy=RecoveryPolicy.from_collective_timeout(2, 60), output=(out, out))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_killed_tensor_parallel_rank_resumes_bit_for_bit_and_the_checkpoint_reshards(tmp_path, monkeypatch):
+    for key, value in ENV.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("MLX_TRAIN_HOME", str(tmp_path / "home"))
+    clean = _supervised(tmp_path / "clean")
+    killed = _supervised(tmp_path / "killed", "--kill-rank", "1", "--kill-step", "12")
+    assert clean.restarts == [] and [r.cause for r in killed.restarts] == ["rank 1 was killed by SIGKILL"]
+    assert killed.restarts[0].resume_from == str(tmp_path / "killed" / "ckpt" / "step-00000010")
+    losses = json.loads((tmp_path / "clean" / "losses.json").read_text())["loss"]
+    assert json.loads((tmp_path / "killed" / "losses.json").read_text())["loss"] == losses[10:]  # steps 11..20
+    a, b = mx.load(str(tmp_path / "clean" / "trained.safetensors")), mx.load(str(tmp_path / "killed" /
+                                                                               "trained.safetensors"))
+    assert sorted(a) == sorted(b) and all(np.array_equal(np.array(a[k]), np.array(b[k])) for k in a)
+    # the checkpoint: rank 0's slices and the layout in step-N, rank 1's beside it
+    checkpoint = tmp_path / "clean" / "ckpt" / "step-00000015"
+    record = json.loads((checkpoint / "trainer_state.json").read_text())["tensor_parallel"]
+    assert record["world_size"] == 2 and record["layout"]["model.layers.0.self_attn.q_proj.lora_b"] == 1
+    shard = mx.load(str(tmp_path / "clean" / "ckpt" / "tp-shards" / "step-00000015" / "rank-1.safetensors"))
+    assert shard["model.model.layers.0.self_attn.q_proj.lora_b"].shape == (4, 16)
+    # ... resumed by one process (its slices joined): the run goes on as the two ranks did
+    one = tmp_path / "one"
+    subprocess.run([sys.executable, os.path.join(SCRIPTS, "tp_run.py"), str(one), "lora", "--resume",
+                    str(checkpoint)], check=True, env=ENV, timeout=300, stdout=subprocess.DEVNULL)
+    assert np.allclose(json.loads((one / "losses.json").read_text())["loss"], losses[15:], rtol=0, atol=1e-5)
+    resumed = mx.load(str(one / "trained.safetensors"))
+    assert all(float(mx.abs(resumed[k] - a[k]).max()) < 1e-5 for k in a)
 
 
 def _cli_losses(run_dir):

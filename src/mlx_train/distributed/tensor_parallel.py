@@ -29,6 +29,8 @@ Example::
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
@@ -37,12 +39,15 @@ import mlx.nn as nn
 from mlx.nn.layers import distributed as mlx_distributed
 from mlx.utils import tree_flatten, tree_map_with_path
 
-from mlx_train.errors import ConfigError
+from mlx_train.checkpointing.format import STEP_DIR, step_name
+from mlx_train.checkpointing.manager import CheckpointManager
+from mlx_train.errors import CheckpointError, ConfigError
 from mlx_train.training.state import rng_key, set_rng_key
 from mlx_train.training.step import Reduction
 
 __all__ = ["Shardable", "shard_model", "shard_layout", "is_sharded", "gather_parameters", "take_shard",
-           "tensor_parallel_reduction", "replicated_agree"]
+           "tensor_parallel_reduction", "replicated_agree", "ShardedCheckpoints", "write_shard", "read_shard",
+           "reshard", "prune_shards"]
 
 #: The axis of each parameter that MLX's sharded layers split over the group (None: replicated).
 MLX_SHARDED_AXES: dict[type, dict[str, int | None]] = {
@@ -222,3 +227,132 @@ def replicated_agree(model: nn.Module, layout: dict[str, int], group: Any) -> li
         if not bool(mx.all(stacked == stacked[0:1]).item()):
             differing.append(key)
     return differing
+
+
+# -- checkpoints ------------------------------------------------------------------------------
+#
+# Rank 0's checkpoint (``step-N``, written by the CheckpointManager as in any run) holds the loop
+# state, rank 0's slices and, under ``"tensor_parallel"`` in its JSON, the world size and the layout.
+# Every other rank writes its slices to ``<checkpoint_dir>/tp-shards/step-N/rank-<r>.safetensors``
+# (``model.*`` and ``optimizer.*``) before rank 0 starts its save, so a complete ``step-N`` always
+# has its shards. A checkpoint with another layout or world size (or a whole one) is re-sharded.
+
+SHARDS_DIR = "tp-shards"
+
+
+class ShardedCheckpoints(CheckpointManager):
+    """A CheckpointManager whose checkpoints record the tensor-parallel layout (``record``)."""
+
+    def __init__(self, directory: str, record: dict[str, Any], **options: Any) -> None:
+        super().__init__(directory, **options)
+        self.record = record
+
+    def save(self, step: int, arrays: dict[str, dict[str, mx.array]], state: dict[str, Any],
+             metrics: dict[str, Any] | None = None) -> str:
+        return super().save(step, arrays, {**state, "tensor_parallel": self.record}, metrics)
+
+
+def shard_path(directory: str, step: int, rank: int) -> str:
+    """Where rank ``rank`` (>= 1) keeps its slices of the checkpoint of ``step``."""
+    return os.path.join(directory, SHARDS_DIR, step_name(step), f"rank-{rank}.safetensors")
+
+
+def write_shard(directory: str, step: int, rank: int, model: dict[str, mx.array],
+                optimizer: dict[str, mx.array]) -> str:
+    """Write one rank's slices atomically (a temporary file renamed into place); returns the path."""
+    path = shard_path(directory, step, rank)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}.safetensors"
+    flat = {**{"model." + k: v for k, v in model.items()}, **{"optimizer." + k: v for k, v in optimizer.items()}}
+    mx.save_safetensors(tmp, flat, metadata={"step": str(step), "rank": str(rank)})
+    os.replace(tmp, path)
+    return path
+
+
+def read_shard(checkpoint: str, step: int, rank: int) -> dict[str, dict[str, mx.array]]:
+    """``{"model": ..., "optimizer": ...}`` of rank ``rank`` for the checkpoint at ``checkpoint``."""
+    path = shard_path(os.path.dirname(checkpoint.rstrip("/")), step, rank)
+    if not os.path.isfile(path):
+        raise CheckpointError(
+            f"checkpoint {checkpoint} belongs to a tensor-parallel run, but rank {rank}'s slices ({path}) are "
+            "missing: restore that file, or resume from an earlier checkpoint of the run")
+    flat = mx.load(path)
+    return {group: {k[len(group) + 1:]: v for k, v in flat.items() if k.startswith(group + ".")}  # type: ignore[union-attr]
+            for group in ("model", "optimizer")}
+
+
+def prune_shards(directory: str) -> None:
+    """Delete the shard directories whose checkpoint is gone (older than the newest checkpoint only: a
+    newer one may still be being written)."""
+    root = os.path.join(directory, SHARDS_DIR)
+    if not os.path.isdir(root):
+        return
+    kept = {name for name in os.listdir(directory) if STEP_DIR.match(name)}
+    newest = max(kept, default="")
+    for name in os.listdir(root):
+        if STEP_DIR.match(name) and name not in kept and name < newest:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def optimizer_layout(optimizer_state: dict[str, mx.array], layout: dict[str, int]) -> dict[str, int]:
+    """The split axis of each optimizer state entry that mirrors a split parameter (Adam's ``<param>.m``)."""
+    out = {}
+    for key in optimizer_state:
+        parameter = key.rsplit(".", 1)[0]
+        if parameter in layout:
+            out[key] = layout[parameter]
+    return out
+
+
+def reshard(checkpoint: str, arrays: dict[str, dict[str, mx.array]], saved: dict[str, Any],
+            layout: dict[str, int], rank: int, size: int) -> dict[str, dict[str, mx.array]]:
+    """This rank's ``model``/``optimizer`` arrays from a checkpoint of any layout: its own file when the
+    checkpoint was written by ``size`` ranks with the same layout; otherwise the whole arrays (joined
+    from every rank's slices, or a whole checkpoint as is) cut into this run's slices.
+    """
+    record = saved.get("tensor_parallel") or {"world_size": 1, "layout": {}}
+    world, old_layout = record["world_size"], record["layout"]
+    if world == size and old_layout == layout:
+        return arrays if rank == 0 else {**arrays, **read_shard(checkpoint, saved["step"], rank)}
+    parts = [arrays] + [read_shard(checkpoint, saved["step"], r) for r in range(1, world)]
+    out = dict(arrays)
+    for group in ("model", "optimizer"):
+        old_axes = old_layout if group == "model" else optimizer_layout(arrays[group], old_layout)
+        new_axes = layout if group == "model" else optimizer_layout(arrays[group], layout)
+        whole = {k: mx.concatenate([p[group][k] for p in parts], axis=old_axes[k]) if k in old_axes else v
+                 for k, v in arrays[group].items()}
+        out[group] = take_shard(whole, new_axes, rank, size)
+    return out
+
+
+# -- fine-tuning ------------------------------------------------------------------------------
+
+
+def shard_for_finetune(model: nn.Module, spec: Any, group: Any) -> dict[str, int]:
+    """Split an (mlx-lm) model over ``group`` and add ``spec``'s adapters (an ``llm.adapters.AdapterConfig``),
+    split with their layers; returns the layout. Call it on every rank before making the trainer.
+
+    Example: ``shard_for_finetune(model, AdapterConfig("lora", num_layers=8), mx.distributed.init())``
+    """
+    from mlx_train.llm.adapters import apply_adapters
+
+    shard_model(model, group)
+    apply_adapters(model, spec)
+    return shard_layout(model)
+
+
+def save_gathered_adapters(model: nn.Module, spec: Any, directory: str, group: Any,
+                           extra: dict[str, Any] | None = None) -> str | None:
+    """Write the trained parameters whole, in mlx-lm's adapter format (``mlx_lm.load(base,
+    adapter_path=directory)`` reads them on one machine). Every rank must call it (the slices are
+    gathered); rank 0 writes and returns the directory, the others return None.
+
+    Example: ``save_gathered_adapters(model, spec, "adapters", group, extra={"model": "base-dir"})``
+    """
+    from mlx_train.llm.adapters import save_adapters
+
+    trained = dict(tree_flatten(model.trainable_parameters()))
+    whole = gather_parameters(trained, shard_layout(model), group)
+    if group is not None and group.rank() != 0:
+        return None
+    return save_adapters(model, spec, directory, extra=extra, weights=whole)

@@ -222,6 +222,62 @@ class DistributedTrainer(Trainer):
             values = {k: v if self.rank == 0 else mx.zeros_like(v) for k, v in values.items()}
         return super()._reduce(values)
 
+    # -- tensor-parallel checkpoints: each rank's slices (see tensor_parallel's checkpoint section) --
+
+    def _checkpoints(self, directory: str | None) -> Any:
+        if not directory or not self._tensor_parallel:
+            return super()._checkpoints(directory)
+        from mlx_train.distributed.tensor_parallel import ShardedCheckpoints
+
+        if "://" in directory:
+            raise ConfigError(f"checkpoint_dir {directory}: a tensor-parallel run writes each rank's slices beside "
+                              "the checkpoints, on a file system every rank reaches; use a local or shared path")
+        cfg = self.config
+        return ShardedCheckpoints(directory, {"world_size": self.world_size, "layout": self.layout},
+                                  keep_last=cfg.keep_last, keep_best=cfg.keep_best, monitor=cfg.monitor,
+                                  mode=cfg.monitor_direction())
+
+    def _save(self, checkpoints: Any, loader: Any, callbacks: Any, meter: Any) -> None:
+        """Tensor parallel: every rank other than 0 writes its slices first; rank 0 then saves the checkpoint
+        (its own slices and the loop state), so a complete checkpoint always has all its slices."""
+        if self._tensor_parallel and not self._poisoned:
+            from mlx_train.distributed import tensor_parallel
+            from mlx_train.training.state import saved_parameters
+
+            if self.rank == 0:
+                tensor_parallel.prune_shards(checkpoints.directory)
+            else:
+                tensor_parallel.write_shard(checkpoints.directory, self.state.step, self.rank,
+                                            saved_parameters(self.model), dict(tree_flatten(self.optimizer.state)))
+            with self.collective("the barrier after writing the tensor-parallel slices"):
+                mx.eval(mx.distributed.all_sum(mx.array(1, dtype=mx.int32), group=self.group, stream=mx.cpu))
+        super()._save(checkpoints, loader, callbacks, meter)
+
+    def _restore(self, path: str, loader: Any, callbacks: Any) -> Any:
+        """Tensor parallel: the loop state from rank 0's checkpoint, this rank's slices from its file (or cut
+        from the whole arrays when the checkpoint was written by another number of ranks, or whole)."""
+        if self.strategy != "tensor_parallel":  # (a group of one reads a tensor-parallel checkpoint whole)
+            return super()._restore(path, loader, callbacks)
+        from mlx_train.checkpointing import load_checkpoint
+        from mlx_train.distributed.tensor_parallel import reshard
+        from mlx_train.errors import CheckpointError
+        from mlx_train.training.resume import keep_global_batch
+
+        try:
+            arrays, saved = load_checkpoint(path)
+            arrays = reshard(path, arrays, saved, self.layout, self.rank, self.world_size)
+            resized, config = keep_global_batch(path, saved, loader, self.config, 1, self.log)
+            self.state.restore(path, arrays, saved, self.model, self.optimizer, resized, callbacks, rank=self.rank)
+        except (CheckpointError, KeyError, ValueError) as error:  # no rank may fall back to an older one alone
+            raise ConfigError(f"rank {self.rank} cannot restore its part of tensor-parallel checkpoint {path} "
+                                   f"({type(error).__name__}: {error}); the ranks must resume from the same step: "
+                                   "resume from an earlier checkpoint of the run (--resume PATH)") from error
+        if resized is not loader:  # written by data-parallel ranks: another micro-batch count per step
+            self.config, self.state.micro_batch = config, {**self.state.micro_batch, "step_batch": None}
+            if self._loaders is not None and self._loaders[0] is loader:
+                self._loaders = (resized, *self._loaders[1:])
+        return resized
+
     def evaluate(self, dataset: Any) -> dict[str, float]:
         try:
             return super().evaluate(dataset)
