@@ -21,7 +21,7 @@ from mlx.utils import tree_flatten
 from mlx_train.builtin.models import MLP, CharTransformerLM
 from mlx_train.distributed import tensor_parallel
 from mlx_train.distributed.backends import check_strategy
-from mlx_train.errors import ConfigError
+from mlx_train.errors import CheckpointError, ConfigError
 from mlx_train.training.state import rng_key, set_rng_key
 
 SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
@@ -60,6 +60,21 @@ def test_a_model_without_shard_is_refused_with_the_protocol():
         tensor_parallel.shard_model(MLP(8, (16,), 4), _Pair())
 
 
+def test_heads_that_do_not_split_over_the_ranks_are_refused_before_sharding():
+    sys.path.insert(0, SCRIPTS)
+    import llm_tiny
+
+    model, _ = llm_tiny.make_model(96)  # 4 heads, 2 KV heads
+
+    class Four(_Pair):
+        def size(self):
+            return 4
+
+    with pytest.raises(ConfigError, match=r"n_kv_heads is 2: 2 attention heads do not split over 4 processes"):
+        tensor_parallel.shard_model(model, Four())
+    assert not tensor_parallel.is_sharded(model)
+
+
 def test_the_layout_names_every_split_parameter_and_its_axis():
     model = CharTransformerLM(vocab_size=20, dims=16, num_heads=2, num_layers=1, block_size=8)
     group = mx.distributed.init()
@@ -82,6 +97,36 @@ def test_take_shard_splits_on_the_recorded_axis():
     assert mine["b"] is full["b"]
     with pytest.raises(ConfigError, match="w has 6 entries on axis 1, which do not split into 4 equal slices"):
         tensor_parallel.take_shard(full, {"w": 1}, rank=0, size=4)
+
+
+def test_reshard_joins_the_slices_of_two_ranks_and_cuts_a_whole_checkpoint(tmp_path):
+    whole = {"model": {"w": mx.arange(8.0).reshape(2, 4), "b": mx.ones(3)},
+             "optimizer": {"w.m": mx.arange(8.0).reshape(2, 4) * 10, "b.m": mx.zeros(3), "step": mx.array(5)},
+             "trainer": {"scale": mx.array(1.0)}}
+    layout = {"w": 1}
+    mine = [tensor_parallel.take_shard(whole[g], tensor_parallel.optimizer_layout(whole[g], layout)
+                                       if g == "optimizer" else layout, 0, 2) for g in ("model", "optimizer")]
+    rank1 = [tensor_parallel.take_shard(whole[g], tensor_parallel.optimizer_layout(whole[g], layout)
+                                        if g == "optimizer" else layout, 1, 2) for g in ("model", "optimizer")]
+    directory = tmp_path / "ckpt"
+    tensor_parallel.write_shard(str(directory), 4, 1, *rank1)
+    checkpoint = str(directory / "step-00000004")
+    saved = {"step": 4, "tensor_parallel": {"world_size": 2, "layout": layout}}
+    rank0_arrays = {"model": mine[0], "optimizer": mine[1], "trainer": whole["trainer"]}
+    # the same two ranks: each its own slices, the other groups from rank 0's checkpoint
+    again = tensor_parallel.reshard(checkpoint, rank0_arrays, saved, layout, rank=1, size=2)
+    assert again["model"]["w"].tolist() == [[2.0, 3.0], [6.0, 7.0]] and "trainer" in again
+    # one process: the slices joined
+    joined = tensor_parallel.reshard(checkpoint, rank0_arrays, saved, {}, rank=0, size=1)
+    for group in ("model", "optimizer"):
+        assert all(mx.array_equal(joined[group][k], v) for k, v in whole[group].items()), group
+    # a whole checkpoint (no record) cut for rank 1 of 2
+    cut = tensor_parallel.reshard(checkpoint, whole, {"step": 4}, layout, rank=1, size=2)
+    assert cut["optimizer"]["w.m"].tolist() == [[20.0, 30.0], [60.0, 70.0]]
+    with pytest.raises(CheckpointError, match="rank 2's slices .* are missing"):
+        tensor_parallel.reshard(checkpoint, rank0_arrays, {**saved, "tensor_parallel": {"world_size": 3,
+                                                                                         "layout": layout}},
+                                {}, rank=0, size=1)
 
 
 @pytest.mark.parametrize("fine_tune_type", ["lora", "dora"])

@@ -9,9 +9,14 @@ follow (``Model.shard(group)``, built on ``mlx.nn.layers.distributed.shard_linea
   ``shard_linear(layer, "sharded-to-all", group=group)`` for the layer that joins the slices
   back (attention output, MLP down projection; weight columns, axis -1, then an ``all_sum``),
   and divides what depends on the split (the number of heads) by ``group.size()``.
-- A module that holds sharded parameters of another kind declares them with a class attribute
-  ``sharded_axes: dict[str, int | None]`` (parameter name -> the axis split over the group, None:
-  replicated), as the sharded LoRA/DoRA layers of ``mlx_train.llm.adapters`` do.
+- A module that holds sharded parameters of another kind declares them with an attribute (or
+  property) ``sharded_axes: dict[str, int | None]`` (parameter name -> the axis split over the
+  group, None: replicated), as the sharded LoRA/DoRA layers of ``mlx_train.llm.adapters`` do.
+- Every rank builds the same whole model (same weights file, or same seed) and takes its own
+  slices; the replicated parameters are then made rank 0's (``DistributedTrainer`` broadcasts
+  them). A split must cut each matrix into equal contiguous slices: ``shard_linear(...,
+  segments=k)`` (fused QKV) is not described by the layout, so checkpoints of such a model resume
+  only on the same number of ranks.
 
 Everything else (embeddings, norms, an unsplit output head) is replicated: every rank computes
 it on the same batch from the same inputs, and the all-reduces inside the sharded layers leave
@@ -19,6 +24,10 @@ bit-identical values on every rank, so its gradients agree across ranks without 
 (``replicated_agree`` checks it). The sharded layers' gradients are each rank's slice of the full
 gradient (``AllToShardedLinear`` all-reduces its input's gradient in the backward pass), so no
 gradient is all-reduced; the optimizer state, made from the sharded parameters, is sharded too.
+
+Checkpoints hold each rank's slices and the layout (see the checkpoint section below); adapters
+are written whole (``save_gathered_adapters``). Tensor x data parallelism is not supported: the
+whole group is one tensor-parallel group.
 
 Example::
 
@@ -122,6 +131,7 @@ def shard_model(model: nn.Module, group: Any) -> dict[str, int]:
             "its large linear layers with mlx.nn.layers.distributed.shard_linear(layer, 'all-to-sharded' | "
             "'sharded-to-all', group=group) (see mlx_train.distributed.tensor_parallel), or train with "
             "strategy='data_parallel'")
+    _check_heads(model, group.size())
     key = rng_key()  # MLX's sharded layers draw initial weights that shard() then replaces
     try:
         model.shard(group)
@@ -138,6 +148,22 @@ def shard_model(model: nn.Module, group: Any) -> dict[str, int]:
         raise ConfigError(f"{type(model).__name__}.shard(group) left no layer sharded: it must replace layers "
                           "with mlx.nn.layers.distributed.shard_linear (or declare sharded_axes)")
     return layout
+
+
+HEAD_COUNTS = ("n_heads", "n_kv_heads", "num_heads", "num_key_value_heads")
+
+
+def _check_heads(model: nn.Module, size: int) -> None:
+    """Attention heads must divide over the ranks (mlx-lm's ``shard`` divides them without checking, and
+    the model then fails at its first forward pass)."""
+    for path, module in model.named_modules():
+        for name in HEAD_COUNTS:
+            count = getattr(module, name, None)
+            if isinstance(count, int) and not isinstance(count, bool) and count % size:
+                raise ConfigError(
+                    f"{path}.{name} is {count}: {count} attention heads do not split over {size} processes. "
+                    f"Launch a number of processes that divides it, or split only the MLPs (a shard(group) that "
+                    "leaves attention whole; see mlx_train.distributed.tensor_parallel)")
 
 
 def gather_parameters(flat: dict[str, mx.array], layout: dict[str, int], group: Any) -> dict[str, mx.array]:

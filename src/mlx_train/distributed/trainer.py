@@ -1,4 +1,5 @@
-"""Multi-process training over ``mlx.core.distributed``: data parallel, or FSDP where the backend allows.
+"""Multi-process training over ``mlx.core.distributed``: data parallel, tensor parallel, or FSDP where the
+backend allows.
 
 Example (run with ``mlx.launch -n 2 python train.py``, or under the supervisor with
 ``mlx-train train --distributed -n 2``)::
@@ -88,9 +89,14 @@ class DistributedTrainer(Trainer):
     """A Trainer whose processes each train on their slice of every global batch.
 
     ``strategy="data_parallel"``: every rank holds the whole model; gradients are averaged
-    across ranks inside the compiled step. ``strategy="fsdp"``: MLX's ``nn.fully_shard`` keeps a
-    shard of the parameters and optimizer state per rank (NCCL or JACCL; the ring backend cannot
-    run it and is refused with an error). Metrics are summed across ranks at report time; only
+    across ranks inside the compiled step. ``strategy="tensor_parallel"``: the model is split with
+    its ``shard(group)`` method (mlx-lm's models, the built-in transformer; see
+    ``mlx_train.distributed.tensor_parallel``): every rank holds a slice of each split matrix and
+    its optimizer state and trains on the whole batch; checkpoints hold each rank's slices (tensor x
+    data parallelism is not supported: the whole group is one tensor-parallel group).
+    ``strategy="fsdp"``: MLX's ``nn.fully_shard`` keeps a shard of the parameters and optimizer
+    state per rank (NCCL or JACCL; the ring backend cannot run it and is refused with an error).
+    ``strategy=None`` takes the config's ``distributed_strategy``. Metrics are summed across ranks at report time; only
     rank 0 prints and writes checkpoints and metrics. ``batch_size`` is per process: the global
     batch is ``world_size * batch_size * gradient_accumulation`` (``distributed_config=`` sets
     these from a ``DistributedConfig``). With one process it trains exactly like ``Trainer``.
