@@ -104,9 +104,9 @@ def worker(args) -> None:
     mx.eval(model.parameters())
     build_peak = mx.get_peak_memory()
     layout = tensor_parallel.shard_layout(model)
-    flat = tree_flatten(model.parameters())
-    split = sum(v.nbytes for k, v in flat if k in layout)
-    replicated = sum(v.nbytes for k, v in flat if k not in layout)
+    split = sum(v.nbytes for k, v in tree_flatten(model.parameters()) if k in layout)
+    replicated = sum(v.nbytes for k, v in tree_flatten(model.parameters()) if k not in layout)  # no copy kept:
+    # the trainer replaces the replicated arrays with rank 0's
     tokens = np.random.default_rng(0).integers(0, vocab, size=(batch * (args.steps + 1), length + 1))
 
     def lm(model, inputs, targets):
@@ -127,10 +127,11 @@ def worker(args) -> None:
         trainer = DistributedTrainer(model, optim.Adam(1e-5), strategy="tensor_parallel", **options)
     else:
         trainer = Trainer(model, optim.Adam(1e-5), **options)
+    resident = mx.get_active_memory()  # the model (and adapters) before the first step
     trainer.train((tokens[:, :-1].astype(np.int32), tokens[:, 1:].astype(np.int32)), epochs=1, callbacks=[clock])
     steps = [b - a for a, b in zip(clock.times[1:-1], clock.times[2:], strict=False)]  # after the warm-up step
     result = {"rank": group.rank(), "world": group.size(), "train_peak": mx.get_peak_memory(),
-              "build_peak": build_peak, "split_bytes": split, "replicated_bytes": replicated,
+              "build_peak": build_peak, "resident": resident, "split_bytes": split, "replicated_bytes": replicated,
               "tokens_per_s": batch * length / statistics.median(steps)}
     with open(f"{args.out}.rank{group.rank()}.json", "w") as f:
         json.dump(result, f)

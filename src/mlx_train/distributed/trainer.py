@@ -164,10 +164,13 @@ class DistributedTrainer(Trainer):
 
         self.layout.update(tensor_parallel.shard_model(model, self.group))
         mx.eval(model.parameters())  # collectives pending in lazy parameters run first, in the same order
-        replicated = [(k, v) for k, v in tree_flatten(model.parameters()) if k not in self.layout]
+        replicated = [k for k, _ in tree_flatten(model.parameters()) if k not in self.layout]
         with self.collective("start-up broadcast of rank 0's replicated parameters"):
-            model.update(broadcast_from_rank0(tree_unflatten(replicated), self.group), strict=False)
-            mx.eval(model.parameters())
+            for key in replicated:  # one at a time: the old and new copy of only one array at once
+                value = dict(tree_flatten(model.parameters()))[key]
+                model.update(broadcast_from_rank0(tree_unflatten([(key, value)]), self.group), strict=False)
+                del value
+                mx.eval(model.parameters())
         arm = (lambda: self.monitor.arm("tensor-parallel step")) if self.monitor is not None else None
         self.gradient_reduction = tensor_parallel.tensor_parallel_reduction(self.group, self.layout, arm)
 
