@@ -55,6 +55,29 @@ def test_the_tensor_parallel_strategy_is_accepted_on_ring():
         check_strategy("fsdp", "ring", 2)
 
 
+def test_strategy_flag_needs_distributed_and_names_the_choices(tmp_path, capsys):
+    from mlx_train.cli.main import main
+
+    assert main(["train", "--strategy", "tensor_parallel", "--run-dir", str(tmp_path / "r")]) == 2
+    assert "--strategy tensor_parallel only applies to a distributed run: add --distributed" in \
+        capsys.readouterr().err
+    assert main(["train", "--distributed", "--strategy", "tensor"]) == 2
+    assert "invalid choice: 'tensor' (choose from 'data_parallel', 'tensor_parallel', 'fsdp')" in \
+        capsys.readouterr().err
+
+
+def test_strategy_is_a_key_of_the_yaml_distributed_section(tmp_path):
+    from mlx_train.config import TrainConfig
+    from mlx_train.distributed.config import DistributedConfig
+
+    path = tmp_path / "run.yaml"
+    path.write_text("distributed:\n  strategy: tensor_parallel\n")
+    assert TrainConfig.from_yaml(str(path)).distributed_strategy == "tensor_parallel"
+    config = DistributedConfig(num_devices=2, batch_size_per_device=8, strategy="tensor_parallel")
+    assert config.global_batch_size == 8  # the ranks share each batch
+    assert config.train_overrides()["distributed_strategy"] == "tensor_parallel"
+
+
 def test_a_model_without_shard_is_refused_with_the_protocol():
     with pytest.raises(ConfigError, match=r"MLP has no shard\(group\) method.*shard_linear"):
         tensor_parallel.shard_model(MLP(8, (16,), 4), _Pair())
