@@ -75,6 +75,7 @@ def test_strategy_is_a_key_of_the_yaml_distributed_section(tmp_path):
     assert TrainConfig.from_yaml(str(path)).distributed_strategy == "tensor_parallel"
     config = DistributedConfig(num_devices=2, batch_size_per_device=8, strategy="tensor_parallel")
     assert config.global_batch_size == 8  # the ranks share each batch
+    assert config.describe() == "tensor parallel over 2: batch 8 x accumulation 1 = global batch 8; backend auto"
     assert config.train_overrides()["distributed_strategy"] == "tensor_parallel"
 
 

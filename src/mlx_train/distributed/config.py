@@ -95,6 +95,10 @@ class DistributedConfig:
 
     def describe(self) -> str:
         """``4 devices x batch 32 x accumulation 4 = global batch 512; backend auto``"""
+        if self.strategy == "tensor_parallel":
+            devices = "N devices" if self.num_devices is None else str(self.num_devices)
+            return (f"tensor parallel over {devices}: batch {self.batch_size_per_device} x accumulation "
+                    f"{self.gradient_accumulation} = global batch {self.global_batch_for(1)}; backend {self.backend}")
         devices = "N devices" if self.num_devices is None else f"{self.num_devices} device" + (
             "s" if self.num_devices != 1 else "")
         total = "N x " + str(self.batch_size_per_device * self.gradient_accumulation) if self.num_devices is None \
