@@ -58,6 +58,7 @@ def main():
     parser.add_argument("out")
     parser.add_argument("mode", choices=["lora", "dora", "full"])
     parser.add_argument("--max-grad-norm", type=float, default=None)
+    parser.add_argument("--accumulation", type=int, default=1)
     parser.add_argument("--checkpoint-dir", default=None)
     parser.add_argument("--kill-rank", type=int, default=None)
     parser.add_argument("--kill-step", type=int, default=None)
@@ -73,7 +74,8 @@ def main():
         apply_adapters(model, spec)
     tokens = np.random.default_rng(0).integers(0, VOCAB, size=(160, 17)).astype(np.int32)
     record = Record(args.kill_rank, args.kill_step)
-    options = dict(loss_fn=lm, batch_size=8, max_steps=STEPS, report_every="1 steps", num_workers=0, seed=0,
+    options = dict(loss_fn=lm, batch_size=8 // args.accumulation, gradient_accumulation=args.accumulation,
+                   max_steps=STEPS, report_every="1 steps", num_workers=0, seed=0,
                    max_grad_norm=args.max_grad_norm, collective_timeout=60, checkpoint_every="5 steps",
                    keep_last=2, eval_every="100 epochs")
     if group.size() > 1 or args.resume:
