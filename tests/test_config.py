@@ -59,7 +59,8 @@ SPEC_FIELDS = {
     "nonfinite": ("str", "raise"), "val_batches": ("int | None", None),
     "num_workers": ("int", 2), "shuffle": ("bool", True), "drop_last": ("bool", True),
     "eval_batch_size": ("int | None", None),
-    "distributed_backend": ("str", "auto"), "max_restarts": ("int", 3), "collective_timeout": ("float", 300.0),
+    "distributed_backend": ("str", "auto"), "distributed_strategy": ("str", "data_parallel"),
+    "max_restarts": ("int", 3), "collective_timeout": ("float", 300.0),
     "checksum_every": ("int | None", None), "checksum_action": ("str", "raise"), "run_dir": ("str | None", None),
     "checkpoint_dir": ("str | None", None), "model": ("str", "mlp"), "model_options": ("dict", {}),
     "dataset": ("str", "digits"), "dataset_options": ("dict", {}),
@@ -280,7 +281,7 @@ def test_every_section_reads_its_own_keys(tmp_path):
                                           r"learning_rate belongs in section 'optimizer'"):
         load(tmp_path, "data:\n  learning_rate: 0.1\n")
     with pytest.raises(ConfigError, match=r"custom.yaml:2: unknown key 'bakend' in section 'distributed' "
-                                          r"\(did you mean 'backend'\?\); valid keys: backend, max_restarts"):
+                                          r"\(did you mean 'backend'\?\); valid keys: backend, strategy, max_restarts"):
         load(tmp_path, "distributed:\n  bakend: ring\n")
 
 

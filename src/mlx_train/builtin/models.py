@@ -134,6 +134,24 @@ class TransformerBlock(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(dims, 4 * dims), nn.GELU(), nn.Linear(4 * dims, dims))
         self.dropout = _dropout(dropout)
 
+    def shard(self, group: Any = None) -> None:
+        """Split the block over ``group`` (tensor parallelism): each rank keeps ``num_heads / N`` heads and
+        ``4 dims / N`` hidden units; the output projections sum the ranks' parts. The norms stay whole."""
+        from mlx.nn.layers.distributed import shard_linear
+
+        group = group or mx.distributed.init()
+        size = group.size()
+        attention = self.attention
+        if attention.num_heads % size:
+            raise ConfigError(f"{attention.num_heads} attention heads do not split over {size} processes: "
+                              "launch a number of processes that divides num_heads")
+        for name in ("query_proj", "key_proj", "value_proj"):
+            setattr(attention, name, shard_linear(getattr(attention, name), "all-to-sharded", group=group))
+        attention.out_proj = shard_linear(attention.out_proj, "sharded-to-all", group=group)
+        attention.num_heads //= size
+        self.mlp.layers[0] = shard_linear(self.mlp.layers[0], "all-to-sharded", group=group)
+        self.mlp.layers[2] = shard_linear(self.mlp.layers[2], "sharded-to-all", group=group)
+
     def __call__(self, x: mx.array) -> mx.array:
         h = self.attention_norm(x)
         x = x + self.dropout(self.attention(h, h, h, mask="causal"))
@@ -175,6 +193,17 @@ class CharTransformerLM(nn.Module):
         self.layers = [TransformerBlock(dims, num_heads, dropout) for _ in range(num_layers)]
         self.norm = nn.LayerNorm(dims)
         self.head = nn.Linear(dims, vocab_size, bias=False)
+
+    def shard(self, group: Any = None) -> None:
+        """Split every block over ``group`` for tensor parallelism (the protocol of
+        ``mlx_train.distributed.tensor_parallel``, as mlx-lm's ``Model.shard``); the embeddings, the
+        final norm and the output head stay whole on every rank.
+
+        Example: ``model.shard(mx.distributed.init())`` in each of the launched processes.
+        """
+        group = group or mx.distributed.init()
+        for layer in self.layers:
+            layer.shard(group)
 
     def __call__(self, tokens: mx.array) -> mx.array:
         if tokens.ndim != 2 or tokens.shape[1] > self.block_size:

@@ -205,7 +205,7 @@ def resolve_config(args: argparse.Namespace, log: Callable[[str], None] = print)
         args = build_parser("train").parse_args(["train", "--run-dir", "runs/a", "--resume", "--epochs", "20"])
         resolve_config(args).epochs     # 20; the model, dataset, seed ... are the checkpoint's
     """
-    for given, flag in ((args.num_processes, "-n"), (args.hostfile, "--hostfile")):
+    for given, flag in ((args.num_processes, "-n"), (args.hostfile, "--hostfile"), (args.strategy, "--strategy")):
         if given is not None and not args.distributed:
             raise ConfigError(f"{flag} {given} only applies to a distributed run: add --distributed "
                               f"(mlx-train train --distributed {flag} {given} ...), or leave {flag} out")

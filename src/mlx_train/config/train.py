@@ -344,6 +344,12 @@ class TrainConfig:
                                                    "(CUDA); auto picks the best the installed MLX has "
                                                    "(YAML: distributed.backend).",
                                            choices=BACKEND_CHOICES, key="backend")
+    distributed_strategy: str = in_distributed("data_parallel", "How a multi-process run splits the work: "
+                                                "data_parallel (each rank a slice of every batch, whole model), "
+                                                "tensor_parallel (each rank a slice of every large matrix, the "
+                                                "whole batch; models with a shard(group) method), fsdp "
+                                                "(nccl/jaccl only) (YAML: distributed.strategy).",
+                                            choices=("data_parallel", "tensor_parallel", "fsdp"), key="strategy")
     max_restarts: int = in_distributed(3, "Times the supervisor of a distributed run restarts the whole group from "
                                        "the last complete checkpoint after a rank dies or hangs (0: never).",
                                     minimum=0)

@@ -5,6 +5,8 @@
 - ``Hostfile``: the host files ``mlx.launch`` takes (read, write, validate).
 - ``RankMonitor``: a rank's heartbeat and collective watchdog; ``ParameterChecksum``: every K
   steps the ranks compare a checksum of their parameters.
+- ``shard_model`` / ``shard_for_finetune`` / ``save_gathered_adapters``: tensor parallelism
+  (``mlx_train.distributed.tensor_parallel``).
 
 Launching a group (the supervisor, ``mlx.launch``, network checks, reset) is ``mlx_train.launch``,
 one layer above: this package never imports it.
@@ -29,6 +31,9 @@ _LAZY = {
     "Hostfile": "mlx_train.distributed.hostfile",
     "RankMonitor": "mlx_train.distributed.rank",
     "ParameterChecksum": "mlx_train.distributed.checksum",
+    "shard_model": "mlx_train.distributed.tensor_parallel",
+    "shard_for_finetune": "mlx_train.distributed.tensor_parallel",
+    "save_gathered_adapters": "mlx_train.distributed.tensor_parallel",
 }
 
 __all__ = sorted(_LAZY)

@@ -20,7 +20,7 @@ from mlx_train.config import BACKEND_CHOICES as CHOICES
 from mlx_train.config import BACKENDS
 from mlx_train.errors import ConfigError, did_you_mean
 
-STRATEGIES = ("data_parallel", "fsdp")
+STRATEGIES = ("data_parallel", "tensor_parallel", "fsdp")
 
 _WHAT = {
     "ring": "TCP sockets between the hosts (Ethernet, Wi-Fi or Thunderbolt IP)",

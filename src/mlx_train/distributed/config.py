@@ -43,7 +43,8 @@ class DistributedConfig:
     depend on the number of devices. ``num_devices=None`` means as many as were launched.
     ``hosts``/``hostfile`` say where to launch (default: the configured cluster, else
     127.0.0.1); the other fields are ``TrainConfig`` fields (``batch_size_per_device`` is
-    ``batch_size``, ``backend`` is ``distributed_backend``).
+    ``batch_size``, ``backend`` is ``distributed_backend``, ``strategy`` is ``distributed_strategy``:
+    with ``"tensor_parallel"`` every process trains on the whole batch and a slice of the model).
     """
 
     num_devices: int | None = option(None, "Processes in the group (null: as many as were launched).",
@@ -51,6 +52,7 @@ class DistributedConfig:
     batch_size_per_device: int = same_as(TrainConfig, "batch_size")
     gradient_accumulation: int = same_as(TrainConfig, "gradient_accumulation")
     backend: str = same_as(TrainConfig, "distributed_backend")
+    strategy: str = same_as(TrainConfig, "distributed_strategy")
     hosts: list[str] | None = None
     hostfile: str | None = None
     max_restarts: int = same_as(TrainConfig, "max_restarts")
@@ -72,8 +74,9 @@ class DistributedConfig:
         return self.global_batch_for(self.num_devices)
 
     def global_batch_for(self, world_size: int) -> int:
-        """Samples per optimizer step with ``world_size`` processes."""
-        return world_size * self.batch_size_per_device * self.gradient_accumulation
+        """Samples per optimizer step with ``world_size`` processes (tensor parallel ranks share each batch)."""
+        ranks = 1 if self.strategy == "tensor_parallel" else world_size
+        return ranks * self.batch_size_per_device * self.gradient_accumulation
 
     def train_overrides(self) -> dict[str, Any]:
         """The ``TrainConfig`` fields this config sets: ``TrainConfig().replace(**overrides)``."""
@@ -95,6 +98,10 @@ class DistributedConfig:
 
     def describe(self) -> str:
         """``4 devices x batch 32 x accumulation 4 = global batch 512; backend auto``"""
+        if self.strategy == "tensor_parallel":
+            devices = "N devices" if self.num_devices is None else str(self.num_devices)
+            return (f"tensor parallel over {devices}: batch {self.batch_size_per_device} x accumulation "
+                    f"{self.gradient_accumulation} = global batch {self.global_batch_for(1)}; backend {self.backend}")
         devices = "N devices" if self.num_devices is None else f"{self.num_devices} device" + (
             "s" if self.num_devices != 1 else "")
         total = "N x " + str(self.batch_size_per_device * self.gradient_accumulation) if self.num_devices is None \

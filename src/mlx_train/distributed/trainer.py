@@ -1,4 +1,5 @@
-"""Multi-process training over ``mlx.core.distributed``: data parallel, or FSDP where the backend allows.
+"""Multi-process training over ``mlx.core.distributed``: data parallel, tensor parallel, or FSDP where the
+backend allows.
 
 Example (run with ``mlx.launch -n 2 python train.py``, or under the supervisor with
 ``mlx-train train --distributed -n 2``)::
@@ -88,9 +89,14 @@ class DistributedTrainer(Trainer):
     """A Trainer whose processes each train on their slice of every global batch.
 
     ``strategy="data_parallel"``: every rank holds the whole model; gradients are averaged
-    across ranks inside the compiled step. ``strategy="fsdp"``: MLX's ``nn.fully_shard`` keeps a
-    shard of the parameters and optimizer state per rank (NCCL or JACCL; the ring backend cannot
-    run it and is refused with an error). Metrics are summed across ranks at report time; only
+    across ranks inside the compiled step. ``strategy="tensor_parallel"``: the model is split with
+    its ``shard(group)`` method (mlx-lm's models, the built-in transformer; see
+    ``mlx_train.distributed.tensor_parallel``): every rank holds a slice of each split matrix and
+    its optimizer state and trains on the whole batch; checkpoints hold each rank's slices (tensor x
+    data parallelism is not supported: the whole group is one tensor-parallel group).
+    ``strategy="fsdp"``: MLX's ``nn.fully_shard`` keeps a shard of the parameters and optimizer
+    state per rank (NCCL or JACCL; the ring backend cannot run it and is refused with an error).
+    ``strategy=None`` takes the config's ``distributed_strategy``. Metrics are summed across ranks at report time; only
     rank 0 prints and writes checkpoints and metrics. ``batch_size`` is per process: the global
     batch is ``world_size * batch_size * gradient_accumulation`` (``distributed_config=`` sets
     these from a ``DistributedConfig``). With one process it trains exactly like ``Trainer``.
@@ -107,7 +113,7 @@ class DistributedTrainer(Trainer):
         optimizer: optim.Optimizer | None = None,
         loss_fn: Callable | None = None,
         device_config: Any = None,
-        strategy: str = "data_parallel",
+        strategy: str | None = None,
         config: TrainConfig | None = None,
         distributed_config: Any = None,
         **overrides: Any,
@@ -118,6 +124,7 @@ class DistributedTrainer(Trainer):
         self.group = _init_group(self.config.distributed_backend)
         world = self.group.size()
         self.backend = active_backend(world_size=world)
+        strategy = strategy or self.config.distributed_strategy
         check_strategy(strategy, self.backend, world)
         if distributed_config is not None:
             distributed_config.check_world_size(world)
@@ -125,7 +132,11 @@ class DistributedTrainer(Trainer):
         self.monitor = self._make_monitor()
         if self.monitor is not None:
             self.collective = self.monitor.collective
-        if world > 1:
+        #: Tensor parallelism: the split axis of each sharded parameter (``tensor_parallel.shard_layout``).
+        self.layout: dict[str, int] = {}
+        if strategy == "tensor_parallel":
+            self._setup_tensor_parallel(model)
+        elif world > 1:
             arm = (lambda: self.monitor.arm("gradient all-reduce")) if self.monitor is not None else None
             sharded = strategy == "fsdp"
             self.gradient_reduction = (sharded_reduction if sharded else fused_average)(self.group, arm)
@@ -142,6 +153,26 @@ class DistributedTrainer(Trainer):
                     self.comm_seconds = estimate_step_comm_seconds(model, self.group)  # reports show time_comm
         if strategy == "fsdp":
             self.model = nn.fully_shard(model, group=self.group)  # the model itself when alone
+
+    def _setup_tensor_parallel(self, model: nn.Module) -> None:
+        """Split ``model`` over the group (its ``shard(group)``, unless already split) and make the
+        replicated parameters rank 0's; gradients then need no all-reduce (``tensor_parallel_reduction``)."""
+        if self.world_size == 1:
+            return
+        from mlx_train.distributed import tensor_parallel
+        from mlx_train.distributed.checksum import broadcast_from_rank0
+
+        self.layout.update(tensor_parallel.shard_model(model, self.group))
+        mx.eval(model.parameters())  # collectives pending in lazy parameters run first, in the same order
+        replicated = [k for k, _ in tree_flatten(model.parameters()) if k not in self.layout]
+        with self.collective("start-up broadcast of rank 0's replicated parameters"):
+            for key in replicated:  # one at a time: the old and new copy of only one array at once
+                value = dict(tree_flatten(model.parameters()))[key]
+                model.update(broadcast_from_rank0(tree_unflatten([(key, value)]), self.group), strict=False)
+                del value
+                mx.eval(model.parameters())
+        arm = (lambda: self.monitor.arm("tensor-parallel step")) if self.monitor is not None else None
+        self.gradient_reduction = tensor_parallel.tensor_parallel_reduction(self.group, self.layout, arm)
 
     @property
     def world_size(self) -> int:
@@ -160,6 +191,16 @@ class DistributedTrainer(Trainer):
                 "parameters and optimizer state, and a checkpoint must hold them whole. Train without "
                 "checkpoint_dir, or use strategy='data_parallel' (which resumes on any number of ranks)"
             )
+        if self._tensor_parallel:
+            from mlx_train.distributed.tensor_parallel import shard_layout
+
+            self.layout.clear()  # adapters added since the trainer was made are sharded too
+            self.layout.update(shard_layout(self.model))
+            if self.config.checksum_every:
+                raise ConfigError(
+                    "checksum_every compares the ranks' whole parameters, but with strategy 'tensor_parallel' "
+                    "each rank holds other slices: leave checksum_every unset (tensor_parallel.replicated_agree "
+                    "compares the replicated parameters)")
         if resume is None and (checkpoint_dir or self.config.checkpoint_dir):
             resume = rank_runtime.restart_resume()
         extra = [self.monitor] if self.monitor is not None else []
@@ -173,6 +214,78 @@ class DistributedTrainer(Trainer):
         except RuntimeError as error:
             self._raise_transport_error(error)
             raise
+
+    @property
+    def _tensor_parallel(self) -> bool:
+        return self.strategy == "tensor_parallel" and self.world_size > 1
+
+    def _batch_ranks(self) -> int:
+        return 1 if self._tensor_parallel else super()._batch_ranks()
+
+    def _shard(self, *loaders: Any) -> None:
+        if not self._tensor_parallel:  # tensor parallel ranks all train on the whole batch
+            super()._shard(*loaders)
+
+    def _reduce(self, values: dict[str, mx.array]) -> dict[str, float]:
+        if self._tensor_parallel:  # every rank computed the same sums (on the whole batch): report rank 0's
+            values = {k: v if self.rank == 0 else mx.zeros_like(v) for k, v in values.items()}
+        return super()._reduce(values)
+
+    # -- tensor-parallel checkpoints: each rank's slices (see tensor_parallel's checkpoint section) --
+
+    def _checkpoints(self, directory: str | None) -> Any:
+        if not directory or not self._tensor_parallel:
+            return super()._checkpoints(directory)
+        from mlx_train.distributed.tensor_parallel import ShardedCheckpoints
+
+        if "://" in directory:
+            raise ConfigError(f"checkpoint_dir {directory}: a tensor-parallel run writes each rank's slices beside "
+                              "the checkpoints, on a file system every rank reaches; use a local or shared path")
+        cfg = self.config
+        return ShardedCheckpoints(directory, {"world_size": self.world_size, "layout": self.layout},
+                                  keep_last=cfg.keep_last, keep_best=cfg.keep_best, monitor=cfg.monitor,
+                                  mode=cfg.monitor_direction())
+
+    def _save(self, checkpoints: Any, loader: Any, callbacks: Any, meter: Any) -> None:
+        """Tensor parallel: every rank other than 0 writes its slices first; rank 0 then saves the checkpoint
+        (its own slices and the loop state), so a complete checkpoint always has all its slices."""
+        if self._tensor_parallel and not self._poisoned:
+            from mlx_train.distributed import tensor_parallel
+            from mlx_train.training.state import saved_parameters
+
+            if self.rank == 0:
+                tensor_parallel.prune_shards(checkpoints.directory)
+            else:
+                tensor_parallel.write_shard(checkpoints.directory, self.state.step, self.rank,
+                                            saved_parameters(self.model), dict(tree_flatten(self.optimizer.state)))
+            with self.collective("the barrier after writing the tensor-parallel slices"):
+                mx.eval(mx.distributed.all_sum(mx.array(1, dtype=mx.int32), group=self.group, stream=mx.cpu))
+        super()._save(checkpoints, loader, callbacks, meter)
+
+    def _restore(self, path: str, loader: Any, callbacks: Any) -> Any:
+        """Tensor parallel: the loop state from rank 0's checkpoint, this rank's slices from its file (or cut
+        from the whole arrays when the checkpoint was written by another number of ranks, or whole)."""
+        if self.strategy != "tensor_parallel":  # (a group of one reads a tensor-parallel checkpoint whole)
+            return super()._restore(path, loader, callbacks)
+        from mlx_train.checkpointing import load_checkpoint
+        from mlx_train.distributed.tensor_parallel import reshard
+        from mlx_train.errors import CheckpointError
+        from mlx_train.training.resume import keep_global_batch
+
+        try:
+            arrays, saved = load_checkpoint(path)
+            arrays = reshard(path, arrays, saved, self.layout, self.rank, self.world_size)
+            resized, config = keep_global_batch(path, saved, loader, self.config, 1, self.log)
+            self.state.restore(path, arrays, saved, self.model, self.optimizer, resized, callbacks, rank=self.rank)
+        except (CheckpointError, KeyError, ValueError) as error:  # no rank may fall back to an older one alone
+            raise ConfigError(f"rank {self.rank} cannot restore its part of tensor-parallel checkpoint {path} "
+                                   f"({type(error).__name__}: {error}); the ranks must resume from the same step: "
+                                   "resume from an earlier checkpoint of the run (--resume PATH)") from error
+        if resized is not loader:  # written by data-parallel ranks: another micro-batch count per step
+            self.config, self.state.micro_batch = config, {**self.state.micro_batch, "step_batch": None}
+            if self._loaders is not None and self._loaders[0] is loader:
+                self._loaders = (resized, *self._loaders[1:])
+        return resized
 
     def evaluate(self, dataset: Any) -> dict[str, float]:
         try:

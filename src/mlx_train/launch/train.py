@@ -11,6 +11,7 @@ equal its number of entries or a multiple of it (each entry then runs that many 
 Example::
 
     mlx-train train --distributed -n 2 --max-steps 100 --max-restarts 2
+    mlx-train train --distributed -n 2 --strategy tensor_parallel --model transformer --dataset text
 """
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hostfile", default=None, metavar="FILE",
                         help="with --distributed: launch on the hosts of this mlx.launch host file instead of "
                         "the configured cluster")
+    from mlx_train.config import TrainConfig
+
+    strategy = TrainConfig.fields_help()["distributed_strategy"]  # help and choices: the config field's
+    parser.add_argument("--strategy", default=None, choices=strategy.choices,
+                        help=f"with --distributed: {strategy.help} (default {strategy.default})")
     parser.add_argument("--heartbeat-timeout", type=float, default=DEFAULT_HEARTBEAT_TIMEOUT, metavar="SECONDS",
                         help="with --distributed: restart the group from the last checkpoint when a rank's heartbeat "
                         "(written by a background thread, also during validation and checkpoints) stops for this "
@@ -75,6 +81,8 @@ def train_distributed(args: argparse.Namespace, config: Any, log=print, command_
     from mlx_train.errors import TrainingInterrupted
     from mlx_train.launch.supervisor import RecoveryPolicy, Supervisor
 
+    if getattr(args, "strategy", None):
+        config = config.replace(distributed_strategy=args.strategy)
     hosts = cluster_for(args.num_processes, args.hostfile, config.distributed_backend)
     run_dir = rundir.choose_run_dir(config, args.resume)
     config = config.replace(run_dir=str(run_dir),
@@ -88,9 +96,14 @@ def train_distributed(args: argparse.Namespace, config: Any, log=print, command_
     if args.resume:
         command += ["--resume", args.resume]
     world = hosts.num_processes
-    log(f"distributed run: {world} process{'es' if world != 1 else ''} x batch {config.batch_size} x accumulation "
-        f"{config.gradient_accumulation} = global batch {world * config.batch_size * config.gradient_accumulation}; "
-        f"run directory {run_dir}")
+    if config.distributed_strategy == "tensor_parallel":
+        log(f"distributed run: tensor parallel over {world} process{'es' if world != 1 else ''} (each holds 1/{world} "
+            f"of every split layer), global batch {config.batch_size * config.gradient_accumulation}; run directory "
+            f"{run_dir}")
+    else:
+        log(f"distributed run: {world} process{'es' if world != 1 else ''} x batch {config.batch_size} x "
+            f"accumulation {config.gradient_accumulation} = global batch "
+            f"{world * config.batch_size * config.gradient_accumulation}; run directory {run_dir}")
     policy = RecoveryPolicy.from_collective_timeout(
         config.max_restarts, config.collective_timeout,
         frozen_timeout=DEFAULT_HEARTBEAT_TIMEOUT if getattr(args, "heartbeat_timeout", None) is None

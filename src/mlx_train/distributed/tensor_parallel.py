@@ -1,0 +1,384 @@
+"""Tensor parallelism on MLX's own sharded layers: every rank holds a slice of each large matrix.
+
+A model is split over a group by its own ``shard(group)`` method -- the protocol mlx-lm's models
+follow (``Model.shard(group)``, built on ``mlx.nn.layers.distributed.shard_linear``):
+
+- ``shard(group)`` replaces, in place, the linear layers to split with MLX's sharded layers:
+  ``shard_linear(layer, "all-to-sharded", group=group)`` for a layer whose *output* is split
+  (attention q/k/v, the MLP's up/gate projections; weight rows, axis 0) and
+  ``shard_linear(layer, "sharded-to-all", group=group)`` for the layer that joins the slices
+  back (attention output, MLP down projection; weight columns, axis -1, then an ``all_sum``),
+  and divides what depends on the split (the number of heads) by ``group.size()``.
+- A module that holds sharded parameters of another kind declares them with an attribute (or
+  property) ``sharded_axes: dict[str, int | None]`` (parameter name -> the axis split over the
+  group, None: replicated), as the sharded LoRA/DoRA layers of ``mlx_train.llm.adapters`` do.
+- Every rank builds the same whole model (same weights file, or same seed) and takes its own
+  slices; the replicated parameters are then made rank 0's (``DistributedTrainer`` broadcasts
+  them). A split must cut each matrix into equal contiguous slices: ``shard_linear(...,
+  segments=k)`` (fused QKV) is not described by the layout, so checkpoints of such a model resume
+  only on the same number of ranks.
+
+Everything else (embeddings, norms, an unsplit output head) is replicated: every rank computes
+it on the same batch from the same inputs, and the all-reduces inside the sharded layers leave
+bit-identical values on every rank, so its gradients agree across ranks without communication
+(``replicated_agree`` checks it). The sharded layers' gradients are each rank's slice of the full
+gradient (``AllToShardedLinear`` all-reduces its input's gradient in the backward pass), so no
+gradient is all-reduced; the optimizer state, made from the sharded parameters, is sharded too.
+
+Checkpoints hold each rank's slices and the layout (see the checkpoint section below); adapters
+are written whole (``save_gathered_adapters``). Tensor x data parallelism is not supported: the
+whole group is one tensor-parallel group.
+
+Example::
+
+    group = mx.distributed.init()
+    layout = shard_model(model, group)       # {"model.layers.0.self_attn.q_proj.weight": 0, ...}
+    full = gather_parameters(dict(tree_flatten(model.parameters())), layout, group)
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.nn.layers import distributed as mlx_distributed
+from mlx.utils import tree_flatten, tree_map_with_path
+
+from mlx_train.checkpointing.format import STEP_DIR, step_name
+from mlx_train.checkpointing.manager import CheckpointManager
+from mlx_train.errors import CheckpointError, ConfigError
+from mlx_train.training.state import rng_key, set_rng_key
+from mlx_train.training.step import Reduction
+
+__all__ = ["Shardable", "shard_model", "shard_layout", "is_sharded", "gather_parameters", "take_shard",
+           "tensor_parallel_reduction", "replicated_agree", "ShardedCheckpoints", "write_shard", "read_shard",
+           "reshard", "prune_shards"]
+
+#: The axis of each parameter that MLX's sharded layers split over the group (None: replicated).
+MLX_SHARDED_AXES: dict[type, dict[str, int | None]] = {
+    mlx_distributed.AllToShardedLinear: {"weight": 0, "bias": 0},
+    mlx_distributed.ShardedToAllLinear: {"weight": -1, "bias": None},
+    mlx_distributed.QuantizedAllToShardedLinear: {"weight": 0, "scales": 0, "biases": 0, "bias": 0},
+    mlx_distributed.QuantizedShardedToAllLinear: {"weight": -1, "scales": -1, "biases": -1, "bias": None},
+}
+
+
+@runtime_checkable
+class Shardable(Protocol):
+    """A model that splits itself over a group for tensor parallelism (see the module docstring).
+
+    Example (mlx-lm's llama, abridged)::
+
+        def shard(self, group=None):
+            group = group or mx.distributed.init()
+            for layer in self.model.layers:
+                layer.self_attn.q_proj = shard_linear(layer.self_attn.q_proj, "all-to-sharded", group=group)
+                layer.self_attn.o_proj = shard_linear(layer.self_attn.o_proj, "sharded-to-all", group=group)
+                layer.self_attn.n_heads //= group.size()
+    """
+
+    def shard(self, group: Any = None) -> None: ...
+
+
+def _axes_of(module: nn.Module) -> dict[str, int | None] | None:
+    declared = getattr(module, "sharded_axes", None)
+    if isinstance(declared, dict):
+        return declared
+    return MLX_SHARDED_AXES.get(type(module))
+
+
+def shard_layout(model: nn.Module) -> dict[str, int]:
+    """``{parameter path: split axis (>= 0)}`` of every sharded parameter of ``model``; parameters
+    not named are replicated. Empty for a model that is not sharded.
+
+    Example: ``shard_layout(model)["model.layers.0.mlp.down_proj.weight"]  # 1``
+    """
+    layout: dict[str, int] = {}
+    for path, module in model.named_modules():
+        axes = _axes_of(module)
+        if not axes:
+            continue
+        for name, value in tree_flatten(module.parameters()):
+            axis = axes.get(name)
+            if axis is not None:
+                layout[f"{path}.{name}" if path else name] = axis % value.ndim
+    return layout
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """True when ``model`` holds MLX sharded layers (or modules declaring ``sharded_axes``)."""
+    return any(_axes_of(m) for _, m in model.named_modules())
+
+
+def shard_model(model: nn.Module, group: Any) -> dict[str, int]:
+    """Split ``model`` over ``group`` with its ``shard(group)`` method (in place) and return its layout.
+
+    A model already sharded is left as it is. Raises ``ConfigError`` for a model without ``shard``,
+    or one whose sizes do not divide by the group size.
+
+    Example: ``layout = shard_model(model, mx.distributed.init())``
+    """
+    if is_sharded(model) or group.size() == 1:
+        return shard_layout(model)
+    if not isinstance(model, Shardable):
+        raise ConfigError(
+            f"strategy 'tensor_parallel' needs a model that can split itself: {type(model).__name__} has no "
+            "shard(group) method. mlx-lm models have one; for your own model, write shard(group) that replaces "
+            "its large linear layers with mlx.nn.layers.distributed.shard_linear(layer, 'all-to-sharded' | "
+            "'sharded-to-all', group=group) (see mlx_train.distributed.tensor_parallel), or train with "
+            "strategy='data_parallel'")
+    _check_heads(model, group.size())
+    key = rng_key()  # MLX's sharded layers draw initial weights that shard() then replaces
+    try:
+        model.shard(group)
+    except ValueError as error:  # shard_linear: "Cannot shard the output of size 6 across 4 devices"
+        raise ConfigError(
+            f"{type(model).__name__}.shard could not split the model over {group.size()} processes: {error}. "
+            "Tensor parallelism splits each layer over the whole group (tensor x data parallelism is not "
+            "supported): launch a number of processes that divides the number of heads and the hidden sizes"
+        ) from error
+    finally:  # what follows (adapters, dropout) draws the same numbers as without sharding
+        set_rng_key(key)
+    layout = shard_layout(model)
+    if not layout:
+        raise ConfigError(f"{type(model).__name__}.shard(group) left no layer sharded: it must replace layers "
+                          "with mlx.nn.layers.distributed.shard_linear (or declare sharded_axes)")
+    return layout
+
+
+HEAD_COUNTS = ("n_heads", "n_kv_heads", "num_heads", "num_key_value_heads")
+
+
+def _check_heads(model: nn.Module, size: int) -> None:
+    """Attention heads must divide over the ranks (mlx-lm's ``shard`` divides them without checking, and
+    the model then fails at its first forward pass)."""
+    for path, module in model.named_modules():
+        for name in HEAD_COUNTS:
+            count = getattr(module, name, None)
+            if isinstance(count, int) and not isinstance(count, bool) and count % size:
+                raise ConfigError(
+                    f"{path}.{name} is {count}: {count} attention heads do not split over {size} processes. "
+                    f"Launch a number of processes that divides it, or split only the MLPs (a shard(group) that "
+                    "leaves attention whole; see mlx_train.distributed.tensor_parallel)")
+
+
+def gather_parameters(flat: dict[str, mx.array], layout: dict[str, int], group: Any) -> dict[str, mx.array]:
+    """The whole parameters from every rank's slices (every rank must call it; each gets all of them).
+
+    ``flat`` maps parameter paths to this rank's arrays; those in ``layout`` are joined along their
+    axis with ``all_gather``, the others returned as they are.
+
+    Example: ``full = gather_parameters(dict(tree_flatten(model.trainable_parameters())), layout, group)``
+    """
+    if group is None or group.size() == 1:
+        return dict(flat)
+    out = {}
+    for key, value in flat.items():
+        axis = layout.get(key)
+        if axis is None:
+            out[key] = value
+            continue
+        moved = mx.moveaxis(value, axis, 0)
+        joined = mx.distributed.all_gather(moved, group=group, stream=mx.cpu)
+        out[key] = mx.moveaxis(joined, 0, axis)
+        mx.eval(out[key])  # one at a time: never every gathered matrix pending at once
+    return out
+
+
+def take_shard(flat: dict[str, mx.array], layout: dict[str, int], rank: int, size: int) -> dict[str, mx.array]:
+    """This rank's slices of whole parameters (the inverse of ``gather_parameters``).
+
+    Example: ``mine = take_shard(full, layout, group.rank(), group.size())``
+    """
+    out = {}
+    for key, value in flat.items():
+        axis = layout.get(key)
+        if axis is None:
+            out[key] = value
+            continue
+        if value.shape[axis] % size:
+            raise ConfigError(f"{key} has {value.shape[axis]} entries on axis {axis}, which do not split into "
+                              f"{size} equal slices")
+        out[key] = mx.contiguous(mx.split(value, size, axis=axis)[rank])
+    return out
+
+
+def tensor_parallel_reduction(group: Any, layout: dict[str, int],
+                              before_update: Callable[[], None] | None = None) -> Reduction:
+    """The step's reduction for tensor parallelism: no gradient is all-reduced (each rank's slice is its
+    shard's exact gradient, replicated parameters agree by construction); the ranks' stop vote is summed
+    (one scalar), and clipping uses the norm of the whole gradient: the sharded parameters' squares
+    summed over ranks plus the replicated ones' counted once.
+    """
+    votes = {"stop": mx.array(0.0)}
+
+    def reduce(grads: Any, n_items: mx.array | None) -> tuple[Any, mx.array | None]:
+        votes["stop"] = mx.distributed.all_sum(votes["stop"], group=group)
+        return grads, n_items
+
+    def clip(grads: Any, max_norm: float | None) -> tuple[Any, mx.array | None]:
+        if max_norm is None:
+            return grads, None
+        flat = tree_flatten(grads)
+        sharded = [mx.sum(mx.square(g)) for k, g in flat if k in layout]
+        replicated = [mx.sum(mx.square(g)) for k, g in flat if k not in layout]
+        squares = mx.array(0.0)
+        if sharded:
+            squares = mx.distributed.all_sum(sum(sharded[1:], sharded[0]), group=group)
+        if replicated:
+            squares = squares + sum(replicated[1:], replicated[0])
+        norm = mx.sqrt(squares)
+        normalizer = mx.minimum(max_norm / (norm + 1e-6), 1.0)  # as optim.clip_grad_norm
+        return tree_map_with_path(lambda _, g: g * normalizer, grads), norm
+
+    return Reduction(reduce, clip, before_update, state=votes)
+
+
+def replicated_agree(model: nn.Module, layout: dict[str, int], group: Any) -> list[str]:
+    """The replicated parameters whose values differ between ranks (empty when all agree bit for bit).
+
+    Example: ``assert not replicated_agree(model, layout, group)``
+    """
+    if group.size() == 1:
+        return []
+    differing = []
+    for key, value in tree_flatten(model.parameters()):
+        if key in layout:
+            continue
+        stacked = mx.distributed.all_gather(value.reshape(1, -1), group=group, stream=mx.cpu)
+        if not bool(mx.all(stacked == stacked[0:1]).item()):
+            differing.append(key)
+    return differing
+
+
+# -- checkpoints ------------------------------------------------------------------------------
+#
+# Rank 0's checkpoint (``step-N``, written by the CheckpointManager as in any run) holds the loop
+# state, rank 0's slices and, under ``"tensor_parallel"`` in its JSON, the world size and the layout.
+# Every other rank writes its slices to ``<checkpoint_dir>/tp-shards/step-N/rank-<r>.safetensors``
+# (``model.*`` and ``optimizer.*``) before rank 0 starts its save, so a complete ``step-N`` always
+# has its shards. A checkpoint with another layout or world size (or a whole one) is re-sharded.
+
+SHARDS_DIR = "tp-shards"
+
+
+class ShardedCheckpoints(CheckpointManager):
+    """A CheckpointManager whose checkpoints record the tensor-parallel layout (``record``)."""
+
+    def __init__(self, directory: str, record: dict[str, Any], **options: Any) -> None:
+        super().__init__(directory, **options)
+        self.record = record
+
+    def save(self, step: int, arrays: dict[str, dict[str, mx.array]], state: dict[str, Any],
+             metrics: dict[str, Any] | None = None) -> str:
+        return super().save(step, arrays, {**state, "tensor_parallel": self.record}, metrics)
+
+
+def shard_path(directory: str, step: int, rank: int) -> str:
+    """Where rank ``rank`` (>= 1) keeps its slices of the checkpoint of ``step``."""
+    return os.path.join(directory, SHARDS_DIR, step_name(step), f"rank-{rank}.safetensors")
+
+
+def write_shard(directory: str, step: int, rank: int, model: dict[str, mx.array],
+                optimizer: dict[str, mx.array]) -> str:
+    """Write one rank's slices atomically (a temporary file renamed into place); returns the path."""
+    path = shard_path(directory, step, rank)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}.safetensors"
+    flat = {**{"model." + k: v for k, v in model.items()}, **{"optimizer." + k: v for k, v in optimizer.items()}}
+    mx.save_safetensors(tmp, flat, metadata={"step": str(step), "rank": str(rank)})
+    os.replace(tmp, path)
+    return path
+
+
+def read_shard(checkpoint: str, step: int, rank: int) -> dict[str, dict[str, mx.array]]:
+    """``{"model": ..., "optimizer": ...}`` of rank ``rank`` for the checkpoint at ``checkpoint``."""
+    path = shard_path(os.path.dirname(checkpoint.rstrip("/")), step, rank)
+    if not os.path.isfile(path):
+        raise CheckpointError(
+            f"checkpoint {checkpoint} belongs to a tensor-parallel run, but rank {rank}'s slices ({path}) are "
+            "missing: restore that file, or resume from an earlier checkpoint of the run")
+    flat = mx.load(path)
+    return {group: {k[len(group) + 1:]: v for k, v in flat.items() if k.startswith(group + ".")}  # type: ignore[union-attr]
+            for group in ("model", "optimizer")}
+
+
+def prune_shards(directory: str) -> None:
+    """Delete the shard directories whose checkpoint is gone (older than the newest checkpoint only: a
+    newer one may still be being written)."""
+    root = os.path.join(directory, SHARDS_DIR)
+    if not os.path.isdir(root):
+        return
+    kept = {name for name in os.listdir(directory) if STEP_DIR.match(name)}
+    newest = max(kept, default="")
+    for name in os.listdir(root):
+        if STEP_DIR.match(name) and name not in kept and name < newest:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def optimizer_layout(optimizer_state: dict[str, mx.array], layout: dict[str, int]) -> dict[str, int]:
+    """The split axis of each optimizer state entry that mirrors a split parameter (Adam's ``<param>.m``)."""
+    out = {}
+    for key in optimizer_state:
+        parameter = key.rsplit(".", 1)[0]
+        if parameter in layout:
+            out[key] = layout[parameter]
+    return out
+
+
+def reshard(checkpoint: str, arrays: dict[str, dict[str, mx.array]], saved: dict[str, Any],
+            layout: dict[str, int], rank: int, size: int) -> dict[str, dict[str, mx.array]]:
+    """This rank's ``model``/``optimizer`` arrays from a checkpoint of any layout: its own file when the
+    checkpoint was written by ``size`` ranks with the same layout; otherwise the whole arrays (joined
+    from every rank's slices, or a whole checkpoint as is) cut into this run's slices.
+    """
+    record = saved.get("tensor_parallel") or {"world_size": 1, "layout": {}}
+    world, old_layout = record["world_size"], record["layout"]
+    if world == size and old_layout == layout:
+        return arrays if rank == 0 else {**arrays, **read_shard(checkpoint, saved["step"], rank)}
+    parts = [arrays] + [read_shard(checkpoint, saved["step"], r) for r in range(1, world)]
+    out = dict(arrays)
+    for group in ("model", "optimizer"):
+        old_axes = old_layout if group == "model" else optimizer_layout(arrays[group], old_layout)
+        new_axes = layout if group == "model" else optimizer_layout(arrays[group], layout)
+        whole = {k: mx.concatenate([p[group][k] for p in parts], axis=old_axes[k]) if k in old_axes else v
+                 for k, v in arrays[group].items()}
+        out[group] = take_shard(whole, new_axes, rank, size)
+    return out
+
+
+# -- fine-tuning ------------------------------------------------------------------------------
+
+
+def shard_for_finetune(model: nn.Module, spec: Any, group: Any) -> dict[str, int]:
+    """Split an (mlx-lm) model over ``group`` and add ``spec``'s adapters (an ``llm.adapters.AdapterConfig``),
+    split with their layers; returns the layout. Call it on every rank before making the trainer.
+
+    Example: ``shard_for_finetune(model, AdapterConfig("lora", num_layers=8), mx.distributed.init())``
+    """
+    from mlx_train.llm.adapters import apply_adapters
+
+    shard_model(model, group)
+    apply_adapters(model, spec)
+    return shard_layout(model)
+
+
+def save_gathered_adapters(model: nn.Module, spec: Any, directory: str, group: Any,
+                           extra: dict[str, Any] | None = None) -> str | None:
+    """Write the trained parameters whole, in mlx-lm's adapter format (``mlx_lm.load(base,
+    adapter_path=directory)`` reads them on one machine). Every rank must call it (the slices are
+    gathered); rank 0 writes and returns the directory, the others return None.
+
+    Example: ``save_gathered_adapters(model, spec, "adapters", group, extra={"model": "base-dir"})``
+    """
+    from mlx_train.llm.adapters import save_adapters
+
+    trained = dict(tree_flatten(model.trainable_parameters()))
+    whole = gather_parameters(trained, shard_layout(model), group)
+    if group is not None and group.rank() != 0:
+        return None
+    return save_adapters(model, spec, directory, extra=extra, weights=whole)
