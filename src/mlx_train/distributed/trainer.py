@@ -282,7 +282,8 @@ class DistributedTrainer(Trainer):
                                    f"({type(error).__name__}: {error}); the ranks must resume from the same step: "
                                    "resume from an earlier checkpoint of the run (--resume PATH)") from error
         if resized is not loader:  # written by data-parallel ranks: another micro-batch count per step
-            self.config, self.state.micro_batch = config, {**self.state.micro_batch, "step_batch": None}
+            self.config = config
+            self.state.record_micro_batch({**self.state.micro_batch, "step_batch": None})
             if self._loaders is not None and self._loaders[0] is loader:
                 self._loaders = (resized, *self._loaders[1:])
         return resized
