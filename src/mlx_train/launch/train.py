@@ -38,15 +38,24 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hostfile", default=None, metavar="FILE",
                         help="with --distributed: launch on the hosts of this mlx.launch host file instead of "
                         "the configured cluster")
-    from mlx_train.config import TrainConfig
-
-    strategy = TrainConfig.fields_help()["distributed_strategy"]  # help and choices: the config field's
-    parser.add_argument("--strategy", default=None, choices=strategy.choices,
-                        help=f"with --distributed: {strategy.help} (default {strategy.default})")
+    add_strategy_argument(parser)
     parser.add_argument("--heartbeat-timeout", type=float, default=DEFAULT_HEARTBEAT_TIMEOUT, metavar="SECONDS",
                         help="with --distributed: restart the group from the last checkpoint when a rank's heartbeat "
                         "(written by a background thread, also during validation and checkpoints) stops for this "
                         f"long, e.g. a frozen process (default {DEFAULT_HEARTBEAT_TIMEOUT:g})")
+
+
+def add_strategy_argument(parser: argparse.ArgumentParser, when: str = "with --distributed") -> None:
+    """``--strategy``, one flag for every command that takes it (train, finetune, optimize): its choices and
+    help are the ``distributed_strategy`` field's; ``when`` says when it applies.
+
+    Example: ``add_strategy_argument(parser, "the split the plan is for")``
+    """
+    from mlx_train.config import TrainConfig
+
+    strategy = TrainConfig.fields_help()["distributed_strategy"]  # help and choices: the config field's
+    parser.add_argument("--strategy", default=None, choices=strategy.choices,
+                        help=f"{when}: {strategy.help} (default {strategy.default})")
 
 
 def cluster_for(num_processes: int | None, hostfile: str | None, backend: str):
