@@ -18,9 +18,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from mlx_train import rundir
+
+if TYPE_CHECKING:
+    from mlx_train.distributed.hostfile import Hostfile
 
 DEFAULT_HEARTBEAT_TIMEOUT = 30.0  # seconds; the rank monitor writes every 0.5 s
 
@@ -58,7 +62,7 @@ def add_strategy_argument(parser: argparse.ArgumentParser, when: str = "with --d
                         help=f"{when}: {strategy.help} (default {strategy.default})")
 
 
-def cluster_for(num_processes: int | None, hostfile: str | None, backend: str):
+def cluster_for(num_processes: int | None, hostfile: str | None, backend: str) -> Hostfile:
     """The ``Hostfile`` a distributed run launches on (see the module docstring)."""
     from mlx_train.distributed.config import load_cluster
     from mlx_train.distributed.hostfile import Hostfile
@@ -84,7 +88,8 @@ def cluster_for(num_processes: int | None, hostfile: str | None, backend: str):
     return cluster
 
 
-def train_distributed(args: argparse.Namespace, config: Any, log=print, command_name: str = "train") -> int:
+def train_distributed(args: argparse.Namespace, config: Any, log: Callable[[str], None] = print,
+                      command_name: str = "train") -> int:
     """Run ``mlx-train train --distributed`` (or ``command_name``: ``finetune``) with the parsed ``args`` and
     resolved ``config``; every rank runs that subcommand with the resolved config."""
     from mlx_train.errors import TrainingInterrupted
@@ -124,7 +129,7 @@ def train_distributed(args: argparse.Namespace, config: Any, log=print, command_
         hostfile = f" --hostfile {args.hostfile}" if args.hostfile else ""
         print(f"to continue: mlx-train {command_name} --distributed -n {world}{hostfile} --run-dir {run_dir} --resume",
               file=sys.stderr)
-        return int(stop.code)  # 128 + signal, as schedulers expect
+        return stop.code if isinstance(stop.code, int) else 1  # 128 + signal, as schedulers expect
     restarts = len(result.restarts)
     log(f"distributed run finished in {result.seconds:.1f} s with {restarts} restart{'s' if restarts != 1 else ''}"
         + (f" ({'; '.join(r.cause for r in result.restarts)})" if restarts else ""))

@@ -66,17 +66,17 @@ class TokenCounter(Callback):
         self.trained_tokens = 0.0
         self.tokens_per_second: list[float] = []
 
-    def on_report(self, trainer, logs: dict) -> None:
+    def on_report(self, trainer: Any, logs: dict[str, Any]) -> None:
         # The Trainer counts the targets the loss averaged over (tokens here), checkpointed with the run.
         self.trained_tokens = trainer.state.trained_items
         if "tokens_per_second" in logs:
             self.tokens_per_second.append(logs["tokens_per_second"])
 
-    def on_validation_end(self, trainer, logs: dict) -> None:
+    def on_validation_end(self, trainer: Any, logs: dict[str, Any]) -> None:
         trainer.log(f"step {logs['step']}: val loss {logs['val_loss']:.4f}, "
                     f"val perplexity {math.exp(min(logs['val_loss'], 50)):.3f}")
 
-    def on_fit_end(self, trainer, history: dict) -> None:
+    def on_fit_end(self, trainer: Any, history: dict[str, Any]) -> None:
         self.trained_tokens = trainer.state.trained_items
         # The final report line, also in train.log: a run shorter than steps_per_report has no other.
         trainer.log(f"finished at step {trainer.step}: {int(self.trained_tokens):,} trained tokens")
@@ -156,7 +156,7 @@ def check_before_loading(config: TrainConfig, resume: str | None = None, overwri
     if resume:
         _check_resume(config, resume)
     elif config.run_dir and not launched:
-        checkpoint_dir = _for_trainer(config).checkpoint_dir
+        checkpoint_dir = str(_for_trainer(config).checkpoint_dir)  # RUN_DIR/checkpoints at least
         make_room(CheckpointManager(checkpoint_dir, keep_last=None, async_save=False), config.run_dir, overwrite, log)
 
 
@@ -251,7 +251,7 @@ def prepare(cfg: TrainConfig, log: Any = print, split: AdapterSplit | None = Non
     return {"model": model, "tokenizer": tokenizer, "model_config": model_config, "spec": spec, "splits": splits}
 
 
-def _preference_parts(cfg: TrainConfig, model: Any, tokenizer: Any, model_config: dict, spec: Any,
+def _preference_parts(cfg: TrainConfig, model: Any, tokenizer: Any, model_config: dict[str, Any], spec: Any,
                       log: Any) -> dict[str, Any]:
     """:func:`prepare` for DPO/ORPO: preference pairs instead of documents."""
     from mlx_train.llm import adapters, preference
@@ -265,7 +265,7 @@ def _preference_parts(cfg: TrainConfig, model: Any, tokenizer: Any, model_config
 class PairCounter(TokenCounter):
     """TokenCounter for preference runs: the validation line shows reward accuracy and margin."""
 
-    def on_validation_end(self, trainer, logs: dict) -> None:
+    def on_validation_end(self, trainer: Any, logs: dict[str, Any]) -> None:
         trainer.log(f"step {logs['step']}: val loss {logs['val_loss']:.4f}, val reward accuracy "
                     f"{logs['val_reward_accuracy']:.3f}, val reward margin {logs['val_reward_margin']:.4f}")
 
@@ -300,7 +300,7 @@ def _loss_for(cfg: TrainConfig) -> Any:
     return preference.PreferenceLoss(preference.PreferenceConfig.from_finetune(cfg))
 
 
-def finetune(config: TrainConfig, callbacks: list | None = None, resume: str | None = None,
+def finetune(config: TrainConfig, callbacks: list[Any] | None = None, resume: str | None = None,
              overwrite: bool = False, log: Any = print, trainer_class: Any = None,
              split: AdapterSplit | None = None) -> dict[str, Any]:
     """Fine-tune ``config.model`` on ``config.dataset``; returns the trainer, model, history and final
