@@ -171,3 +171,26 @@ def test_two_tensor_parallel_ranks_finetune_like_one_process(setup, tmp_path, ca
     two_logits, one_logits = _logits(setup / "base", tmp_path / "two" / "adapters"), \
         _logits(setup / "base", tmp_path / "one" / "adapters")
     assert np.allclose(two_logits, one_logits, rtol=0, atol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_tensor_parallel_finetune_resumes_like_one_process(setup, tmp_path, capsys, monkeypatch):
+    """Stopped after 4 steps and resumed to 6 with --resume on 2 ranks: the losses and adapters of one process's
+    6 steps (each rank restores its slices from the checkpoint)."""
+    monkeypatch.setenv("MLX_TRAIN_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "1")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([os.path.abspath(SRC), os.environ.get("PYTHONPATH", "")]))
+    common = ["--lr", "1e-3", "--steps-per-report", "1", "--batch-size", "2", "--save-every", "2", "--set",
+              "num_workers=0", "--val-batches", "1"]
+    split = ["--distributed", "-n", "2", "--strategy", "tensor_parallel", "--max-restarts", "0"]
+    assert main(_finetune(setup, tmp_path / "two", "--iters", "4", *split, *common)) == 0
+    code = main(["finetune", "--run-dir", str(tmp_path / "two"), "--resume", "--max-steps", "6", *split])
+    out = capsys.readouterr()
+    assert code == 0, out.err[-3000:]
+    assert main(_finetune(setup, tmp_path / "one", "--iters", "6", *common)) == 0
+    two, one = _losses(tmp_path / "two"), _losses(tmp_path / "one")
+    assert [s for s, _ in two] == [s for s, _ in one] == [1, 2, 3, 4, 5, 6]
+    assert np.allclose([loss for _, loss in two], [loss for _, loss in one], rtol=0, atol=1e-5)
+    mine, theirs = (mx.load(str(tmp_path / run / "adapters" / "adapters.safetensors")) for run in ("one", "two"))
+    assert all(np.allclose(np.array(mine[k]), np.array(theirs[k]), rtol=0, atol=2e-5) for k in mine)
