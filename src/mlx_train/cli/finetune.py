@@ -89,7 +89,7 @@ def resolve_config(args: argparse.Namespace, log: Any = print) -> Any:
     from mlx_train.distributed.rank import supervised
     from mlx_train.errors import ConfigError
 
-    for given, flag in ((args.num_processes, "-n"), (args.hostfile, "--hostfile")):
+    for given, flag in ((args.num_processes, "-n"), (args.hostfile, "--hostfile"), (args.strategy, "--strategy")):
         if given is not None and not args.distributed:
             raise ConfigError(f"{flag} {given} only applies to a distributed run: add --distributed "
                               f"(mlx-train finetune --distributed {flag} {given} ...), or leave {flag} out")
@@ -152,12 +152,12 @@ def main(args: argparse.Namespace) -> int:
         return _launch(args, cfg)
     say = print if is_main_process() else (lambda *a, **k: None)
     say(startup_line(), flush=True)
-    trainer_class = None
+    trainer_class, split = None, None
     if in_group():  # a rank of `finetune --distributed`
         from mlx_train.training import DistributedTrainer
 
-        trainer_class = DistributedTrainer
-    result = finetune(cfg, resume=args.resume, overwrite=args.overwrite, trainer_class=trainer_class,
+        trainer_class, split = DistributedTrainer, tensor_parallel_split(cfg)
+    result = finetune(cfg, resume=args.resume, overwrite=args.overwrite, trainer_class=trainer_class, split=split,
                       log=lambda message: say(message, flush=True))
     if not is_main_process():
         return 0
@@ -188,15 +188,65 @@ def main(args: argparse.Namespace) -> int:
     return 0 if math.isfinite(result.get("val_loss", 0.0)) else 1
 
 
+class TensorParallelAdapters:
+    """The ``llm.finetune.AdapterSplit`` of a tensor-parallel run: the model is split over ``group`` with
+    its ``shard(group)`` and the adapters added to the split layers (``shard_for_finetune``); they are
+    written whole, gathered from the ranks (``save_gathered_adapters``).
+
+    Example: ``finetune(config, trainer_class=DistributedTrainer, split=TensorParallelAdapters(group))``
+    """
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+
+    def add(self, model: Any, spec: Any) -> None:
+        from mlx_train.distributed.tensor_parallel import shard_for_finetune
+
+        shard_for_finetune(model, spec, self.group)
+
+    def save(self, model: Any, spec: Any, directory: str, extra: dict[str, Any]) -> None:
+        from mlx_train.distributed.tensor_parallel import save_gathered_adapters
+
+        save_gathered_adapters(model, spec, directory, self.group, extra=extra)
+
+    def whole_at_checkpoint(self, model: Any, path: str, step: int) -> dict[str, Any]:
+        """Rank 0's slices joined with those the other ranks wrote beside the checkpoint (at a checkpoint only
+        rank 0 runs the callbacks, so nothing can be gathered), along the layout's axes."""
+        import mlx.core as mx
+        from mlx.utils import tree_flatten
+
+        from mlx_train.distributed.tensor_parallel import read_shard, shard_layout
+
+        mine = dict(tree_flatten(model.trainable_parameters()))
+        layout = shard_layout(model)
+        parts = [mine] + [read_shard(path, step, rank)["model"] for rank in range(1, self.group.size())]
+        return {key: mx.concatenate([part[key] for part in parts], axis=layout[key]) if key in layout else value
+                for key, value in mine.items()}
+
+
+def tensor_parallel_split(config: Any) -> TensorParallelAdapters | None:
+    """On a rank of a launched group: the split of a ``distributed_strategy: tensor_parallel`` run over the
+    group (None for another strategy, or a group of one)."""
+    from mlx_train.distributed.trainer import _init_group
+    from mlx_train.llm.finetune import check_tensor_parallel
+
+    if config.distributed_strategy != "tensor_parallel":
+        return None
+    check_tensor_parallel(config)
+    group = _init_group(config.distributed_backend)
+    return TensorParallelAdapters(group) if group.size() > 1 else None
+
+
 def _launch(args: argparse.Namespace, config: Any) -> int:
     """``finetune --distributed``: make room in the run directory (or continue it), then run the ranks under
     train's supervisor; each rank runs ``mlx-train finetune --config <the resolved config>``."""
     from mlx_train.checkpointing import CheckpointManager
     from mlx_train.launch.train import train_distributed
-    from mlx_train.llm.finetune import check_before_loading
+    from mlx_train.llm.finetune import check_before_loading, check_tensor_parallel
     from mlx_train.training.resume import make_room
 
     check_before_loading(config, args.resume, args.overwrite, launched=True)
+    check_tensor_parallel(config.replace(distributed_strategy=args.strategy or config.distributed_strategy))
     if not args.resume:
         checkpoints = CheckpointManager(f"{config.run_dir}/checkpoints", keep_last=None, async_save=False)
         make_room(checkpoints, config.run_dir, args.overwrite, print)

@@ -79,6 +79,9 @@ def add_flags(parser: argparse.ArgumentParser, flags: dict[str, str], notes: dic
         names = (flag, *FLAG_ALIASES.get(flag, ()))
         if is_switch(name):
             parser.add_argument(*names, dest=name, action="store_true", default=None, help=text)
+        elif field.type == "bool | str":  # a switch that may name its kind: --pack, --pack by_length
+            parser.add_argument(*names, dest=name, nargs="?", const=True, default=None, type=_flag_type(name),
+                                metavar="KIND", help=text)
         else:
             parser.add_argument(*names, dest=name, default=None, type=_flag_type(name), metavar=name.upper(),
                                 help=text)

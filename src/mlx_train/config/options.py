@@ -137,7 +137,8 @@ def convert(f: dataclasses.Field[Any], value: Any) -> Any:
         value = spec.parse(value)
         if value is None and optional:  # a spelling of "none" (mlx_lm.lora's -1 batches: all of them)
             return None
-    value = _of_kind(kind, optional, value)
+    if type(value).__name__ not in [name.strip() for name in str(f.type).split("|")[1:]]:  # (bool | str: either)
+        value = _of_kind(kind, optional, value)
     if spec.choices is not None:
         if value.lower() not in spec.choices:
             raise Invalid(f"must be one of {', '.join(spec.choices)}, got {value!r}"

@@ -186,6 +186,21 @@ def _all_batches(value: Any) -> Any:
     return None if value == -1 and not isinstance(value, bool) else value
 
 
+PACKINGS = ("best_fit", "by_length")
+
+
+def _packing(value: Any) -> Any:
+    """``pack``: true/false, or a packing by name (``best_fit``, ``by_length``; ``--pack`` alone is best_fit)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    if isinstance(value, str) and value.strip().lower() in PACKINGS:
+        return value.strip().lower()
+    raise Invalid(f"must be true, false or one of {', '.join(PACKINGS)}, got {value!r}"
+                  f"{did_you_mean(str(value), PACKINGS)}")
+
+
 def _layers(value: int, values: Mapping[str, Any]) -> str | None:
     if value == -1 or value >= 1:
         return None
@@ -400,8 +415,9 @@ class TrainConfig:
     max_seq_length: int = in_llm(2048, "Longest sequence in tokens; longer documents are cut (and counted).",
                                  minimum=1)
     mask_prompt: bool = in_llm(False, "Train on completions only (prompt/completion and chat records).")
-    pack: bool = in_llm(False, "Pack several documents per row up to max_seq_length (no loss or attention across "
-                               "them).")
+    pack: bool | str = in_llm(False, "Pack the training rows: true or best_fit (several documents per row up to "
+                                     "max_seq_length, no loss or attention across them), by_length (one document a "
+                                     "row, batches of similar lengths), false.", parse=_packing)
     adapter_path: str = in_llm("adapters", "Where the adapters are written (mlx-lm format); relative to run_dir.")
     resume_adapter_file: str | None = in_llm(None, "Adapters (directory or adapters.safetensors) to start from.")
     quantized: bool | None = in_llm(None, "Keep a quantized base quantized (QLoRA); null: keep it on a GPU, "

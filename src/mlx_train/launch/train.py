@@ -18,9 +18,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from mlx_train import rundir
+
+if TYPE_CHECKING:
+    from mlx_train.distributed.hostfile import Hostfile
 
 DEFAULT_HEARTBEAT_TIMEOUT = 30.0  # seconds; the rank monitor writes every 0.5 s
 
@@ -38,18 +42,27 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hostfile", default=None, metavar="FILE",
                         help="with --distributed: launch on the hosts of this mlx.launch host file instead of "
                         "the configured cluster")
-    from mlx_train.config import TrainConfig
-
-    strategy = TrainConfig.fields_help()["distributed_strategy"]  # help and choices: the config field's
-    parser.add_argument("--strategy", default=None, choices=strategy.choices,
-                        help=f"with --distributed: {strategy.help} (default {strategy.default})")
+    add_strategy_argument(parser)
     parser.add_argument("--heartbeat-timeout", type=float, default=DEFAULT_HEARTBEAT_TIMEOUT, metavar="SECONDS",
                         help="with --distributed: restart the group from the last checkpoint when a rank's heartbeat "
                         "(written by a background thread, also during validation and checkpoints) stops for this "
                         f"long, e.g. a frozen process (default {DEFAULT_HEARTBEAT_TIMEOUT:g})")
 
 
-def cluster_for(num_processes: int | None, hostfile: str | None, backend: str):
+def add_strategy_argument(parser: argparse.ArgumentParser, when: str = "with --distributed") -> None:
+    """``--strategy``, one flag for every command that takes it (train, finetune, optimize): its choices and
+    help are the ``distributed_strategy`` field's; ``when`` says when it applies.
+
+    Example: ``add_strategy_argument(parser, "the split the plan is for")``
+    """
+    from mlx_train.config import TrainConfig
+
+    strategy = TrainConfig.fields_help()["distributed_strategy"]  # help and choices: the config field's
+    parser.add_argument("--strategy", default=None, choices=strategy.choices,
+                        help=f"{when}: {strategy.help} (default {strategy.default})")
+
+
+def cluster_for(num_processes: int | None, hostfile: str | None, backend: str) -> Hostfile:
     """The ``Hostfile`` a distributed run launches on (see the module docstring)."""
     from mlx_train.distributed.config import load_cluster
     from mlx_train.distributed.hostfile import Hostfile
@@ -75,7 +88,8 @@ def cluster_for(num_processes: int | None, hostfile: str | None, backend: str):
     return cluster
 
 
-def train_distributed(args: argparse.Namespace, config: Any, log=print, command_name: str = "train") -> int:
+def train_distributed(args: argparse.Namespace, config: Any, log: Callable[[str], None] = print,
+                      command_name: str = "train") -> int:
     """Run ``mlx-train train --distributed`` (or ``command_name``: ``finetune``) with the parsed ``args`` and
     resolved ``config``; every rank runs that subcommand with the resolved config."""
     from mlx_train.errors import TrainingInterrupted
@@ -115,7 +129,7 @@ def train_distributed(args: argparse.Namespace, config: Any, log=print, command_
         hostfile = f" --hostfile {args.hostfile}" if args.hostfile else ""
         print(f"to continue: mlx-train {command_name} --distributed -n {world}{hostfile} --run-dir {run_dir} --resume",
               file=sys.stderr)
-        return int(stop.code)  # 128 + signal, as schedulers expect
+        return stop.code if isinstance(stop.code, int) else 1  # 128 + signal, as schedulers expect
     restarts = len(result.restarts)
     log(f"distributed run finished in {result.seconds:.1f} s with {restarts} restart{'s' if restarts != 1 else ''}"
         + (f" ({'; '.join(r.cause for r in result.restarts)})" if restarts else ""))

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any
+from typing import Any, Protocol
 
 import mlx.core as mx
 
@@ -66,39 +66,68 @@ class TokenCounter(Callback):
         self.trained_tokens = 0.0
         self.tokens_per_second: list[float] = []
 
-    def on_report(self, trainer, logs: dict) -> None:
+    def on_report(self, trainer: Any, logs: dict[str, Any]) -> None:
         # The Trainer counts the targets the loss averaged over (tokens here), checkpointed with the run.
         self.trained_tokens = trainer.state.trained_items
         if "tokens_per_second" in logs:
             self.tokens_per_second.append(logs["tokens_per_second"])
 
-    def on_validation_end(self, trainer, logs: dict) -> None:
+    def on_validation_end(self, trainer: Any, logs: dict[str, Any]) -> None:
         trainer.log(f"step {logs['step']}: val loss {logs['val_loss']:.4f}, "
                     f"val perplexity {math.exp(min(logs['val_loss'], 50)):.3f}")
 
-    def on_fit_end(self, trainer, history: dict) -> None:
+    def on_fit_end(self, trainer: Any, history: dict[str, Any]) -> None:
         self.trained_tokens = trainer.state.trained_items
         # The final report line, also in train.log: a run shorter than steps_per_report has no other.
         trainer.log(f"finished at step {trainer.step}: {int(self.trained_tokens):,} trained tokens")
 
 
+class AdapterSplit(Protocol):
+    """How the adapters of a model split over the ranks of a group are added and written whole
+    (tensor parallelism; ``mlx_train.cli.finetune.TensorParallelAdapters`` is the one in use).
+
+    Example: ``finetune(config, trainer_class=DistributedTrainer, split=TensorParallelAdapters(group))``
+    """
+
+    def add(self, model: Any, spec: Any) -> None:
+        """Split ``model`` over the group and add ``spec``'s adapters to the split layers."""
+
+    def save(self, model: Any, spec: Any, directory: str, extra: dict[str, Any]) -> None:
+        """Write the adapters whole in mlx-lm's format; every rank calls it (one writes)."""
+
+    def whole_at_checkpoint(self, model: Any, path: str, step: int) -> dict[str, mx.array]:
+        """On rank 0 alone: the whole trained parameters at the checkpoint ``path`` of ``step``."""
+        return {}
+
+
 class AdapterWriter(Callback):
-    """Keeps the mlx-lm adapter files in step with each checkpoint and writes them at the end."""
+    """Keeps the mlx-lm adapter files in step with each checkpoint and writes them at the end.
 
-    def __init__(self, spec: Any, directory: str, extra: dict) -> None:
-        self.spec, self.directory, self.extra = spec, directory, extra
+    With a ``split`` (a model split over the ranks) the adapters are written whole: at the end every
+    rank takes part in gathering them; at a checkpoint (where only rank 0 is called) rank 0 gets them
+    from ``split.whole_at_checkpoint``.
 
-    def _write(self, trainer) -> None:
+    Example: ``AdapterWriter(spec, "runs/a/adapters", {"model": "base"})`` among a Trainer's callbacks.
+    """
+
+    def __init__(self, spec: Any, directory: str, extra: dict[str, Any], split: AdapterSplit | None = None) -> None:
+        self.spec, self.directory, self.extra, self.split = spec, directory, extra, split
+
+    def on_checkpoint(self, trainer: Any, path: str) -> None:
         from mlx_train.llm.adapters import save_adapters
 
-        if trainer.is_main:
+        if not trainer.is_main:
+            return
+        weights = self.split.whole_at_checkpoint(trainer.model, path, trainer.step) if self.split else None
+        save_adapters(trainer.model, self.spec, self.directory, self.extra, weights=weights)
+
+    def on_fit_end(self, trainer: Any, history: dict[str, Any]) -> None:
+        from mlx_train.llm.adapters import save_adapters
+
+        if self.split is not None:  # every rank gathers; rank 0 writes
+            self.split.save(trainer.model, self.spec, self.directory, self.extra)
+        elif trainer.is_main:
             save_adapters(trainer.model, self.spec, self.directory, self.extra)
-
-    def on_checkpoint(self, trainer, path: str) -> None:
-        self._write(trainer)
-
-    def on_fit_end(self, trainer, history: dict) -> None:
-        self._write(trainer)
 
 
 def check_before_loading(config: TrainConfig, resume: str | None = None, overwrite: bool = False,
@@ -127,7 +156,7 @@ def check_before_loading(config: TrainConfig, resume: str | None = None, overwri
     if resume:
         _check_resume(config, resume)
     elif config.run_dir and not launched:
-        checkpoint_dir = _for_trainer(config).checkpoint_dir
+        checkpoint_dir = str(_for_trainer(config).checkpoint_dir)  # RUN_DIR/checkpoints at least
         make_room(CheckpointManager(checkpoint_dir, keep_last=None, async_save=False), config.run_dir, overwrite, log)
 
 
@@ -168,8 +197,13 @@ def _check_resume(config: TrainConfig, resume: str) -> None:
                           "the run's own values; to train with others, start a new run without --resume")
 
 
-def prepare(cfg: TrainConfig, log: Any = print) -> dict[str, Any]:
-    """Load the model, add adapters and build the datasets (what :func:`finetune` trains on)."""
+def prepare(cfg: TrainConfig, log: Any = print, split: AdapterSplit | None = None) -> dict[str, Any]:
+    """Load the model, add adapters and build the datasets (what :func:`finetune` trains on). With a
+    ``split`` (tensor parallelism) the model is split over the ranks and the adapters are added to
+    the split layers.
+
+    Example: ``prepare(FineTuneConfig(model="base", data="data"))["splits"]["train"]``
+    """
     from mlx_train.llm import adapters, data, loss, models
 
     if not cfg.model or not cfg.dataset:
@@ -192,12 +226,14 @@ def prepare(cfg: TrainConfig, log: Any = print) -> dict[str, Any]:
             directory = os.path.dirname(directory) or "."
         spec = adapters.load_adapters(model, directory)
         log(f"continuing from the adapters in {directory}")
+    elif split is not None:
+        split.add(model, spec)
     else:
         adapters.apply_adapters(model, spec)
     if cfg.train_mode != "sft":
         return _preference_parts(cfg, model, tokenizer, model_config, spec, log)
     document_mask = loss.supports_document_mask(model)
-    if cfg.pack and not document_mask:
+    if cfg.pack in (True, "best_fit") and not document_mask:
         log("packing: this model takes no attention mask, so a token may attend to earlier documents of its "
             "row (the loss still never crosses a document boundary)")
     splits: dict[str, Any] = {}
@@ -206,7 +242,7 @@ def prepare(cfg: TrainConfig, log: Any = print) -> dict[str, Any]:
             continue
         docs = data.tokenize(records[name], tokenizer, cfg.mask_prompt, cfg.max_seq_length,
                              where=f"{cfg.dataset}/{name}.jsonl")
-        rows = data.SequenceDataset(docs, cfg.max_seq_length, pack=cfg.pack and name == "train",
+        rows = data.SequenceDataset(docs, cfg.max_seq_length, pack=cfg.pack if name == "train" else False,
                                     document_mask=document_mask)
         log(data.describe_documents(name, docs, rows))
         splits[name] = rows
@@ -215,7 +251,7 @@ def prepare(cfg: TrainConfig, log: Any = print) -> dict[str, Any]:
     return {"model": model, "tokenizer": tokenizer, "model_config": model_config, "spec": spec, "splits": splits}
 
 
-def _preference_parts(cfg: TrainConfig, model: Any, tokenizer: Any, model_config: dict, spec: Any,
+def _preference_parts(cfg: TrainConfig, model: Any, tokenizer: Any, model_config: dict[str, Any], spec: Any,
                       log: Any) -> dict[str, Any]:
     """:func:`prepare` for DPO/ORPO: preference pairs instead of documents."""
     from mlx_train.llm import adapters, preference
@@ -229,9 +265,31 @@ def _preference_parts(cfg: TrainConfig, model: Any, tokenizer: Any, model_config
 class PairCounter(TokenCounter):
     """TokenCounter for preference runs: the validation line shows reward accuracy and margin."""
 
-    def on_validation_end(self, trainer, logs: dict) -> None:
+    def on_validation_end(self, trainer: Any, logs: dict[str, Any]) -> None:
         trainer.log(f"step {logs['step']}: val loss {logs['val_loss']:.4f}, val reward accuracy "
                     f"{logs['val_reward_accuracy']:.3f}, val reward margin {logs['val_reward_margin']:.4f}")
+
+
+def check_tensor_parallel(config: TrainConfig) -> None:
+    """Refuse what a fine-tuning run split over its ranks (``distributed_strategy="tensor_parallel"``)
+    cannot do yet: continue from adapter files, or a DPO reference that is the model with its
+    adapters off (the split adapters cannot be switched off).
+
+    Example: ``check_tensor_parallel(FineTuneConfig(train_mode="dpo", distributed_strategy="tensor_parallel"))``
+    raises ConfigError.
+    """
+    if config.distributed_strategy != "tensor_parallel":
+        return
+    if config.resume_adapter_file:
+        raise ConfigError("--resume-adapter-file cannot go with --strategy tensor_parallel: the adapters would be "
+                          "added before the model is split. Continue a run with --resume, or use --strategy "
+                          "data_parallel")
+    if (config.train_mode == "dpo" and not config.reference_free and not config.reference_model_path
+            and config.fine_tune_type != "full"):
+        raise ConfigError(f"--train-mode dpo with {config.fine_tune_type} and --strategy tensor_parallel: the DPO "
+                          "reference is the model with its adapters off, which a split model cannot do. Pass "
+                          "--reference-model-path BASE (the reference then is that model, loaded whole on every "
+                          "rank) or --reference-free, or use --strategy data_parallel")
 
 
 def _loss_for(cfg: TrainConfig) -> Any:
@@ -242,14 +300,17 @@ def _loss_for(cfg: TrainConfig) -> Any:
     return preference.PreferenceLoss(preference.PreferenceConfig.from_finetune(cfg))
 
 
-def finetune(config: TrainConfig, callbacks: list | None = None, resume: str | None = None,
-             overwrite: bool = False, log: Any = print, trainer_class: Any = None) -> dict[str, Any]:
+def finetune(config: TrainConfig, callbacks: list[Any] | None = None, resume: str | None = None,
+             overwrite: bool = False, log: Any = print, trainer_class: Any = None,
+             split: AdapterSplit | None = None) -> dict[str, Any]:
     """Fine-tune ``config.model`` on ``config.dataset``; returns the trainer, model, history and final
     validation loss/perplexity. Adapters are written to ``config.adapter_path`` (in the run directory)
     in mlx-lm's format, and the run directory gets config.yaml, metrics.jsonl and checkpoints, as with
     ``mlx-train train``. ``resume`` ("auto" or a checkpoint) continues a run; ``overwrite`` moves a run
     that is in the run directory aside first. ``trainer_class``: ``DistributedTrainer`` on the ranks of a
-    launched group (``mlx-train finetune --distributed``; ``batch_size`` is then per rank).
+    launched group (``mlx-train finetune --distributed``; ``batch_size`` is then per rank); ``split``: the
+    model is split over the group's ranks (``distributed_strategy="tensor_parallel"``; each rank trains on
+    the whole batch and the adapters are written whole).
 
     Example: ``finetune(FineTuneConfig(model="base", data="data", iters=50))["val_perplexity"]``.
     """
@@ -258,7 +319,9 @@ def finetune(config: TrainConfig, callbacks: list | None = None, resume: str | N
 
     trainer_class = trainer_class or Trainer
     check_before_loading(config, resume, overwrite, log, launched=trainer_class is not Trainer)
-    parts = prepare(config, log)
+    if split is not None:
+        check_tensor_parallel(config)
+    parts = prepare(config, log, split)
     model, splits = parts["model"], parts["splits"]
     if config.test and "test" not in splits:  # an empty test.jsonl, or a dataset without a test split
         raise ConfigError(f"--test: {config.dataset} has no test records to evaluate on; add some, or leave --test "
@@ -266,7 +329,8 @@ def finetune(config: TrainConfig, callbacks: list | None = None, resume: str | N
     train_rows, valid_rows = splits["train"], splits.get("valid")
     # A loader batch is a micro-batch; the Trainer takes gradient_accumulation of them per optimizer step.
     loader = data.make_loader(train_rows, config.batch_size, seed=config.seed, num_workers=config.num_workers)
-    trainer = trainer_class(model, loss_fn=_loss_for(config), config=_for_trainer(config))
+    options = {"strategy": config.distributed_strategy} if trainer_class is not Trainer else {}
+    trainer = trainer_class(model, loss_fn=_loss_for(config), config=_for_trainer(config), **options)
     # Checkpoints of a run with a frozen base hold the trained parameters and this reference.
     trainer.base_model = models.base_reference(config.model) if os.path.exists(config.model) else \
         {"path": config.model}
@@ -276,7 +340,7 @@ def finetune(config: TrainConfig, callbacks: list | None = None, resume: str | N
              "seed": config.seed, "mask_prompt": config.mask_prompt, "pack": config.pack}
     if config.train_mode != "sft":
         extra.update({"train_mode": config.train_mode, "beta": config.beta, "dpo_loss_type": config.dpo_loss_type})
-    writer = AdapterWriter(parts["spec"], adapter_dir, extra)
+    writer = AdapterWriter(parts["spec"], adapter_dir, extra, split)
     val = None
     eval_rows = config.eval_batch_size or config.batch_size
     if valid_rows is not None:  # the same collate (padding to a multiple of 8) as training, in file order

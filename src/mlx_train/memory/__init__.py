@@ -3,6 +3,8 @@
 - ``MemoryOptimizer.suggest_config(model_size, num_devices, ...)`` plans from the size alone;
 - ``MemoryOptimizer.measure(model, data, ...)`` measures the real model with a few real steps, and
   ``suggest_config`` plans from that measurement;
+- ``MemoryModel.over_ranks(n)`` is the per-rank model of a tensor-parallel split (a ``TensorSplit``
+  says what the model's ``shard`` splits), and ``MemoryPlan.ranks_needed`` how many ranks fit;
 - a ``MemoryPlan`` holds the micro-batch, accumulation, checkpointing and precision, the estimated
   peak per device with its breakdown, and explains itself when printed.
 
@@ -12,8 +14,8 @@ Example::
     print(MemoryOptimizer.suggest_config(model_size=1e9, num_devices=2))
 """
 
-from mlx_train.memory.model import MemoryBreakdown, MemoryModel, optimizer_slots
-from mlx_train.memory.plan import HEADROOM, MemoryOptimizer, MemoryPlan, plan_memory
+from mlx_train.memory.model import MemoryBreakdown, MemoryModel, TensorSplit, optimizer_slots
+from mlx_train.memory.plan import HEADROOM, MemoryOptimizer, MemoryPlan, for_strategy, plan_memory
 
-__all__ = ["HEADROOM", "MemoryBreakdown", "MemoryModel", "MemoryOptimizer", "MemoryPlan", "optimizer_slots",
-           "plan_memory"]
+__all__ = ["HEADROOM", "MemoryBreakdown", "MemoryModel", "MemoryOptimizer", "MemoryPlan", "TensorSplit",
+           "for_strategy", "optimizer_slots", "plan_memory"]

@@ -12,17 +12,24 @@ With gradient accumulation a running gradient sum (4 bytes per parameter) is add
 The two lines come from measurement (``calibrate``) or, for a model known only by its size, from
 the shape of a typical decoder-only transformer (``MemoryModel.analytic``).
 
+Tensor parallelism (``MemoryModel.over_ranks``): a ``TensorSplit`` says which parameters the
+model's ``shard(group)`` splits; each of N ranks holds 1/N of those, and of their gradients and
+optimizer state, and all of the replicated ones (embeddings, norms, layers ``shard`` leaves whole).
+The activations are counted whole on every rank: the split layers' own outputs shrink too, but the
+blocks' inputs and outputs, the logits and their gradients do not, so the estimate errs high.
+
 Example::
 
     model = MemoryModel.analytic(1e9, precision="bfloat16", optimizer="adamw", sequence_length=2048)
     model.estimate(batch_size=4).total        # bytes per device
     model.max_batch_size(budget=70e9)         # largest micro-batch that fits
+    model.over_ranks(2).estimate(4).total     # per rank, split over 2 ranks by tensor parallelism
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from mlx_train.device import format_bytes
@@ -73,6 +80,25 @@ class MemoryBreakdown:
 
 
 @dataclass(frozen=True)
+class TensorSplit:
+    """What tensor parallelism splits: the parameters (a count, and their bytes as stored) in the
+    tensors the model's ``shard(group)`` cuts over the ranks, how many of them are trained, and the
+    rank counts the model can be split over (its heads and widths divide by them; empty: any).
+
+    Example: ``TensorSplit(parameters=18_432, parameter_bytes=73_728, trainable=18_432, ranks=(1, 2))``
+    """
+
+    parameters: int
+    parameter_bytes: int
+    trainable: int
+    ranks: tuple[int, ...] = ()
+
+    def allows(self, ranks: int) -> bool:
+        """Whether the model splits over ``ranks`` processes."""
+        return ranks == 1 or not self.ranks or ranks in self.ranks
+
+
+@dataclass(frozen=True)
 class Curve:
     """Peak bytes of a step at micro-batch ``b``: ``max(update, fixed + per_sample * b)``."""
 
@@ -106,6 +132,9 @@ class MemoryModel:
     trainable_count: int = 0  #: parameters that get gradients (0: all)
     input_bytes: float = 0.0  #: bytes of one sample of the batch (the Trainer holds the whole step batch)
     measurements: tuple[Measurement, ...] = ()  #: the calibration's Measurement records (measured models)
+    split: TensorSplit | None = None  #: what tensor parallelism splits (None: unknown, nothing is split)
+    tensor_parallel: int = 1  #: the ranks the model is split over (this model's numbers are per rank)
+    whole: MemoryModel | None = field(default=None, repr=False, compare=False)  #: before over_ranks split it
 
     def __post_init__(self) -> None:
         if not self.parameter_bytes:
@@ -143,6 +172,61 @@ class MemoryModel:
         if per_sample <= 0:
             return _MAX_BATCH
         return int(min(_MAX_BATCH, max(1, math.floor((budget - grads - curve.fixed) / per_sample))))
+
+    def over_ranks(self, ranks: int) -> MemoryModel:
+        """This model split over ``ranks`` processes by tensor parallelism, its numbers per rank: the split
+        parameters, their gradients and optimizer state divide by ``ranks``; the rest does not (see the
+        module docstring). Raises ``ConfigError`` when the model cannot be split so.
+
+        Example: ``MemoryModel.analytic(7e9).over_ranks(4).estimate(1).parameters``  # about 7e9 bytes
+        """
+        if self.tensor_parallel != 1:
+            raise ConfigError("over_ranks takes a whole model's memory model, not one already split")
+        if ranks < 1:
+            raise ConfigError(f"ranks must be at least 1, got {ranks}")
+        if ranks == 1:
+            return self
+        split = self.split
+        if split is None:
+            raise ConfigError("this memory model does not know what tensor parallelism splits: measure a model "
+                              "with a shard(group) method, or plan from --model-size")
+        if not split.allows(ranks):
+            raise ConfigError(f"the model does not split over {ranks} ranks (its heads and widths divide by "
+                              f"{', '.join(map(str, split.ranks))})")
+        cut = 1 - 1 / ranks
+        weights = split.parameter_bytes * cut
+        gradients = 4 * split.trainable * cut  # also the new copy of the trained weights at the update
+        state = self.optimizer_state_bytes * (split.trainable / self.trainable_count) * cut
+        curves = {k: Curve(max(c.fixed - weights - gradients - state, 0.0), c.per_sample,
+                           max(c.update - weights - 2 * gradients - 2 * state, 0.0)) for k, c in self.curves.items()}
+        note = (f"tensor parallel over {ranks} ranks: each holds 1/{ranks} of the split weights, gradients and "
+                "optimizer state and all of the replicated ones; activations counted whole (an upper bound)")
+        return replace(self, parameter_count=round(self.parameter_count - split.parameters * cut),
+                       parameter_bytes=round(self.parameter_bytes - weights),
+                       trainable_count=max(1, round(self.trainable_count - split.trainable * cut)),
+                       optimizer_state_bytes=round(self.optimizer_state_bytes - state), curves=curves,
+                       tensor_parallel=ranks, notes=(*self.notes, note), measurements=(), whole=self)
+
+    def ranks_to_fit(self, budget: float, batch_size: int = 1, accumulation: int = 1,
+                     checkpointing: bool = False, most: int = 64) -> int | None:
+        """The fewest tensor-parallel ranks (1, 2, 4, ... up to ``most``, those the model splits over) whose
+        per-rank peak at this micro-batch fits ``budget`` bytes; None when none does.
+
+        Example: ``MemoryModel.analytic(7e9).ranks_to_fit(20e9)``  # 4
+        """
+        if self.whole is not None:
+            return self.whole.ranks_to_fit(budget, batch_size, accumulation, checkpointing, most)
+        ranks = 1
+        while ranks <= most:
+            if ranks == 1 or (self.split is not None and self.split.allows(ranks)):
+                per_rank = self.over_ranks(ranks)
+                if not (checkpointing and not per_rank.can_checkpoint) and \
+                        per_rank.estimate(batch_size, accumulation, checkpointing).total <= budget:
+                    return ranks
+            if self.split is None:
+                return None
+            ranks *= 2
+        return None
 
     def _accumulation_bytes(self, batch_size: int, accumulation: int) -> float:
         """What accumulation adds: the running gradient sum, and the rest of the step batch's data."""
@@ -189,8 +273,11 @@ class MemoryModel:
                        f"{heads} heads, {tokens} tokens per sample)")
         notes = ("estimated from the model size alone; MemoryOptimizer.measure(model, data) measures the "
                  "real model",)
+        replicated = min(params, _VOCAB * dims + (2 * layers + 1) * dims)  # embeddings and norms
+        split = TensorSplit(params - replicated, 4 * (params - replicated), params - replicated,
+                            tuple(n for n in (2, 4, 8, 16, 32, 64) if heads % n == 0))
         return cls(params, precision, optimizer, state, {False: plain, True: recomputed}, "analytic",
-                   description, tokens, notes, input_bytes=4 * (tokens + 1))
+                   description, tokens, notes, input_bytes=4 * (tokens + 1), split=split)
 
 
 def optimizer_slots(name: str, momentum: float = 0.0) -> float:

@@ -19,7 +19,7 @@ from mlx_train.device import format_bytes, parse_bytes
 from mlx_train.errors import ConfigError
 from mlx_train.memory.model import _MAX_BATCH, MemoryBreakdown, MemoryModel
 
-__all__ = ["MemoryPlan", "MemoryOptimizer", "plan_memory", "HEADROOM"]
+__all__ = ["MemoryPlan", "MemoryOptimizer", "plan_memory", "for_strategy", "HEADROOM"]
 
 #: Plans use this share of the device memory: MLX's buffer cache and fragmentation need the rest.
 HEADROOM = 0.9
@@ -67,10 +67,32 @@ class MemoryPlan:
         """``config`` (a TrainConfig) with this plan's settings."""
         return config.replace(**self.to_config())
 
+    @property
+    def ranks_needed(self) -> int | None:
+        """The fewest tensor-parallel ranks over which this plan's micro-batch fits the budget (the model's
+        split from its ``shard``; None when the split is unknown or no rank count up to 64 fits).
+
+        Example: ``MemoryOptimizer.suggest_config(7e9, device_memory="40GB").ranks_needed``
+        """
+        if self.model.split is None:
+            return None
+        return self.model.ranks_to_fit(self.budget, self.batch_size, self.gradient_accumulation,
+                                       self.gradient_checkpointing)
+
+    def _ranks_text(self, needed: int | None) -> str:
+        memory = format_bytes(self.device_memory)
+        if needed is None:
+            split = self.model.split
+            counts = ", ".join(map(str, split.ranks)) if split is not None and split.ranks else "up to 64"
+            return f"no split the model allows ({counts} ranks) fits it in {memory} per device"
+        return f"needs {needed} rank{'s' if needed != 1 else ''} of tensor parallelism to fit in {memory} per device"
+
     def __str__(self) -> str:
         m = self.model
         devices = f"{self.num_devices} device{'s' if self.num_devices != 1 else ''}"
-        lines = [f"Memory plan for {m.description or 'the model'} on {devices} ({m.source} estimate)"]
+        where = devices if m.tensor_parallel == 1 else \
+            f"{m.tensor_parallel} tensor-parallel ranks (per rank; every rank trains on the whole batch)"
+        lines = [f"Memory plan for {m.description or 'the model'} on {where} ({m.source} estimate)"]
         why = dict(self.reasons)
 
         def row(label: str, value: Any, note: str = "") -> None:
@@ -97,6 +119,9 @@ class MemoryPlan:
                  "workspace": _WORKSPACE}
         for name, value in self.peak.items():
             lines.append(f"    {name:<22}{format_bytes(value):<10}  {notes[name]}".rstrip())
+        needed = self.ranks_needed
+        if m.split is not None and (m.tensor_parallel > 1 or not self.fits):
+            lines.append(f"  tensor parallelism: {self._ranks_text(needed)}")
         for suggestion in self.suggestions:
             lines.append(f"  to fit: {suggestion}")
         for note in m.notes:
@@ -238,7 +263,8 @@ def _suggestions(model: MemoryModel, budget: int) -> list[str]:
     if model.sequence_length:
         tips.append("shorter sequences, or a smaller model")
     tips.append("data parallelism does not split the weights: every device holds all of them "
-                "(strategy='fsdp' shards them, on NCCL or JACCL)")
+                "(strategy='tensor_parallel' splits the large layers over the ranks; 'fsdp' shards them all, on "
+                "NCCL or JACCL)")
     return tips
 
 
@@ -263,12 +289,14 @@ class MemoryOptimizer:
     def suggest_config(model_size: float | MemoryModel, num_devices: int = 1, *,
                        device_memory: int | str | None = None, precision: str = "auto",
                        optimizer: str = "adamw", sequence_length: int | None = None,
-                       target_batch_size: int | None = None) -> MemoryPlan:
+                       target_batch_size: int | None = None, strategy: str = "data_parallel") -> MemoryPlan:
         """Plan for a model of ``model_size`` parameters (or a measured MemoryModel) on ``num_devices``.
 
         ``device_memory`` is per device (bytes or ``"80GB"``; default: what this machine's device
         has available). ``precision="auto"`` picks bfloat16 on a GPU and float32 on a CPU.
-        ``sequence_length`` defaults to 2048 tokens for a size-only estimate.
+        ``sequence_length`` defaults to 2048 tokens for a size-only estimate. ``strategy="tensor_parallel"``:
+        the model is split over the ``num_devices`` ranks (``MemoryModel.over_ranks``), each of which trains
+        on the whole ``target_batch_size``.
         """
         if isinstance(model_size, MemoryModel):
             given = {"precision": precision != "auto", "optimizer": optimizer != "adamw",
@@ -277,11 +305,12 @@ class MemoryOptimizer:
                 names = ", ".join(k for k, v in given.items() if v)
                 raise ConfigError(f"{names} cannot be changed for a measured memory model; measure again with "
                                   "MemoryOptimizer.measure(..., precision=..., optimizer=...)")
-            return plan_memory(model_size, num_devices, device_memory=device_memory,
-                               target_batch_size=target_batch_size)
+            model, devices = for_strategy(model_size, num_devices, strategy)
+            return plan_memory(model, devices, device_memory=device_memory, target_batch_size=target_batch_size)
         chosen, reason = _precision(precision)
-        model = MemoryModel.analytic(model_size, chosen, optimizer, sequence_length or 2048)
-        return plan_memory(model, num_devices, device_memory=device_memory, target_batch_size=target_batch_size,
+        model, devices = for_strategy(MemoryModel.analytic(model_size, chosen, optimizer, sequence_length or 2048),
+                                      num_devices, strategy)
+        return plan_memory(model, devices, device_memory=device_memory, target_batch_size=target_batch_size,
                            precision_reason=reason)
 
     @staticmethod
@@ -293,6 +322,21 @@ class MemoryOptimizer:
 
         return measure(model, sample, optimizer=optimizer, loss_fn=loss_fn, precision=precision,
                        checkpoint_modules=checkpoint_modules, max_batch_size=max_batch_size)
+
+
+def for_strategy(model: MemoryModel, num_devices: int, strategy: str) -> tuple[MemoryModel, int]:
+    """``(memory model per device, devices sharing the batch)`` of a run on ``num_devices`` with ``strategy``:
+    data parallel keeps the whole model on each of ``num_devices`` devices; tensor parallel splits it over
+    them, and they all train on the same batch (one device's share of it, as far as the plan goes).
+
+    Example: ``for_strategy(MemoryModel.analytic(1e9), 4, "tensor_parallel")[1]`` -> ``1``
+    """
+    if strategy == "tensor_parallel":
+        return model.over_ranks(_positive_int(num_devices, "num_devices")), 1
+    if strategy == "fsdp":
+        raise ConfigError("the memory plan does not model strategy 'fsdp' yet: plan for data_parallel (an upper "
+                          "bound) or tensor_parallel")
+    return model, num_devices
 
 
 def _precision(precision: str) -> tuple[str, str]:
