@@ -137,6 +137,22 @@ def test_one_process_distributed_trainer_trains_like_trainer_with_both_strategie
         DistributedTrainer(nn.Linear(2, 2), strategy="model_parallel")
 
 
+def test_distributed_trainer_takes_overwrite_like_trainer(tmp_path):
+    kw = dict(batch_size=32, max_steps=2, num_workers=0, report_every="100 steps", seed=1)
+    checkpoints = tmp_path / "ckpt"
+
+    def train(**options):
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+        DistributedTrainer(model, optim.Adam(1e-2), **kw).train(_digits_like(), epochs=1,
+                                                                checkpoint_dir=str(checkpoints), **options)
+
+    train()
+    with pytest.raises(ConfigError, match="already holds a run"):
+        train()
+    train(overwrite=True)
+    assert len(list(tmp_path.glob("ckpt.old-*"))) == 1 and any(checkpoints.glob("step-*"))
+
+
 # ---------------------------------------------------------------------- host files
 def test_host_file_round_trips_and_mlx_launch_reads_it(tmp_path):
     from mlx._distributed_utils.common import Hostfile as LaunchHostfile

@@ -105,8 +105,9 @@ def startup_line() -> str:
     import mlx_train
     from mlx_train import _blas
 
+    mlx_version = mx.__version__  # type: ignore[attr-defined]  # not in the stubs
     return (
-        f"mlx-train {getattr(mlx_train, '__version__', '?')} | MLX {mx.__version__} | "
+        f"mlx-train {getattr(mlx_train, '__version__', '?')} | MLX {mlx_version} | "
         f"device {mx.default_device().type.name} | BLAS {_blas.describe()}"
     )
 
@@ -310,7 +311,7 @@ def main(args: argparse.Namespace) -> int:
         run(config, resume=args.resume)
     except TrainingInterrupted as stop:  # the Trainer saved a checkpoint and said so: say how to go on
         _say(_how_to_continue(config))
-        return int(stop.code)  # 128 + signal, as schedulers expect
+        return 128 + stop.signum  # its exit code (SystemExit.code), as schedulers expect
     except KeyboardInterrupt:
         _say(_how_to_continue(config))
         raise

@@ -19,6 +19,8 @@ Example::
 
 from __future__ import annotations
 
+from typing import Any
+
 # Loaded on first use, so that importing one part does not pull in the others.
 _LAZY = {
     "DistributedConfig": "mlx_train.distributed.config",
@@ -39,7 +41,7 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     if name in _LAZY:
         import importlib
 

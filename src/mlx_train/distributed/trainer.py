@@ -11,6 +11,7 @@ Example (run with ``mlx.launch -n 2 python train.py``, or under the supervisor w
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 from collections.abc import Callable
@@ -25,6 +26,7 @@ from mlx_train.config import TrainConfig
 from mlx_train.distributed import rank as rank_runtime
 from mlx_train.distributed.backends import STRATEGIES, active_backend, check_strategy
 from mlx_train.errors import ConfigError, DistributedError
+from mlx_train.training.callbacks import Callback
 from mlx_train.training.step import Reduction
 from mlx_train.training.trainer import Trainer
 
@@ -46,7 +48,7 @@ def fused_average(group: Any, before_update: Callable[[], None] | None = None) -
     world = group.size()
     votes = {"stop": mx.array(0.0)}
 
-    def reduce(grads: Any, n_items: mx.array | None):
+    def reduce(grads: Any, n_items: mx.array | None) -> tuple[Any, mx.array | None]:
         flat = tree_flatten(grads)
         dtypes = {g.dtype for _, g in flat}
         if n_items is None or len(dtypes) != 1 or sum(g.nbytes for _, g in flat) > FUSE_BYTES:
@@ -71,15 +73,16 @@ def sharded_reduction(group: Any, before_update: Callable[[], None] | None = Non
     the item count is summed, and clipping uses the norm over all shards."""
     world = group.size()
 
-    def reduce(grads: Any, n_items: mx.array | None):
+    def reduce(grads: Any, n_items: mx.array | None) -> tuple[Any, mx.array | None]:
         if n_items is not None:
             n_items = mx.distributed.all_sum(n_items, group=group) / world
         return grads, n_items
 
-    def clip(grads: Any, max_norm: float | None):
+    def clip(grads: Any, max_norm: float | None) -> tuple[Any, mx.array | None]:
         if max_norm is not None:
-            return nn.utils.clip_grad_norm_sharded(grads, max_norm, group=group)
-        squares = sum(mx.sum(mx.square(g)) for _, g in tree_flatten(grads))
+            clipped: tuple[Any, mx.array] = nn.utils.clip_grad_norm_sharded(grads, max_norm, group=group)
+            return clipped
+        squares = functools.reduce(mx.add, [mx.sum(mx.square(g)) for _, g in tree_flatten(grads)])
         return grads, mx.sqrt(mx.distributed.all_sum(squares, group=group))
 
     return Reduction(reduce, clip, before_update)
@@ -111,7 +114,7 @@ class DistributedTrainer(Trainer):
         self,
         model: nn.Module,
         optimizer: optim.Optimizer | None = None,
-        loss_fn: Callable | None = None,
+        loss_fn: Callable[..., Any] | None = None,
         device_config: Any = None,
         strategy: str | None = None,
         config: TrainConfig | None = None,
@@ -121,7 +124,7 @@ class DistributedTrainer(Trainer):
         if distributed_config is not None:
             overrides = {**distributed_config.train_overrides(), **overrides}
         super().__init__(model, optimizer, loss_fn, device_config, config=config, **overrides)
-        self.group = _init_group(self.config.distributed_backend)
+        self.group: mx.distributed.Group = _init_group(self.config.distributed_backend)
         world = self.group.size()
         self.backend = active_backend(world_size=world)
         strategy = strategy or self.config.distributed_strategy
@@ -137,7 +140,8 @@ class DistributedTrainer(Trainer):
         if strategy == "tensor_parallel":
             self._setup_tensor_parallel(model)
         elif world > 1:
-            arm = (lambda: self.monitor.arm("gradient all-reduce")) if self.monitor is not None else None
+            monitor = self.monitor
+            arm = (lambda: monitor.arm("gradient all-reduce")) if monitor is not None else None
             sharded = strategy == "fsdp"
             self.gradient_reduction = (sharded_reduction if sharded else fused_average)(self.group, arm)
             from mlx_train.distributed.checksum import broadcast_from_rank0
@@ -171,7 +175,8 @@ class DistributedTrainer(Trainer):
                 model.update(broadcast_from_rank0(tree_unflatten([(key, value)]), self.group), strict=False)
                 del value
                 mx.eval(model.parameters())
-        arm = (lambda: self.monitor.arm("tensor-parallel step")) if self.monitor is not None else None
+        monitor = self.monitor
+        arm = (lambda: monitor.arm("tensor-parallel step")) if monitor is not None else None
         self.gradient_reduction = tensor_parallel.tensor_parallel_reduction(self.group, self.layout, arm)
 
     @property
@@ -183,7 +188,8 @@ class DistributedTrainer(Trainer):
         return self.group.rank()
 
     def train(self, train_dataset: Any = None, val_dataset: Any = None, epochs: int | None = None,
-              checkpoint_dir: str | None = None, callbacks: list | None = None, resume: str | None = None) -> dict:
+              checkpoint_dir: str | None = None, callbacks: list[Any] | None = None, resume: str | None = None,
+              overwrite: bool = False) -> dict[str, Any]:
         """``Trainer.train``; after a supervised restart it resumes from the last complete checkpoint."""
         if self.strategy == "fsdp" and self.world_size > 1 and (checkpoint_dir or self.config.checkpoint_dir):
             raise ConfigError(
@@ -203,14 +209,14 @@ class DistributedTrainer(Trainer):
                     "compares the replicated parameters)")
         if resume is None and (checkpoint_dir or self.config.checkpoint_dir):
             resume = rank_runtime.restart_resume()
-        extra = [self.monitor] if self.monitor is not None else []
+        extra: list[Callback] = [self.monitor] if self.monitor is not None else []
         if self.config.checksum_every and self.world_size > 1:
             from mlx_train.distributed.checksum import ParameterChecksum
 
             extra.append(ParameterChecksum(self.config.checksum_every, self.config.checksum_action))
         try:
             return super().train(train_dataset, val_dataset, epochs, checkpoint_dir, extra + list(callbacks or []),
-                                 resume)
+                                 resume, overwrite)
         except RuntimeError as error:
             self._raise_transport_error(error)
             raise
@@ -303,7 +309,7 @@ class DistributedTrainer(Trainer):
                 mx.eval(mx.distributed.all_sum(mx.array(1, dtype=mx.int32), group=self.group, stream=mx.cpu))
         return super()._interruption(signum, checkpoints)
 
-    def _make_monitor(self):
+    def _make_monitor(self) -> rank_runtime.RankMonitor | None:
         """The rank's heartbeat file and watchdog (None for a lone process outside the supervisor)."""
         supervised = rank_runtime.supervised()
         if self.world_size == 1 and not supervised:
@@ -327,7 +333,7 @@ class DistributedTrainer(Trainer):
         raise converted from error
 
 
-def _init_group(backend: str):
+def _init_group(backend: str) -> mx.distributed.Group:
     """``mx.distributed.init`` on the configured backend (or the one the launcher set up)."""
     hostfile = os.environ.get("MLX_HOSTFILE")
     if hostfile and os.path.isfile(hostfile) and os.path.getsize(hostfile) <= 1:

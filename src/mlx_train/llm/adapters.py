@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -60,17 +60,17 @@ class AdapterConfig:
         if not 0.0 <= float(self.dropout) < 1.0:
             raise ConfigError(f"LoRA dropout must be in [0, 1), got {self.dropout!r}")
 
-    def lora_parameters(self) -> dict:
+    def lora_parameters(self) -> dict[str, Any]:
         """mlx-lm's ``lora_parameters`` dict."""
         return {"rank": self.rank, "scale": float(self.scale), "dropout": float(self.dropout), "keys": self.keys}
 
-    def to_mlx_lm(self) -> dict:
+    def to_mlx_lm(self) -> dict[str, Any]:
         """The keys of mlx-lm's ``adapter_config.json`` that describe the adapters."""
         return {"fine_tune_type": self.fine_tune_type, "num_layers": self.num_layers,
                 "lora_parameters": self.lora_parameters()}
 
     @classmethod
-    def from_mlx_lm(cls, config: dict, where: str = "adapter config") -> AdapterConfig:
+    def from_mlx_lm(cls, config: dict[str, Any], where: str = "adapter config") -> AdapterConfig:
         """Read mlx-lm's ``adapter_config.json`` (or an mlx_lm.lora YAML) dict."""
         lora = dict(config.get("lora_parameters") or {})
         if "alpha" in lora and "scale" not in lora:
@@ -107,7 +107,9 @@ def _generic_lora(model: nn.Module, spec: AdapterConfig) -> int:
     layer_class = DoRALinear if spec.fine_tune_type == "dora" else LoRALinear
     converted = 0
     for block in _blocks(model, spec.num_layers):
-        swaps = [(path, layer_class.from_base(m, r=spec.rank, scale=spec.scale, dropout=spec.dropout))
+        # from_base takes an nn.QuantizedLinear too (it reads its bits), though mlx-lm annotates nn.Linear
+        swaps = [(path, layer_class.from_base(cast(nn.Linear, m), r=spec.rank, scale=spec.scale,
+                                              dropout=spec.dropout))
                  for path, m in block.named_modules()
                  if isinstance(m, (nn.Linear, nn.QuantizedLinear)) and _matches(path, spec.keys)]
         if swaps:
@@ -128,7 +130,7 @@ class _ShardedAdapter(nn.Module):
     """
 
     def __init__(self, linear: nn.Module, template: nn.Module, dropout: float, scale: float) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # mlx.nn.Module; untyped_calls_exclude misses super()
         from mlx.nn.layers import distributed as dist
 
         self.linear = linear
@@ -184,7 +186,8 @@ class ShardedLoRALinear(_ShardedAdapter):
         return cls(linear, LoRALinear(in_dims, out_dims, r=r, dropout=dropout, scale=scale), dropout, scale)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.linear(x) + (self.scale * self._low_rank(x)).astype(x.dtype)
+        base: mx.array = self.linear(x)
+        return base + (self.scale * self._low_rank(x)).astype(x.dtype)
 
 
 class ShardedDoRALinear(_ShardedAdapter):
@@ -193,6 +196,8 @@ class ShardedDoRALinear(_ShardedAdapter):
 
     Example: ``layer = ShardedDoRALinear.from_base(model.layers[0].mlp.down_proj, r=8)``
     """
+
+    m: mx.array  # the magnitude: this rank's rows of the unsplit layer's row norms
 
     @classmethod
     def from_base(cls, linear: nn.Module, r: int = 8, dropout: float = 0.0, scale: float = 20.0) -> ShardedDoRALinear:
@@ -216,9 +221,9 @@ class ShardedDoRALinear(_ShardedAdapter):
     def __call__(self, x: mx.array) -> mx.array:
         from mlx.nn.layers.distributed import sum_gradients
 
-        w = self.linear.weight
+        w: mx.array = self.linear.weight
         if self.output_sharded:
-            y = sum_gradients(self.group)(x) @ w.T
+            y: mx.array = sum_gradients(self.group)(x) @ w.T
         else:
             y = mx.distributed.all_sum(x @ w.T, group=self.group)
         out = y + (self.scale * self._low_rank(x)).astype(x.dtype)
@@ -301,7 +306,7 @@ def trainable_count(model: nn.Module) -> tuple[int, int]:
     return trainable, sum(v.size for _, v in tree_flatten(model.parameters()))
 
 
-def save_adapters(model: nn.Module, spec: AdapterConfig, directory: str, extra: dict | None = None,
+def save_adapters(model: nn.Module, spec: AdapterConfig, directory: str, extra: dict[str, Any] | None = None,
                   weights: dict[str, mx.array] | None = None) -> str:
     """Write the trainable parameters and ``adapter_config.json`` in mlx-lm's format.
 
@@ -337,7 +342,7 @@ def load_adapters(model: nn.Module, directory: str) -> AdapterConfig:
     """
     spec = read_adapter_config(directory)
     apply_adapters(model, spec)
-    weights = mx.load(os.path.join(directory, ADAPTER_FILE))
+    weights = cast("dict[str, mx.array]", mx.load(os.path.join(directory, ADAPTER_FILE)))
     expected = dict(tree_flatten(model.trainable_parameters()))
     wrong = sorted(k for k, v in weights.items() if k not in expected or expected[k].shape != v.shape)
     if wrong:

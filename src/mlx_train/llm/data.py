@@ -51,8 +51,11 @@ PAD_MULTIPLE = 8
 SPLITS = ("train", "valid", "test")
 PACKINGS = ("best_fit", "by_length")
 
+#: One jsonl record (``{"text": ...}``, ``{"prompt": ..., "completion": ...}``, ``{"messages": [...]}``) or one row.
+Record = dict[str, Any]
 
-def load_records(data: str) -> dict[str, list[dict]]:
+
+def load_records(data: str) -> dict[str, list[Record]]:
     """Records of each split (``train``, ``valid``, ``test``) from a jsonl directory or a Hugging
     Face dataset name; a missing split is an empty list.
 
@@ -79,11 +82,11 @@ def load_records(data: str) -> dict[str, list[dict]]:
     return {split: next((list(loaded[n]) for n in names[split] if n in loaded), []) for split in SPLITS}
 
 
-def _read_jsonl(path: str) -> list[dict]:
+def _read_jsonl(path: str) -> list[Record]:
     return [record for _, record in read_jsonl_lines(path)]
 
 
-def read_jsonl_lines(path: str) -> list[tuple[int, dict]]:
+def read_jsonl_lines(path: str) -> list[tuple[int, Record]]:
     """``(line number, record)`` of each non-blank line of a jsonl file, for errors that name the line.
 
     Example: ``read_jsonl_lines("data/train.jsonl")[0] -> (1, {"prompt": ..., "chosen": ..., "rejected": ...})``.
@@ -104,7 +107,7 @@ def read_jsonl_lines(path: str) -> list[tuple[int, dict]]:
     return records
 
 
-def record_format(record: dict) -> str:
+def record_format(record: Record) -> str:
     """``"completion"``, ``"chat"`` or ``"text"``: which mlx-lm format a record is in."""
     if "prompt" in record and "completion" in record:
         return "completion"
@@ -116,7 +119,7 @@ def record_format(record: dict) -> str:
                     "{\"prompt\": ..., \"completion\": ...} or {\"messages\": [{\"role\": ..., \"content\": ...}]}")
 
 
-def _chat(tokenizer: Any, messages: list[dict], tools: Any = None, add_generation_prompt: bool = False) -> list[int]:
+def _chat(tokenizer: Any, messages: list[Record], tools: Any = None, add_generation_prompt: bool = False) -> list[int]:
     if not getattr(tokenizer, "chat_template", None):
         raise DataError("chat and prompt/completion records need a tokenizer with a chat template; "
                         "this tokenizer has none (set tokenizer.chat_template or use {\"text\": ...} records)")
@@ -125,7 +128,7 @@ def _chat(tokenizer: Any, messages: list[dict], tools: Any = None, add_generatio
     return list(tokens)
 
 
-def encode_record(record: dict, tokenizer: Any, mask_prompt: bool) -> tuple[list[int], int]:
+def encode_record(record: Record, tokenizer: Any, mask_prompt: bool) -> tuple[list[int], int]:
     """``(tokens, offset)`` of one record: ``offset`` is the first token that is trained on.
 
     Text gets the EOS token appended; chat and prompt/completion are rendered with the chat
@@ -175,7 +178,7 @@ class Documents:
         return len(self.tokens)
 
 
-def tokenize(records: Sequence[dict], tokenizer: Any, mask_prompt: bool = False,
+def tokenize(records: Sequence[Record], tokenizer: Any, mask_prompt: bool = False,
              max_seq_length: int | None = None, where: str = "data") -> Documents:
     """Tokenize ``records``; documents longer than ``max_seq_length`` tokens are cut to it and
     counted in ``Documents.truncated``.
@@ -301,7 +304,7 @@ class SequenceDataset:
         return sample
 
 
-def collate(samples: Sequence[dict], multiple: int = PAD_MULTIPLE) -> dict[str, np.ndarray]:
+def collate(samples: Sequence[Record], multiple: int = PAD_MULTIPLE) -> dict[str, np.ndarray]:
     """Pad rows to the longest sequence rounded up to ``multiple`` and stack them (padding: token 0,
     loss_mask 0, segment 0); 0-d values (a preference pair's reference log-probabilities) are stacked.
 
@@ -309,7 +312,7 @@ def collate(samples: Sequence[dict], multiple: int = PAD_MULTIPLE) -> dict[str, 
     """
     longest = max(len(v) for s in samples for v in s.values() if np.ndim(v) == 1)
     width = -(-longest // multiple) * multiple
-    batch = {}
+    batch: dict[str, np.ndarray] = {}
     for key in samples[0]:
         if np.ndim(samples[0][key]) == 0:
             batch[key] = np.array([s[key] for s in samples], dtype=np.float32)
