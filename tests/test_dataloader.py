@@ -106,6 +106,29 @@ def test_set_shard_takes_contiguous_slices_of_the_global_batch():
         loader.set_shard(2, 2)
 
 
+def test_fixed_layout_is_shared_across_epochs_read_only_and_the_order_stays_seeded():
+    from mlx_train.data.batching import fixed_bounds, fixed_layout, plan_epoch, rank_slices
+
+    x, y = arrays(70)
+    for world_size, drop_last in ((1, False), (2, False), (2, True), (3, False)):
+        for rank in range(world_size):
+            loader = DataLoader((x, y), batch_size=8, num_workers=0, seed=5, drop_last=drop_last)
+            loader.set_shard(rank, world_size)
+            bounds = fixed_bounds(70, 8 * world_size, world_size, drop_last)
+            starts, stops = rank_slices(bounds, rank, world_size)
+            for epoch in range(3):
+                order = np.random.default_rng([5, epoch]).permutation(70)
+                assert len(loader) == len(starts)  # counted from the geometry: no order computed for it
+                assert ids(loader) == [int(i) for a, b in zip(starts, stops, strict=True)
+                                      for i in order[a:b]]
+            plans = [plan_epoch(70, 5, e, True, (8, rank, world_size, drop_last)) for e in (0, 1)]
+            assert plans[0].bounds is plans[1].bounds and plans[0].starts is plans[1].starts  # shared
+            assert not np.array_equal(plans[0].order, plans[1].order)
+    shared = fixed_layout(70, 8, 0, 1, False)[0]
+    with pytest.raises(ValueError):
+        shared[0] = 1  # a cached layout cannot be changed by one loader for all the others
+
+
 # ------------------------------------------------------------------ resume by arithmetic
 def test_resume_mid_epoch_reads_no_sample_and_continues_exactly():
     reference = list(DataLoader(Counting(), batch_size=8, num_workers=0, seed=5))

@@ -18,7 +18,7 @@ import numpy as np
 
 from mlx_train.errors import DataError, did_you_mean
 
-from .batching import EpochPlan, plan_epoch
+from .batching import EpochPlan, fixed_layout, plan_epoch
 from .collate import Batch, to_mx
 from .prefetch import prefetch
 from .sources import ArraySource, IterableSource, lengths_of, make_source
@@ -241,14 +241,17 @@ class DataLoader:
 
     def _checked_plan(self) -> EpochPlan:
         plan = self._plan()
-        if plan.num_batches == 0:
+        self._check_batches(plan.num_batches)
+        return plan
+
+    def _check_batches(self, num_batches: int) -> None:
+        if num_batches == 0:
             raise DataError(
                 f"the loader produces no batches: the dataset has {self.num_samples} samples, fewer than "
                 f"one global batch of {self._batch_size * self._world_size} (batch_size {self._batch_size} x "
                 f"world_size {self._world_size}) with drop_last={self._drop_last}; lower batch_size or set "
                 "drop_last=False"
             )
-        return plan
 
     def arrays(self) -> tuple[Any, ...] | dict[str, Any] | None:
         """The dataset's arrays (numpy, all samples) when it is array-backed, else None: lets a caller check
@@ -262,6 +265,11 @@ class DataLoader:
         """Batches per epoch (global batches; each rank yields this many)."""
         if isinstance(self._source, IterableSource):
             raise TypeError("a DataLoader over an iterable (streaming) dataset has no length")
+        if self._batching is None:  # fixed-size batches: the count needs no order
+            starts = fixed_layout(self._source.num_samples, self._batch_size, self._rank, self._world_size,
+                                  self._drop_last)[1]
+            self._check_batches(len(starts))
+            return len(starts)
         return self._checked_plan().num_batches
 
     def _offset_now(self) -> int:
