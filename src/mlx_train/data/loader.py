@@ -148,6 +148,7 @@ class DataLoader:
         self._cursor = StreamCursor(source) if isinstance(source, IterableSource) else None
         self._plan_cache: tuple[tuple[Any, ...], EpochPlan] | None = None
         self._pool: WorkerPool | None = None
+        self._row_bytes: int | None = None  # bytes of one sample's arrays (an array source), once known
 
     # ---------------------------------------------------------------- properties
     @property
@@ -342,8 +343,9 @@ class DataLoader:
         """
         if self._num_workers == 0:
             return False
-        row_bytes = sum(a[:1].nbytes for a in self._source.arrays)
-        return cast(bool, row_bytes * self._batch_size >= _THREAD_MIN_BATCH_BYTES)
+        if self._row_bytes is None:  # the same arrays all along: measured once
+            self._row_bytes = int(sum(a[:1].nbytes for a in self._source.arrays))
+        return self._row_bytes * self._batch_size >= _THREAD_MIN_BATCH_BYTES
 
     def _collate(self, plan: EpochPlan, k: int) -> Batch:
         """Batch k as numpy arrays (runs on a worker thread when num_workers > 0)."""

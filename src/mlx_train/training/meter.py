@@ -53,23 +53,24 @@ class Meter:
 
     def timed(self, loader: Iterable[Any]) -> Iterator[Any]:
         """Iterate ``loader``, adding the time spent waiting for each batch to ``data_seconds``."""
-        start = self.clock()
+        clock = self.clock
+        start = clock()
         iterator = iter(loader)
         while True:
             try:
                 batch = next(iterator)
             except StopIteration:
-                self.data_seconds += self.clock() - start
+                self.data_seconds += clock() - start
                 return
-            self._fetched = self.clock()
-            self.data_seconds += self._fetched - start
+            fetched = self._fetched = clock()
+            self.data_seconds += fetched - start
             yield batch
-            start = self.clock()
+            start = clock()
 
     def count(self, batch: Any) -> int:
         """One optimizer step on ``batch`` has been dispatched; returns its samples over all ranks."""
         self.step_seconds += self.clock() - self._fetched
-        samples = batch_size_of(batch)
+        samples = len(batch[0]) if type(batch) is tuple else batch_size_of(batch)  # (len: the cheap first axis)
         self.pending_samples += samples
         self.pending_steps += 1
         return samples * self.world_size
