@@ -129,6 +129,25 @@ def test_fixed_layout_is_shared_across_epochs_read_only_and_the_order_stays_seed
         shared[0] = 1  # a cached layout cannot be changed by one loader for all the others
 
 
+def test_the_next_epochs_order_drawn_ahead_is_the_seeded_one_whatever_epoch_comes_next():
+    x, y = arrays(70)
+    loader = DataLoader((x, y), batch_size=8, num_workers=2, seed=3)  # background work allowed: drawn ahead
+    for epoch in (0, 1, 2):
+        assert ids(loader) == np.random.default_rng([3, epoch]).permutation(70).tolist()
+    assert loader._ahead is not None and loader._ahead[0][0] == 3  # the next epoch, drawn while epoch 2 ran
+    loader.set_epoch(7)  # not the epoch drawn ahead: planned on the spot
+    assert ids(loader) == np.random.default_rng([3, 7]).permutation(70).tolist()
+    state = loader.state_dict()
+    resumed = DataLoader((x, y), batch_size=8, num_workers=2, seed=3)
+    resumed.load_state_dict(state)
+    assert ids(resumed) == ids(loader) == np.random.default_rng([3, 8]).permutation(70).tolist()
+    assert DataLoader((x, y), batch_size=8, num_workers=0)._ahead is None and list(
+        DataLoader((x, y), batch_size=8, num_workers=0))  # no background thread when asked for none
+    synchronous = DataLoader((x, y), batch_size=8, num_workers=0, seed=3)
+    list(synchronous)
+    assert synchronous._ahead is None
+
+
 # ------------------------------------------------------------------ resume by arithmetic
 def test_resume_mid_epoch_reads_no_sample_and_continues_exactly():
     reference = list(DataLoader(Counting(), batch_size=8, num_workers=0, seed=5))
