@@ -106,6 +106,48 @@ def test_set_shard_takes_contiguous_slices_of_the_global_batch():
         loader.set_shard(2, 2)
 
 
+def test_fixed_layout_is_shared_across_epochs_read_only_and_the_order_stays_seeded():
+    from mlx_train.data.batching import fixed_bounds, fixed_layout, plan_epoch, rank_slices
+
+    x, y = arrays(70)
+    for world_size, drop_last in ((1, False), (2, False), (2, True), (3, False)):
+        for rank in range(world_size):
+            loader = DataLoader((x, y), batch_size=8, num_workers=0, seed=5, drop_last=drop_last)
+            loader.set_shard(rank, world_size)
+            bounds = fixed_bounds(70, 8 * world_size, world_size, drop_last)
+            starts, stops = rank_slices(bounds, rank, world_size)
+            for epoch in range(3):
+                order = np.random.default_rng([5, epoch]).permutation(70)
+                assert len(loader) == len(starts)  # counted from the geometry: no order computed for it
+                assert ids(loader) == [int(i) for a, b in zip(starts, stops, strict=True)
+                                      for i in order[a:b]]
+            plans = [plan_epoch(70, 5, e, True, (8, rank, world_size, drop_last)) for e in (0, 1)]
+            assert plans[0].bounds is plans[1].bounds and plans[0].starts is plans[1].starts  # shared
+            assert not np.array_equal(plans[0].order, plans[1].order)
+    shared = fixed_layout(70, 8, 0, 1, False)[0]
+    with pytest.raises(ValueError):
+        shared[0] = 1  # a cached layout cannot be changed by one loader for all the others
+
+
+def test_the_next_epochs_order_drawn_ahead_is_the_seeded_one_whatever_epoch_comes_next():
+    x, y = arrays(70)
+    loader = DataLoader((x, y), batch_size=8, num_workers=2, seed=3)  # background work allowed: drawn ahead
+    for epoch in (0, 1, 2):
+        assert ids(loader) == np.random.default_rng([3, epoch]).permutation(70).tolist()
+    assert loader._ahead is not None and loader._ahead[0][0] == 3  # the next epoch, drawn while epoch 2 ran
+    loader.set_epoch(7)  # not the epoch drawn ahead: planned on the spot
+    assert ids(loader) == np.random.default_rng([3, 7]).permutation(70).tolist()
+    state = loader.state_dict()
+    resumed = DataLoader((x, y), batch_size=8, num_workers=2, seed=3)
+    resumed.load_state_dict(state)
+    assert ids(resumed) == ids(loader) == np.random.default_rng([3, 8]).permutation(70).tolist()
+    assert DataLoader((x, y), batch_size=8, num_workers=0)._ahead is None and list(
+        DataLoader((x, y), batch_size=8, num_workers=0))  # no background thread when asked for none
+    synchronous = DataLoader((x, y), batch_size=8, num_workers=0, seed=3)
+    list(synchronous)
+    assert synchronous._ahead is None
+
+
 # ------------------------------------------------------------------ resume by arithmetic
 def test_resume_mid_epoch_reads_no_sample_and_continues_exactly():
     reference = list(DataLoader(Counting(), batch_size=8, num_workers=0, seed=5))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -25,7 +26,7 @@ from mlx_train.errors import DataError
 
 from .collate import round_up
 
-__all__ = ["EpochPlan", "LengthBucketing", "TokenBudget", "plan_epoch", "fixed_bounds"]
+__all__ = ["EpochPlan", "LengthBucketing", "TokenBudget", "plan_epoch", "fixed_bounds", "fixed_layout"]
 
 LengthSpec = Sequence[int] | np.ndarray | str | int | None
 
@@ -36,8 +37,8 @@ class EpochPlan:
 
     order: np.ndarray | None  # sample indices in epoch order; None means 0..n-1
     bounds: np.ndarray  # global batch k is order[bounds[k]:bounds[k+1]]
-    starts: list[int]  # this rank's slice of global batch k is order[starts[k]:stops[k]]
-    stops: list[int]
+    starts: Sequence[int]  # this rank's slice of global batch k is order[starts[k]:stops[k]]
+    stops: Sequence[int]
 
     @property
     def num_batches(self) -> int:
@@ -66,6 +67,20 @@ def rank_slices(bounds: np.ndarray, rank: int, world_size: int) -> tuple[list[in
     return starts.tolist(), stops.tolist()
 
 
+@lru_cache(maxsize=32)
+def fixed_layout(num_samples: int, batch_size: int, rank: int, world_size: int,
+                 drop_last: bool) -> tuple[np.ndarray, tuple[int, ...], tuple[int, ...]]:
+    """``(bounds, starts, stops)`` of fixed-size batches: the same every epoch (only the order changes), so
+    it is computed once per geometry and shared (read-only: ``bounds`` cannot be written, the rest are tuples).
+
+    Example: ``fixed_layout(10, 4, 0, 1, False) -> ([0, 4, 8, 10], (0, 4, 8), (4, 8, 10))``.
+    """
+    bounds = fixed_bounds(num_samples, batch_size * world_size, world_size, drop_last)
+    bounds.flags.writeable = False
+    starts, stops = rank_slices(bounds, rank, world_size)
+    return bounds, tuple(starts), tuple(stops)
+
+
 def plan_epoch(
     num_samples: int,
     seed: int,
@@ -84,12 +99,11 @@ def plan_epoch(
     batch_size, rank, world_size, drop_last = geometry
     rng = np.random.default_rng([seed, epoch]) if shuffle else None
     order = rng.permutation(num_samples) if rng is not None else None
-    if batching is None:
-        bounds = fixed_bounds(num_samples, batch_size * world_size, world_size, drop_last)
-    else:
-        if order is None:
-            order = np.arange(num_samples)
-        order, bounds = batching.arrange(order, lengths, rng, batch_size, world_size, drop_last)
+    if batching is None:  # only the order depends on the epoch
+        return EpochPlan(order, *fixed_layout(num_samples, batch_size, rank, world_size, drop_last))
+    if order is None:
+        order = np.arange(num_samples)
+    order, bounds = batching.arrange(order, lengths, rng, batch_size, world_size, drop_last)
     starts, stops = rank_slices(bounds, rank, world_size)
     return EpochPlan(order, bounds, starts, stops)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Generator, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, cast
 
 import mlx.core as mx
@@ -18,7 +19,7 @@ import numpy as np
 
 from mlx_train.errors import DataError, did_you_mean
 
-from .batching import EpochPlan, plan_epoch
+from .batching import EpochPlan, fixed_layout, plan_epoch
 from .collate import Batch, to_mx
 from .prefetch import prefetch
 from .sources import ArraySource, IterableSource, lengths_of, make_source
@@ -52,6 +53,18 @@ def _check_worker_type(value: Any, source: Any) -> str:
             "reader thread), or a map-style dataset (__len__ and __getitem__)"
         )
     return str(value)
+
+
+_planner: ThreadPoolExecutor | None = None
+
+
+def _plan_ahead(*args: Any) -> Future[EpochPlan]:
+    """``plan_epoch(*args)`` on one shared background thread: the next epoch's seeded order is drawn while
+    the training thread waits for the device (a pure function of its arguments: the same order)."""
+    global _planner
+    if _planner is None:
+        _planner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx_train-plan")
+    return _planner.submit(plan_epoch, *args)
 
 
 def _index(plan: EpochPlan, k: int) -> np.ndarray | slice:
@@ -147,7 +160,9 @@ class DataLoader:
         self._epoch, self._position = 0, 0
         self._cursor = StreamCursor(source) if isinstance(source, IterableSource) else None
         self._plan_cache: tuple[tuple[Any, ...], EpochPlan] | None = None
+        self._ahead: tuple[tuple[Any, ...], Future[EpochPlan]] | None = None  # the next epoch's plan, drawing
         self._pool: WorkerPool | None = None
+        self._row_bytes: int | None = None  # bytes of one sample's arrays (an array source), once known
 
     # ---------------------------------------------------------------- properties
     @property
@@ -230,25 +245,36 @@ class DataLoader:
         """This epoch's batches for this rank (computed once per epoch and geometry)."""
         key = (self._epoch, self._batch_size, self._rank, self._world_size, self._drop_last)
         if self._plan_cache is None or self._plan_cache[0] != key:
-            lengths = None
-            if self._batching is not None:
-                lengths = lengths_of(self._source, getattr(self._batching, "lengths", None))
+            ahead, self._ahead = self._ahead, None
             geometry = (self._batch_size, self._rank, self._world_size, self._drop_last)
-            plan = plan_epoch(self._source.num_samples, self._seed, self._epoch, self._shuffle,
-                              geometry, self._batching, lengths)
+            if ahead is not None and ahead[0] == key:
+                plan = ahead[1].result()
+            else:
+                lengths = None
+                if self._batching is not None:
+                    lengths = lengths_of(self._source, getattr(self._batching, "lengths", None))
+                plan = plan_epoch(self._source.num_samples, self._seed, self._epoch, self._shuffle,
+                                  geometry, self._batching, lengths)
             self._plan_cache = (key, plan)
+            if self._shuffle and self._batching is None and self._num_workers > 0:
+                # Fixed-size batches, background work allowed: the next epoch's order is drawn meanwhile.
+                self._ahead = ((self._epoch + 1, *key[1:]), _plan_ahead(
+                    self._source.num_samples, self._seed, self._epoch + 1, True, geometry))
         return self._plan_cache[1]
 
     def _checked_plan(self) -> EpochPlan:
         plan = self._plan()
-        if plan.num_batches == 0:
+        self._check_batches(plan.num_batches)
+        return plan
+
+    def _check_batches(self, num_batches: int) -> None:
+        if num_batches == 0:
             raise DataError(
                 f"the loader produces no batches: the dataset has {self.num_samples} samples, fewer than "
                 f"one global batch of {self._batch_size * self._world_size} (batch_size {self._batch_size} x "
                 f"world_size {self._world_size}) with drop_last={self._drop_last}; lower batch_size or set "
                 "drop_last=False"
             )
-        return plan
 
     def arrays(self) -> tuple[Any, ...] | dict[str, Any] | None:
         """The dataset's arrays (numpy, all samples) when it is array-backed, else None: lets a caller check
@@ -262,6 +288,11 @@ class DataLoader:
         """Batches per epoch (global batches; each rank yields this many)."""
         if isinstance(self._source, IterableSource):
             raise TypeError("a DataLoader over an iterable (streaming) dataset has no length")
+        if self._batching is None:  # fixed-size batches: the count needs no order
+            starts = fixed_layout(self._source.num_samples, self._batch_size, self._rank, self._world_size,
+                                  self._drop_last)[1]
+            self._check_batches(len(starts))
+            return len(starts)
         return self._checked_plan().num_batches
 
     def _offset_now(self) -> int:
@@ -334,8 +365,9 @@ class DataLoader:
         """
         if self._num_workers == 0:
             return False
-        row_bytes = sum(a[:1].nbytes for a in self._source.arrays)
-        return cast(bool, row_bytes * self._batch_size >= _THREAD_MIN_BATCH_BYTES)
+        if self._row_bytes is None:  # the same arrays all along: measured once
+            self._row_bytes = int(sum(a[:1].nbytes for a in self._source.arrays))
+        return self._row_bytes * self._batch_size >= _THREAD_MIN_BATCH_BYTES
 
     def _collate(self, plan: EpochPlan, k: int) -> Batch:
         """Batch k as numpy arrays (runs on a worker thread when num_workers > 0)."""

@@ -27,15 +27,11 @@ def _fmt(value: Any) -> str:
 
 def format_report(logs: dict[str, Any]) -> str:
     """One line for a training report, as mlx-lm users expect to read it."""
-    parts = [f"step {logs['step']}", f"epoch {logs['epoch'] + 1}", f"loss {logs['loss']:.4f}",
-             f"lr {logs['learning_rate']:.3e}"]
-    if "tokens_per_second" in logs:
-        parts.append(f"{_rate(logs['tokens_per_second'])} tok/s")
-    parts.append(f"{_rate(logs['samples_per_second'])} samples/s")
-    if logs.get("grad_norm"):
-        parts.append(f"grad_norm {logs['grad_norm']:.3f}")
-    parts.append(f"peak mem {logs['peak_memory_gb']:.3f} GB")
-    return " | ".join(parts)
+    tokens = f"{_rate(logs['tokens_per_second'])} tok/s | " if "tokens_per_second" in logs else ""
+    grad_norm = f" | grad_norm {logs['grad_norm']:.3f}" if logs.get("grad_norm") else ""
+    return (f"step {logs['step']} | epoch {logs['epoch'] + 1} | loss {logs['loss']:.4f} | "
+            f"lr {logs['learning_rate']:.3e} | {tokens}{_rate(logs['samples_per_second'])} samples/s{grad_norm} | "
+            f"peak mem {logs['peak_memory_gb']:.3f} GB")
 
 
 def _rate(value: float) -> str:
@@ -95,7 +91,8 @@ class ProgressBar(Callback):
                     f"{logs['samples_per_second']:.0f} samples/s")
             self._progress.update(self._task, completed=logs["step"], epoch=logs["epoch"] + 1, info=info)
         else:
-            print(format_report(logs), file=self.stream, flush=True)
+            self.stream.write(format_report(logs) + "\n")  # one write and a flush: a report is one line
+            self.stream.flush()
 
     def on_validation_end(self, trainer: Trainer, logs: dict[str, Any]) -> None:
         from mlx_train.config import parse_every

@@ -53,23 +53,24 @@ class Meter:
 
     def timed(self, loader: Iterable[Any]) -> Iterator[Any]:
         """Iterate ``loader``, adding the time spent waiting for each batch to ``data_seconds``."""
-        start = self.clock()
+        clock = self.clock
+        start = clock()
         iterator = iter(loader)
         while True:
             try:
                 batch = next(iterator)
             except StopIteration:
-                self.data_seconds += self.clock() - start
+                self.data_seconds += clock() - start
                 return
-            self._fetched = self.clock()
-            self.data_seconds += self._fetched - start
+            fetched = self._fetched = clock()
+            self.data_seconds += fetched - start
             yield batch
-            start = self.clock()
+            start = clock()
 
     def count(self, batch: Any) -> int:
         """One optimizer step on ``batch`` has been dispatched; returns its samples over all ranks."""
         self.step_seconds += self.clock() - self._fetched
-        samples = batch_size_of(batch)
+        samples = len(batch[0]) if type(batch) is tuple else batch_size_of(batch)  # (len: the cheap first axis)
         self.pending_samples += samples
         self.pending_steps += 1
         return samples * self.world_size
@@ -107,31 +108,30 @@ class Meter:
             "trained_samples": state.trained_samples,
             "peak_memory_gb": self.peak_memory() / 1e9,
         }
-        logs.update(metric_means(window, d_items))
+        if len(window) > 2:  # more than the loss and item sums: a loss's metrics
+            logs.update(metric_means(window, d_items))
         if d_items > samples * 1.5:  # sequences: items are tokens
             logs["tokens_per_second"] = d_items / seconds
             logs["trained_tokens"] = state.trained_items + d_items
         if grad_norm is not None:
             logs["grad_norm"] = grad_norm
-        logs.update(self._step_times(seconds))
+        self._add_step_times(logs, seconds)
         self.pending_samples = self.pending_steps = 0
         self.start, self.paused = now, 0.0
         self.data_seconds = self.step_seconds = self.checkpoint_seconds = 0.0
         self.reset_peak()
         return logs
 
-    def _step_times(self, train_seconds: float) -> dict[str, float]:
-        """Seconds per optimizer step since the last report: the wall time and where it went."""
+    def _add_step_times(self, logs: dict[str, Any], train_seconds: float) -> None:
+        """Add the seconds per optimizer step since the last report to ``logs``: the wall time and where it went."""
         steps = max(self.pending_steps, 1)
         step = self.step_seconds / steps
         comm = min(max(self.comm_seconds, 0.0), step)
-        return {
-            "step_time": (train_seconds + self.checkpoint_seconds) / steps,
-            "time_data": self.data_seconds / steps,
-            "time_compute": step - comm,
-            "time_comm": comm,
-            "time_checkpoint": self.checkpoint_seconds / steps,
-        }
+        logs["step_time"] = (train_seconds + self.checkpoint_seconds) / steps
+        logs["time_data"] = self.data_seconds / steps
+        logs["time_compute"] = step - comm
+        logs["time_comm"] = comm
+        logs["time_checkpoint"] = self.checkpoint_seconds / steps
 
 
 def report_window(totals: dict[str, float], base: dict[str, float]) -> dict[str, float]:

@@ -130,11 +130,12 @@ class TrainStep:
         window (``window:<key>``, zeroed at each report); ``nonfinite``, in guarded steps, counts the steps
         whose loss or gradient was NaN/Inf and were undone."""
         sums = ["loss_sum", "items", *(METRIC_PREFIX + name for name in self.loss.metric_names)]
-        running = {prefix + key: mx.array(0.0) for prefix in ("", WINDOW_PREFIX) for key in sums}
+        zero = mx.array(0.0)  # arrays are immutable: one zero serves every sum
+        running = {prefix + key: zero for prefix in ("", WINDOW_PREFIX) for key in sums}
         if self._guarded:
-            running["nonfinite"] = mx.array(0.0)
+            running["nonfinite"] = zero
         if self.options.max_grad_norm is not None:
-            running["grad_norm"] = mx.array(0.0)
+            running["grad_norm"] = zero
         return running
 
     def __call__(self, state: Any, batch: Any) -> dict[str, mx.array]:

@@ -9,6 +9,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, nullcontext
+from functools import lru_cache
 from typing import Any
 
 import mlx.core as mx
@@ -238,6 +239,8 @@ class Trainer:
             loader = self._start(checkpoints, resume, loader, callbacks)  # resized to keep a global batch
             step = self.memory_guard = self._guard(callbacks)
             every = Cadences(cfg)
+            periods = _step_periods(every)
+            stop_at = math.inf if self.config.max_steps is None else self.config.max_steps
             self.total_steps = total_steps(loader, epochs, cfg.max_steps)
             meter = Meter(state, self._batch_ranks())
             meter.comm_seconds = self.comm_seconds
@@ -249,7 +252,7 @@ class Trainer:
             try:
                 while _epoch_of(loader, state) < epochs and not self._done():
                     self._begin_epoch(loader, callbacks)
-                    due = _next_due(every, state.step)
+                    due = _next_due(periods, state.step)
                     # The step path: nothing here waits for the device. A NaN/Inf is looked for at the next
                     # report, validation, checkpoint or epoch end (``_check_finite``), which names its step.
                     for batch in meter.timed(loader):
@@ -263,10 +266,12 @@ class Trainer:
                             callbacks.call("on_batch_end", self, state.step)
                         if state.step >= due:
                             self._boundary(loader, val_loader, checkpoints, callbacks, meter, every)
-                            due = _next_due(every, state.step)
+                            due = _next_due(periods, state.step)
                         if checkpoints:
                             checkpoints.raise_failed_save()
-                        if self._done():
+                        # A cheap look first (the same conditions, read directly): _done() decides.
+                        if (state.step >= stop_at or state.stop_training or signals.requested is not None
+                                or self._voted_stop) and self._done():
                             break
                     # Non-finite weights (found now or at a look during the epoch) never reach an epoch's end.
                     if self._check_finite(loader) or self._poisoned or not self._epoch_complete(loader):
@@ -362,7 +367,8 @@ class Trainer:
         logs = meter.report(window, float(self.optimizer.learning_rate.item()),
                             None if grad_norm is None else float(grad_norm.item()))  # type: ignore[arg-type]
         state.close_window(totals, window["items"])  # the window was read (and summed over ranks): the next starts
-        callbacks.call("on_report", self, {**logs, **callbacks.report_metrics()})
+        extra = callbacks.report_metrics()
+        callbacks.call("on_report", self, {**logs, **extra} if extra else logs)
 
     def _validate(self, loader: Iterable[Any], val_loader: Iterable[Any], callbacks: CallbackList,
                   meter: Meter) -> None:
@@ -612,7 +618,8 @@ class Trainer:
     def _totals(self) -> dict[str, float]:
         """The epoch's and the report window's loss sum and item count (and a loss's metric sums), summed over
         ranks (report time only)."""
-        return self._reduce({k: v for k, v in self.state.running.items() if summed_over_ranks(k)})
+        running = self.state.running
+        return self._reduce({k: running[k] for k in _summed_keys(tuple(running))})
 
     def _reduce(self, values: dict[str, mx.array]) -> dict[str, float]:
         """Sum on-device values over ranks and read them: the one place metrics cross processes."""
@@ -708,7 +715,21 @@ def _epoch_of(loader: Any, state: LoopState) -> int:
     return loader.epoch if hasattr(loader, "epoch") else state.next_epoch
 
 
-def _next_due(every: Cadences, step: int) -> float:
-    """The next step after ``step`` at which a report, validation or save is due by the step cadences."""
-    periods = [c.step_n for c in (every.report, every.validate, every.save) if c.step_n]
+@lru_cache(maxsize=8)
+def _summed_keys(keys: tuple[str, ...]) -> tuple[str, ...]:
+    """The running sums that are summed over ranks (and reported), of a step's running keys (the same every
+    report: found once)."""
+    return tuple(k for k in keys if summed_over_ranks(k))
+
+
+def _step_periods(every: Cadences) -> tuple[int, ...]:
+    """The step cadences' periods (report, validation, save counted in steps), found once per run."""
+    return tuple(c.step_n for c in (every.report, every.validate, every.save) if c.step_n)
+
+
+def _next_due(periods: tuple[int, ...], step: int) -> float:
+    """The next step after ``step`` at which a report, validation or save is due (``periods``: the step
+    cadences, ``_step_periods``)."""
+    if len(periods) == 1:
+        return (step // periods[0] + 1) * periods[0]
     return min((step // n + 1) * n for n in periods) if periods else math.inf
