@@ -71,14 +71,14 @@ def plain_lm_loss(model, batch):
 
 
 def loss_and_grads(model, fn, data, chunk):
-    saved = llm_loss.CHUNK_LOGITS
-    llm_loss.CHUNK_LOGITS = chunk * VOCAB
+    saved = llm_loss.CHUNK_LOGITS, llm_loss.MIN_CHUNK_TOKENS
+    llm_loss.CHUNK_LOGITS, llm_loss.MIN_CHUNK_TOKENS = chunk * VOCAB, 1
     try:
         value_and_grad = nn.value_and_grad(model, lambda m, b: fn(m, b)[0])
         value, grads = value_and_grad(model, data)
         mx.eval(value, grads)
     finally:
-        llm_loss.CHUNK_LOGITS = saved
+        llm_loss.CHUNK_LOGITS, llm_loss.MIN_CHUNK_TOKENS = saved
     return value.item(), dict(tree_flatten(grads))
 
 
@@ -121,6 +121,11 @@ def test_lm_loss_and_gradients_equal_the_full_logits(tie, train, layout):
     if layout == "positions":
         data["positions"] = mx.array(trained_positions(np.array(data["loss_mask"]), multiple=8))
     assert_same(plain, loss_and_grads(model, lm_loss, data, chunk=8))  # 63 or fewer tokens: several chunks
+
+
+def test_chunk_size_follows_the_vocabulary():
+    assert llm_loss.chunk_tokens(49152) == 160 and llm_loss.chunk_tokens(151936) == 128
+    assert llm_loss.chunk_tokens(32000) == 256
 
 
 def test_trained_positions_are_row_wise_and_padded():

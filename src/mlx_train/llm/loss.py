@@ -17,7 +17,7 @@ earlier documents of its row.
 The output projection in chunks. For an mlx-lm model whose ``Model.__call__`` is the plain
 "``self.model`` then ``lm_head`` (or the tied embedding's ``as_linear``)", ``target_logprobs``
 runs the transformer body once and then the projection and the log-softmax a chunk of tokens at
-a time (``CHUNK_LOGITS`` logits, 85 tokens of SmolLM2's 49152-token vocabulary), so the loss
+a time (``CHUNK_LOGITS`` logits, 160 tokens of SmolLM2's 49152-token vocabulary), so the loss
 layer's memory does not grow with tokens x vocabulary (the full logits of one 2048-token row of
 SmolLM2 are 400 MB, and the plain loss holds a few such arrays). When the head has no trainable
 parameters (LoRA, DoRA, a frozen head) each chunk also computes the gradient of its
@@ -47,10 +47,12 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-#: Logits per chunk of the output projection (a chunk is this many over the vocabulary size
-#: tokens, at least 16): 4M float32 logits are 16 MB. 0 computes the full logits (the plain loss).
-CHUNK_LOGITS = 1 << 22
-MIN_CHUNK_TOKENS = 16
+#: Logits per chunk of the output projection: a chunk is this many over the vocabulary size tokens
+#: (a multiple of 32 from 64 on), at least MIN_CHUNK_TOKENS; 8M float32 logits are 32 MB (160
+#: tokens of a 49152-token vocabulary). 0 computes the full logits (the plain loss).
+CHUNK_LOGITS = 1 << 23
+#: Smaller chunks save little memory and cost time (many small matrix products).
+MIN_CHUNK_TOKENS = 128
 
 # Model.__call__ bodies (as ast.unparse writes them) whose logits are ``head(self.model(...))``.
 _PLAIN_BODIES = {
@@ -135,6 +137,15 @@ def output_head(model: nn.Module) -> tuple[nn.Module, Callable[[mx.array], mx.ar
     return (embedding, embedding.as_linear) if embedding is not None else None
 
 
+def chunk_tokens(vocabulary: int) -> int:
+    """Tokens per chunk of the output projection for this vocabulary size (see ``CHUNK_LOGITS``).
+
+    Example: ``chunk_tokens(49152)`` -> ``160``.
+    """
+    rows = CHUNK_LOGITS // vocabulary
+    return max(MIN_CHUNK_TOKENS, rows - rows % 32 if rows >= 64 else rows)
+
+
 def trained_positions(loss_mask: np.ndarray, multiple: int = 32) -> np.ndarray:
     """``int32 [rows, K]``: the positions where ``loss_mask`` is non-zero, row by row, padded with
     -1 to ``K`` = the most any row has, rounded up to ``multiple`` (few distinct shapes to compile).
@@ -161,9 +172,9 @@ def _log_probs(logits: mx.array, targets: mx.array) -> mx.array:
 @mx.custom_function
 def _target_logits(logits: mx.array, targets: mx.array) -> tuple[mx.array, mx.array]:
     """Each target's logit and the log of the softmax normaliser (``logsumexp``): their difference
-    is the target's log-probability, taken without a log-softmax copy of the logits."""
-    shifted = logits - mx.max(logits, axis=-1, keepdims=True)  # as nn.losses.cross_entropy, same rounding
-    return mx.take_along_axis(shifted, targets[..., None], axis=-1).squeeze(-1), mx.logsumexp(shifted, axis=-1)
+    is the target's log-probability, taken without a log-softmax copy of the logits (and rounded
+    as ``nn.losses.cross_entropy`` rounds)."""
+    return mx.take_along_axis(logits, targets[..., None], axis=-1).squeeze(-1), mx.logsumexp(logits, axis=-1)
 
 
 @_target_logits.vjp
@@ -177,27 +188,38 @@ def _target_logits_vjp(primals: list[mx.array], cotangents: list[mx.array],
     return mx.where(hit, d_score, 0.0) + d_log_norm * mx.softmax(logits, axis=-1), mx.zeros_like(targets)
 
 
-def _frozen_head_logprobs(project: Callable[[mx.array], mx.array], chunk: int) -> Any:
+def _head_rows(head: nn.Module, targets: mx.array) -> mx.array | None:
+    """Row ``t`` of the head's weight for each target (``onehot(t) @ W``), or None for other heads."""
+    if isinstance(head, (nn.Embedding, nn.QuantizedEmbedding)):
+        return head(targets)
+    if isinstance(head, nn.Linear) and "weight" in head:
+        return head["weight"][targets]
+    return None
+
+
+def _frozen_head_logprobs(head: nn.Module, project: Callable[[mx.array], mx.array], chunk: int) -> Any:
     """``f(hidden [N, D], targets [N]) -> (log-probs [N], their gradients [N, D])`` in chunks; its
     backward pass scales the stored gradients, so no chunk of logits outlives its forward pass."""
 
     @mx.custom_function
     def logprobs(hidden: mx.array, targets: mx.array) -> tuple[mx.array, mx.array]:
-        values, grads = [], []
+        values: list[mx.array] = []
+        grads: list[mx.array] = []
         for start in range(0, hidden.shape[0], chunk):
             h, t = hidden[start:start + chunk], targets[start:start + chunk]
             if values:  # one chunk after the other: MLX would otherwise compute them side by side
                 h = mx.depends(h, [values[-1], grads[-1]])
             logits = project(h).astype(mx.float32)
-            shifted = logits - mx.max(logits, axis=-1, keepdims=True)  # as nn.losses.cross_entropy
-            log_norm = mx.logsumexp(shifted, axis=-1, keepdims=True)
-            target = mx.take_along_axis(shifted, t[:, None], axis=-1)
-            values.append((target - log_norm).squeeze(-1))
-            # d log p(t) / d logits = onehot(t) - softmax; the one-hot waits for this chunk's logits
-            # (else MLX builds every chunk's one-hot first, all at once)
-            hit = mx.arange(logits.shape[-1], dtype=t.dtype) == mx.depends(t, log_norm)[:, None]
-            d_logits = hit.astype(mx.float32) - mx.exp(shifted - log_norm)
-            grads.append(mx.vjp(project, [h], [d_logits.astype(h.dtype)])[1][0])
+            log_norm = mx.logsumexp(logits, axis=-1)
+            values.append(mx.take_along_axis(logits, t[:, None], axis=-1).squeeze(-1) - log_norm)
+            # d log p(t) / dh = (onehot(t) - softmax) @ W = W[t] - softmax @ W
+            probs = mx.softmax(logits, axis=-1)
+            rows = _head_rows(head, t)
+            if rows is None:  # the one-hot waits for this chunk (else MLX builds every chunk's first)
+                hit = mx.arange(logits.shape[-1], dtype=t.dtype) == mx.depends(t, log_norm)[:, None]
+                probs = probs - hit.astype(probs.dtype)
+            grad = -mx.vjp(project, [h], [probs.astype(h.dtype)])[1][0]
+            grads.append(grad if rows is None else grad + rows.astype(grad.dtype))
         return mx.concatenate(values), mx.concatenate(grads)
 
     @logprobs.vjp
@@ -244,7 +266,7 @@ def chunked_logprobs(head: nn.Module, project: Callable[[mx.array], mx.array], h
         return mx.concatenate(values)
     if tree_flatten(head.trainable_parameters()):
         return _recomputed_logprobs(head, project, hidden, targets, chunk)
-    return _frozen_head_logprobs(project, chunk)(hidden, targets)[0]
+    return _frozen_head_logprobs(head, project, chunk)(hidden, targets)[0]
 
 
 def target_logprobs(model: nn.Module, batch: dict[str, Any], chunk: int | None = None,
@@ -267,8 +289,7 @@ def target_logprobs(model: nn.Module, batch: dict[str, Any], chunk: int | None =
         return logps, positions
     head, project = found
     if chunk is None:
-        vocabulary = int(getattr(getattr(model, "args", None), "vocab_size", 0) or 32768)
-        chunk = max(MIN_CHUNK_TOKENS, CHUNK_LOGITS // vocabulary)
+        chunk = chunk_tokens(int(getattr(getattr(model, "args", None), "vocab_size", 0) or 32768))
     hidden = model["model"](inputs, cache)
     if positions is not None:
         where = mx.maximum(positions, 0)
