@@ -172,9 +172,9 @@ def _log_probs(logits: mx.array, targets: mx.array) -> mx.array:
 @mx.custom_function
 def _target_logits(logits: mx.array, targets: mx.array) -> tuple[mx.array, mx.array]:
     """Each target's logit and the log of the softmax normaliser (``logsumexp``): their difference
-    is the target's log-probability, taken without a log-softmax copy of the logits (and rounded
-    as ``nn.losses.cross_entropy`` rounds)."""
-    return mx.take_along_axis(logits, targets[..., None], axis=-1).squeeze(-1), mx.logsumexp(logits, axis=-1)
+    is the target's log-probability, taken without a log-softmax copy of the logits."""
+    shifted = logits - mx.max(logits, axis=-1, keepdims=True)  # as nn.losses.cross_entropy, same rounding
+    return mx.take_along_axis(shifted, targets[..., None], axis=-1).squeeze(-1), mx.logsumexp(shifted, axis=-1)
 
 
 @_target_logits.vjp
@@ -188,16 +188,7 @@ def _target_logits_vjp(primals: list[mx.array], cotangents: list[mx.array],
     return mx.where(hit, d_score, 0.0) + d_log_norm * mx.softmax(logits, axis=-1), mx.zeros_like(targets)
 
 
-def _head_rows(head: nn.Module, targets: mx.array) -> mx.array | None:
-    """Row ``t`` of the head's weight for each target (``onehot(t) @ W``), or None for other heads."""
-    if isinstance(head, (nn.Embedding, nn.QuantizedEmbedding)):
-        return head(targets)
-    if isinstance(head, nn.Linear) and "weight" in head:
-        return head["weight"][targets]
-    return None
-
-
-def _frozen_head_logprobs(head: nn.Module, project: Callable[[mx.array], mx.array], chunk: int) -> Any:
+def _frozen_head_logprobs(project: Callable[[mx.array], mx.array], chunk: int) -> Any:
     """``f(hidden [N, D], targets [N]) -> (log-probs [N], their gradients [N, D])`` in chunks; its
     backward pass scales the stored gradients, so no chunk of logits outlives its forward pass."""
 
@@ -212,14 +203,11 @@ def _frozen_head_logprobs(head: nn.Module, project: Callable[[mx.array], mx.arra
             logits = project(h).astype(mx.float32)
             log_norm = mx.logsumexp(logits, axis=-1)
             values.append(mx.take_along_axis(logits, t[:, None], axis=-1).squeeze(-1) - log_norm)
-            # d log p(t) / dh = (onehot(t) - softmax) @ W = W[t] - softmax @ W
-            probs = mx.softmax(logits, axis=-1)
-            rows = _head_rows(head, t)
-            if rows is None:  # the one-hot waits for this chunk (else MLX builds every chunk's first)
-                hit = mx.arange(logits.shape[-1], dtype=t.dtype) == mx.depends(t, log_norm)[:, None]
-                probs = probs - hit.astype(probs.dtype)
-            grad = -mx.vjp(project, [h], [probs.astype(h.dtype)])[1][0]
-            grads.append(grad if rows is None else grad + rows.astype(grad.dtype))
+            # d log p(t) / dh = (onehot(t) - softmax) @ W; the one-hot waits for this chunk's logits
+            # (else MLX builds every chunk's one-hot first, all at once)
+            hit = mx.arange(logits.shape[-1], dtype=t.dtype) == mx.depends(t, log_norm)[:, None]
+            d_logits = hit.astype(mx.float32) - mx.softmax(logits, axis=-1)
+            grads.append(mx.vjp(project, [h], [d_logits.astype(h.dtype)])[1][0])
         return mx.concatenate(values), mx.concatenate(grads)
 
     @logprobs.vjp
@@ -266,7 +254,7 @@ def chunked_logprobs(head: nn.Module, project: Callable[[mx.array], mx.array], h
         return mx.concatenate(values)
     if tree_flatten(head.trainable_parameters()):
         return _recomputed_logprobs(head, project, hidden, targets, chunk)
-    return _frozen_head_logprobs(head, project, chunk)(hidden, targets)[0]
+    return _frozen_head_logprobs(project, chunk)(hidden, targets)[0]
 
 
 def target_logprobs(model: nn.Module, batch: dict[str, Any], chunk: int | None = None,
