@@ -237,6 +237,7 @@ def directory_bytes(path: str) -> int:
 
 RUNS = {  # name: (side, data, gradient checkpointing); --runs picks a subset
     "lm": ("mlx-lm", "same", False), "mt": ("mlx-train", "same", False),
+    "mt_full_logits": ("mlx-train", "same", False),  # the loss from the full logits (CHUNK_LOGITS = 0)
     "lm_ckpt": ("mlx-lm", "same", True), "mt_ckpt": ("mlx-train", "same", True),
     "mt_packed": ("mlx-train", "packed", False),
     "lm_long": ("mlx-lm", "long", False), "mt_long": ("mlx-train", "long", False),
@@ -251,6 +252,10 @@ def worker(name: str, round_: int, steps: int, final: bool) -> dict:
     from mlx_train.llm.data import SequenceDataset, make_loader, tokenize
 
     side, data, ckpt = RUNS[name]
+    if name.endswith("_full_logits"):
+        from mlx_train.llm import loss
+
+        loss.CHUNK_LOGITS = 0
     base = Base(find_gguf())
     records = passages(base.tokenizer, 260)
     train_records, val_records = records[:200], records[200:240]
@@ -356,6 +361,12 @@ def report(rows: dict[str, list[dict]]) -> None:
         print(f"| {label}: max per-step loss difference | | | {loss_diff(lm, mt):.1e} | <= 1e-5 |")
         print(f"| {label}: peak memory (GB) | {peak(lm):.2f} | {peak(mt):.2f} | {peak(mt) / peak(lm):.2f}x | "
               f"{goal_peak} |")
+    if have("mt_full_logits", "mt"):
+        label = "(a) batch 4, mlx-train: chunked loss (mlx-train column) vs full logits (mlx-lm column)"
+        print(f"| {label}: real tokens/s | {tps('mt_full_logits'):.0f} | {tps('mt'):.0f} | "
+              f"{tps('mt') / tps('mt_full_logits'):.2f}x | >= 1.0x |")
+        print(f"| {label}: peak memory (GB) | {peak('mt_full_logits'):.2f} | {peak('mt'):.2f} | "
+              f"{peak('mt') / peak('mt_full_logits'):.2f}x | |")
     for lm, mt, label, goal in (("lm", "mt_ckpt", "(a) batch 4: mlx-train checkpointing blocks vs mlx-lm default",
                                  "<= 0.6x"),
                                 ("lm_long", "mt_long_ckpt", f"(c) 1 x {LONG}: mlx-train checkpointing blocks vs "

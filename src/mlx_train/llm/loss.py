@@ -27,7 +27,9 @@ the plain loss, no recomputation. A trainable head (full fine-tuning, an adapter
 recomputes each chunk in the backward pass instead (``mx.checkpoint``). Given ``positions`` (the
 trained targets of each row, see ``trained_positions``) only those rows of the hidden states are
 projected: padding and masked prompt tokens cost nothing in the head. Other models get the full
-logits, as before. ``CHUNK_LOGITS = 0`` turns chunking off everywhere.
+logits, as before. ``CHUNK_LOGITS = 0`` turns chunking off everywhere. A pass that is never
+differentiated can say so (``grad=False``: reference passes do); an evaluation through ``lm_loss``
+cannot, and pays one more matrix product per chunk for the gradient it does not use.
 
 Example::
 
@@ -263,7 +265,8 @@ def target_logprobs(model: nn.Module, batch: dict[str, Any], chunk: int | None =
     (``inputs``, ``targets``; ``segments`` for in-document attention), ``[B, L]``, or ``[B, K]`` at
     ``batch["positions"]`` (then also returned; -1 where a row has fewer). Chunked (see the module
     docstring) when the model's head allows it and ``chunk`` (tokens per chunk; by default from
-    ``CHUNK_LOGITS``) is not 0; otherwise from the full logits. ``grad=False``: the result is never differentiated.
+    ``CHUNK_LOGITS``) is not 0; otherwise from the full logits. ``grad=False``: the result is never
+    differentiated.
 
     Example: ``logps, _ = target_logprobs(model, batch); loss = -(logps * batch["loss_mask"]).sum()``.
     """
