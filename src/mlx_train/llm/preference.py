@@ -39,7 +39,7 @@ import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -260,42 +260,31 @@ def load_pairs(data: str) -> dict[str, tuple[list[dict], list[str]]]:
 # -- log-probabilities and the losses ----------------------------------------------------
 
 
-def sequence_logps(model: nn.Module, batch: dict[str, Any],
-                   after: mx.array | None = None) -> tuple[mx.array, mx.array]:
+def sequence_logps(model: nn.Module, batch: dict[str, Any], after: mx.array | None = None,
+                   grad: bool = True) -> tuple[mx.array, mx.array]:
     """Summed reply log-probabilities and reply token counts, chosen rows then rejected rows
     (``[2 * pairs]`` each), from one forward pass over both; the pass starts once ``after`` (if
     given) is computed, so that the arrays behind ``after`` are freed before this pass builds its own.
+    The output projection runs in chunks, never holding the full logits
+    (:func:`mlx_train.llm.loss.target_logprobs`); ``grad=False`` (a reference pass) skips the
+    gradient work a chunk otherwise does in its forward pass.
 
     Example: ``logps, tokens = sequence_logps(model, batch); chosen = logps[:len(logps) // 2]``.
     """
+    from mlx_train.llm.loss import target_logprobs, target_weights
+
     inputs = mx.concatenate([batch["chosen_inputs"], batch["rejected_inputs"]])
     if after is not None:
         inputs = mx.depends(inputs, after)
     targets = mx.concatenate([batch["chosen_targets"], batch["rejected_targets"]])
     mask = mx.concatenate([batch["chosen_mask"], batch["rejected_mask"]]).astype(mx.float32)
-    logits = model(inputs).astype(mx.float32)
-    score, log_norm = cast(tuple[mx.array, mx.array], _target_logits(logits, targets))
-    token_logps = (score - log_norm) * mask
-    return token_logps.sum(axis=-1), mask.sum(axis=-1)
-
-
-@mx.custom_function
-def _target_logits(logits: mx.array, targets: mx.array) -> tuple[mx.array, mx.array]:
-    """Each target's logit and the log of the softmax normaliser (``logsumexp``): their difference
-    is the target's log-probability, taken without a log-softmax copy of the logits."""
-    shifted = logits - mx.max(logits, axis=-1, keepdims=True)  # as nn.losses.cross_entropy, same rounding
-    return mx.take_along_axis(shifted, targets[..., None], axis=-1).squeeze(-1), mx.logsumexp(shifted, axis=-1)
-
-
-@_target_logits.vjp
-def _target_logits_vjp(primals: list[mx.array], cotangents: list[mx.array],
-                       outputs: list[mx.array]) -> tuple[mx.array, mx.array]:
-    # the gradients autodiff gives (a scatter for the gather, softmax for logsumexp) as one
-    # elementwise expression, fused when compiled: the backward holds one logits-sized array, not three
-    logits, targets = primals
-    d_score, d_log_norm = (c[..., None] for c in cotangents)
-    hit = mx.arange(logits.shape[-1], dtype=targets.dtype) == targets[..., None]
-    return mx.where(hit, d_score, 0.0) + d_log_norm * mx.softmax(logits, axis=-1), mx.zeros_like(targets)
+    positions = None
+    if "chosen_positions" in batch:
+        positions = mx.concatenate([batch["chosen_positions"], batch["rejected_positions"]])
+    logps, positions = target_logprobs(model, {"inputs": inputs, "targets": targets, "positions": positions},
+                                       grad=grad)
+    weights = target_weights(mask, positions)
+    return (logps * weights).sum(axis=-1), mask.sum(axis=-1)
 
 
 def _base_layer(module: nn.Module) -> nn.Module | None:
@@ -399,7 +388,7 @@ class PreferenceLoss:
         if "reference_chosen" in batch:
             return mx.concatenate([batch["reference_chosen"], batch["reference_rejected"]]).astype(mx.float32)
         with adapters_off(model):
-            ref, _ = sequence_logps(model, batch)
+            ref, _ = sequence_logps(model, batch, grad=False)
         return mx.stop_gradient(ref)
 
     def _orpo(self, logps: mx.array, tokens: mx.array, pairs: int) -> tuple[mx.array, mx.array, dict[str, mx.array]]:
@@ -434,7 +423,7 @@ def reference_logps(model: nn.Module, pairs: PairDataset, batch_size: int = 8) -
         for start in range(0, len(pairs), batch_size):
             rows = [pairs[i] for i in range(start, min(start + batch_size, len(pairs)))]
             batch = {k: mx.array(v) for k, v in collate(rows).items()}
-            logps, _ = sequence_logps(model, batch)
+            logps, _ = sequence_logps(model, batch, grad=False)
             n = len(rows)
             out[start:start + n] = np.array(mx.stack([logps[:n], logps[n:]], axis=1))
     finally:

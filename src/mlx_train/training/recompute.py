@@ -2,7 +2,8 @@
 
 Each chosen block keeps only its inputs for the backward pass and runs its forward again there
 (``mx.checkpoint``): less memory for about a third more compute. The blocks are ``model.layers``
-by default, or the modules named by dotted paths (``"encoder.layers"``, ``"blocks.3"``).
+by default (``model.model.layers`` in mlx-lm models), or the modules named by dotted paths
+(``"encoder.layers"``, ``"blocks.3"``).
 
 Only the given instance changes. Its blocks get a subclass of their own class whose
 ``__call__`` is checkpointed; the class itself, and every other instance of it in the process,
@@ -30,6 +31,7 @@ from mlx_train.errors import ConfigError, did_you_mean
 __all__ = ["enable_gradient_checkpointing", "disable_gradient_checkpointing", "find_blocks", "is_checkpointed"]
 
 _MARK = "_mlx_train_recompute"
+DEFAULT_BLOCKS = ("layers", "model.layers")  # model.layers, or an mlx-lm model's model.model.layers
 _SUBCLASSES: dict[type, type] = {}  # original class -> its checkpointed subclass
 
 
@@ -89,11 +91,21 @@ def _lookup(model: nn.Module, path: str) -> Any:
     return obj
 
 
+def _has_blocks(model: nn.Module, path: str) -> bool:
+    node: Any = model
+    for part in path.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return _is_blocks(node)
+
+
 def find_blocks(model: nn.Module, modules: Sequence[str] | None = None) -> list[tuple[str, nn.Module]]:
     """The ``(path, module)`` blocks that gradient checkpointing would recompute.
 
     ``modules`` are dotted paths to a module or to a list of modules (each element is a block);
-    empty or None means ``model.layers``. Raises ConfigError naming what the model has instead.
+    empty or None means ``model.layers``, or ``model.model.layers`` where the blocks live there
+    (mlx-lm models, whose ``layers`` is a property). Raises ConfigError naming what the model has instead.
 
     Example::
 
@@ -101,14 +113,16 @@ def find_blocks(model: nn.Module, modules: Sequence[str] | None = None) -> list[
     """
     paths = list(modules or [])
     if not paths:
-        if not isinstance(model, dict) or "layers" not in model:
+        found = [path for path in DEFAULT_BLOCKS if _has_blocks(model, path)]
+        if not found:
             children = _children(model)
             raise ConfigError(
-                f"gradient checkpointing recomputes model.layers by default, but {type(model).__name__} has no "
-                f"'layers'; name its repeated blocks with checkpoint_modules (its children: "
-                f"{', '.join(children) or 'none'}), e.g. checkpoint_modules=['{children[0] if children else 'blocks'}']"
+                f"gradient checkpointing recomputes model.layers (model.model.layers in mlx-lm models) by default, "
+                f"but {type(model).__name__} has no 'layers'; name its repeated blocks with checkpoint_modules (its "
+                f"children: {', '.join(children) or 'none'}), e.g. "
+                f"checkpoint_modules=['{children[0] if children else 'blocks'}']"
             )
-        paths = ["layers"]
+        paths = found[:1]
     blocks: list[tuple[str, nn.Module]] = []
     for path in paths:
         if not isinstance(path, str) or not path.strip(" ."):
