@@ -42,7 +42,7 @@ import ast
 import inspect
 import textwrap
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -110,7 +110,8 @@ def _cache(model: nn.Module, batch: dict[str, Any]) -> list[DocumentMask] | None
 def model_logits(model: nn.Module, batch: dict[str, Any]) -> mx.array:
     """The model's logits for ``batch["inputs"]``, inside-document attention when packed."""
     cache = _cache(model, batch)
-    return model(batch["inputs"]) if cache is None else model(batch["inputs"], cache=cache)
+    logits: mx.array = model(batch["inputs"]) if cache is None else model(batch["inputs"], cache=cache)
+    return logits
 
 
 def output_head(model: nn.Module) -> tuple[nn.Module, Callable[[mx.array], mx.array]] | None:
@@ -167,7 +168,8 @@ def trained_positions(loss_mask: np.ndarray, multiple: int = 32) -> np.ndarray:
 
 
 def _log_probs(logits: mx.array, targets: mx.array) -> mx.array:
-    score, log_norm = _target_logits(logits.astype(mx.float32), targets)
+    # _target_logits is an mx.custom_function, whose call the stubs type as object
+    score, log_norm = cast(tuple[mx.array, mx.array], _target_logits(logits.astype(mx.float32), targets))
     return score - log_norm
 
 
@@ -256,7 +258,8 @@ def chunked_logprobs(head: nn.Module, project: Callable[[mx.array], mx.array], h
         return mx.concatenate(values)
     if tree_flatten(head.trainable_parameters()):
         return _recomputed_logprobs(head, project, hidden, targets, chunk)
-    return _frozen_head_logprobs(project, chunk)(hidden, targets)[0]
+    frozen: mx.array = _frozen_head_logprobs(project, chunk)(hidden, targets)[0]
+    return frozen
 
 
 def target_logprobs(model: nn.Module, batch: dict[str, Any], chunk: int | None = None,

@@ -36,7 +36,7 @@ def require_mlx_lm() -> None:
         ) from None
 
 
-def load_model(path: str, quantized: bool = False) -> tuple[nn.Module, Any, dict]:
+def load_model(path: str, quantized: bool = False) -> tuple[nn.Module, Any, dict[str, Any]]:
     """Load ``(model, tokenizer, config)`` from an mlx-lm/Hugging Face directory, a Hugging Face
     repo id (downloaded by mlx-lm) or a llama-family ``.gguf`` file.
 
@@ -58,7 +58,8 @@ def load_model(path: str, quantized: bool = False) -> tuple[nn.Module, Any, dict
             "(config.json, model*.safetensors, tokenizer files) or a .gguf file"
         )
     try:
-        model, tokenizer, config = mlx_lm.load(str(path), return_config=True)
+        # mlx_lm.load returns (model, tokenizer, config) with return_config=True; its annotation says two
+        model, tokenizer, config = mlx_lm.load(str(path), return_config=True)  # type: ignore[misc]
     except (FileNotFoundError, OSError) as error:
         raise ConfigError(f"cannot load model {path}: {error}; give a local model directory, a .gguf "
                           "file or a Hugging Face repo id") from None
@@ -70,7 +71,7 @@ def load_model(path: str, quantized: bool = False) -> tuple[nn.Module, Any, dict
     return model, tokenizer, config
 
 
-def save_model(model: nn.Module, tokenizer: Any, config: dict, directory: str) -> str:
+def save_model(model: nn.Module, tokenizer: Any, config: dict[str, Any], directory: str) -> str:
     """Write ``model`` as an mlx-lm directory (``model.safetensors``, ``config.json``, tokenizer
     files) that ``mlx_lm.load(directory)`` reads. Returns the directory.
 
@@ -105,21 +106,21 @@ def _cache_file() -> Path:
     return Path(root) / "model-hashes.json"
 
 
-def _file_sha256(path: Path, cache: dict) -> str:
+def _file_sha256(path: Path, cache: dict[str, Any]) -> str:
     stat = path.stat()
     key = str(path.resolve())
     entry = cache.get(key)
     if entry and entry["size"] == stat.st_size and entry["mtime_ns"] == stat.st_mtime_ns:
-        return entry["sha256"]
+        return str(entry["sha256"])
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(_HASH_CHUNK):
             digest.update(chunk)
     cache[key] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": digest.hexdigest()}
-    return cache[key]["sha256"]
+    return str(cache[key]["sha256"])
 
 
-def base_reference(path: str) -> dict:
+def base_reference(path: str) -> dict[str, Any]:
     """``{"path", "sha256"}`` of a base model directory or file, for checkpoints that hold only
     trained parameters. The hash covers the weight files and config.json; each file's sha256 is
     cached by (path, size, mtime), so a second call costs a ``stat`` per file.

@@ -37,7 +37,7 @@ import copy
 import math
 import os
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,7 +102,7 @@ class PreferenceConfig:
 # -- data ----------------------------------------------------------------------------------
 
 
-def _reply(record: dict, side: str, where: str) -> list[dict]:
+def _reply(record: dict[str, Any], side: str, where: str) -> list[dict[str, Any]]:
     if side not in record:
         raise DataError(f"{where}: the row has no \"{side}\" reply (keys: {sorted(record)}); a preference row "
                         "is {\"prompt\": ..., \"chosen\": ..., \"rejected\": ...}")
@@ -117,7 +117,10 @@ def _reply(record: dict, side: str, where: str) -> list[dict]:
     return messages
 
 
-def pair_messages(record: dict, where: str = "row") -> tuple[list[dict], list[dict], list[dict]]:
+Message = dict[str, Any]  # a chat message: {"role": ..., "content": ...}
+
+
+def pair_messages(record: dict[str, Any], where: str = "row") -> tuple[list[Message], list[Message], list[Message]]:
     """``(prompt, chosen, rejected)`` message lists of a preference row (see the module docstring).
 
     Example: ``pair_messages({"prompt": "2+2?", "chosen": "4", "rejected": "5"})[1]``
@@ -135,7 +138,7 @@ def pair_messages(record: dict, where: str = "row") -> tuple[list[dict], list[di
     return prompt, _reply(record, "chosen", where), _reply(record, "rejected", where)
 
 
-def encode_pair(record: dict, tokenizer: Any, where: str = "row") -> tuple[list[int], list[int], int]:
+def encode_pair(record: dict[str, Any], tokenizer: Any, where: str = "row") -> tuple[list[int], list[int], int]:
     """``(chosen tokens, rejected tokens, prompt length)``: both sequences start with the same prompt
     tokens, rendered with the chat template and its generation prompt.
 
@@ -181,7 +184,7 @@ class PairDataset:
         self.packed = False
 
     @classmethod
-    def from_records(cls, records: Sequence[dict], tokenizer: Any, max_seq_length: int | None,
+    def from_records(cls, records: Sequence[dict[str, Any]], tokenizer: Any, max_seq_length: int | None,
                      where: Sequence[str]) -> PairDataset:
         """Tokenize preference rows; ``where[i]`` names row ``i`` in errors (``train.jsonl:7``)."""
         chosen, rejected, prompts = [], [], []
@@ -238,7 +241,7 @@ class PairDataset:
         return row
 
 
-def load_pairs(data: str) -> dict[str, tuple[list[dict], list[str]]]:
+def load_pairs(data: str) -> dict[str, tuple[list[dict[str, Any]], list[str]]]:
     """Each split's preference rows and where each comes from (``dir/train.jsonl:LINE``, or the
     dataset and index for a Hugging Face dataset); a missing split has no rows.
 
@@ -459,7 +462,8 @@ def build_splits(cfg: Any, model: nn.Module, tokenizer: Any, log: Any = print) -
     if not stored:
         log("reference policy: the model with its adapters off, inside each step (no second copy of the weights)")
         return splits
-    reference, source, context = model, "the base model", nullcontext()
+    context: AbstractContextManager[Any] = nullcontext()
+    reference, source = model, "the base model"
     if cfg.reference_model_path:
         reference, _, _ = load_model(cfg.reference_model_path)
         source = cfg.reference_model_path
