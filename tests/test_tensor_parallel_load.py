@@ -64,3 +64,27 @@ def test_each_rank_of_a_lazy_split_load_peaks_below_the_whole_model(tmp_path):
         assert rank["peak"] < 0.75 * whole, (rank, whole)  # its half, one whole tensor, the adapters
     for rank in eager:
         assert rank["peak"] >= whole, (rank, whole)  # the whole model, then its split
+
+
+class _Group:
+    def __init__(self, rank: int) -> None:
+        self._rank = rank
+
+    def size(self) -> int:
+        return 2
+
+    def rank(self) -> int:
+        return self._rank
+
+
+@pytest.mark.parametrize("model,rank,said", [("base.gguf", 0, True), ("base.gguf", 1, False), ("base", 0, False)])
+def test_a_gguf_base_is_said_to_load_whole_on_every_rank(monkeypatch, capsys, model, rank, said):
+    from mlx_train.cli.finetune import tensor_parallel_split
+    from mlx_train.config import TrainConfig
+    from mlx_train.distributed import trainer
+
+    monkeypatch.setattr(trainer, "_init_group", lambda backend: _Group(rank))
+    split = tensor_parallel_split(TrainConfig(model=model, distributed_strategy="tensor_parallel"))
+    assert split is not None and split.group.rank() == rank
+    out = capsys.readouterr().out
+    assert ("a GGUF base is dequantized as it loads, so every rank loads it whole" in out) is said
