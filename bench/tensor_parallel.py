@@ -2,6 +2,7 @@
 
     python bench/tensor_parallel.py                      # every workload
     python bench/tensor_parallel.py --steps 4 --only synthetic
+    python bench/tensor_parallel.py --only load           # the load table alone
 
 Each workload fine-tunes the same model on the same random token batches: one process
 (``Trainer``, OpenBLAS with every core), then two processes launched by ``mlx.launch`` on 127.0.0.1
@@ -16,6 +17,11 @@ step time after a warm-up step). Workloads:
 - a synthetic llama (mlx-lm's classes, random weights, small vocabulary) whose weights dominate:
   hidden 1024, 8 layers, 16 heads (8 KV), intermediate 4096 (126M parameters), split with mlx-lm's
   own ``Model.shard``; only the embeddings and norms (1.1M parameters) stay replicated.
+
+A second table (``--only load``) measures loading alone: the synthetic llama saved as an mlx-lm directory,
+loaded by one process, and by 2 ranks either eagerly (the whole model, then split) or lazily (split before
+anything is evaluated, then ``materialize``: what ``finetune --strategy tensor_parallel`` does). It
+reports each one's peak memory from the start of the load to the end of the split, against the weights' bytes.
 """
 
 from __future__ import annotations
@@ -137,9 +143,68 @@ def worker(args) -> None:
         json.dump(result, f)
 
 
-def run(workload: str, ranks: int, steps: int, out: str) -> list[dict]:
+def save_synthetic(directory: str) -> int:
+    """The synthetic llama as an mlx-lm directory (weights and config); returns its weight bytes."""
+    import mlx_train  # noqa: F401  (before mlx.core: BLAS preload)
+
+    # isort: split
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models.llama import Model, ModelArgs
+    from mlx_lm.utils import save_config, save_model
+
+    mx.random.seed(0)
+    model = Model(ModelArgs.from_dict(SYNTHETIC))
+    mx.eval(model.parameters())
+    save_model(directory, model)
+    save_config(dict(SYNTHETIC), os.path.join(directory, "config.json"))
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+def load_worker(args) -> None:
+    """Load ``args.base`` (mlx-lm's model loader, as ``load_model`` calls it), split it over the group and
+    write this rank's peak memory."""
+    import mlx_train  # noqa: F401  (before mlx.core: BLAS preload)
+
+    # isort: split
+    from pathlib import Path
+
+    import mlx.core as mx
+    from mlx_lm.utils import load_model
+
+    from mlx_train.distributed import tensor_parallel
+
+    group = mx.distributed.init()
+    lazy = args.workload == "lazy"
+    mx.reset_peak_memory()
+    model, _ = load_model(Path(args.base), lazy=lazy)
+    if group.size() > 1:
+        tensor_parallel.shard_model(model, group)
+    tensor_parallel.materialize(model)
+    with open(f"{args.out}.rank{group.rank()}.json", "w") as f:
+        json.dump({"rank": group.rank(), "load_peak": mx.get_peak_memory(), "active": mx.get_active_memory()}, f)
+
+
+def load_table(tmp: str) -> None:
+    mb = 2**20
+    base = os.path.join(tmp, "synthetic-base")
+    weights = save_synthetic(base)
+    print(f"\nload + split of the synthetic llama ({weights / mb:.0f} MB of weights), per-rank peak MB:")
+    print(f"{'load':22} {'peak MB/rank':>13} {'/ 1 proc':>9} {'/ weights':>10} {'held MB':>8}")
+    rows = [("1 process", "eager", 1), ("TP=2 eager (whole)", "eager", 2), ("TP=2 lazy (slices)", "lazy", 2)]
+    one = None
+    for label, mode, ranks in rows:
+        results = run(mode, ranks, 0, os.path.join(tmp, f"load-{mode}-{ranks}"), extra=["--load", "--base", base])
+        peak = max(r["load_peak"] for r in results)
+        one = one or peak
+        print(f"{label:22} {peak / mb:13.0f} {peak / one:9.2f} {peak / weights:10.2f} "
+              f"{max(r['active'] for r in results) / mb:8.0f}", flush=True)
+
+
+def run(workload: str, ranks: int, steps: int, out: str, extra: list[str] | None = None) -> list[dict]:
     env = {**os.environ}
-    command = [sys.executable, __file__, "--worker", "--workload", workload, "--steps", str(steps), "--out", out]
+    command = [sys.executable, __file__, "--worker", "--workload", workload, "--steps", str(steps), "--out", out,
+               *(extra or [])]
     if ranks > 1:
         env["OPENBLAS_NUM_THREADS"] = "1"
         launcher = os.path.join(os.path.dirname(sys.executable), "mlx.launch")
@@ -159,13 +224,16 @@ def main() -> None:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--workload", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--load", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--base", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args)
+        load_worker(args) if args.load else worker(args)
         return
     mb = 2**20
-    print(f"{'workload':16} {'1 proc MB':>10} {'TP=2 MB/rank':>13} {'ratio':>6} {'build 1/TP2 MB':>15} "
-          f"{'split/repl MB (TP2)':>20} {'tok/s 1':>8} {'tok/s TP2':>10} {'ratio':>6}")
+    if args.only != "load":
+        print(f"{'workload':16} {'1 proc MB':>10} {'TP=2 MB/rank':>13} {'ratio':>6} {'build 1/TP2 MB':>15} "
+              f"{'split/repl MB (TP2)':>20} {'tok/s 1':>8} {'tok/s TP2':>10} {'ratio':>6}")
     with tempfile.TemporaryDirectory() as tmp:
         for workload in WORKLOADS:
             if args.only and args.only not in workload:
@@ -179,6 +247,8 @@ def main() -> None:
                   f"{one['build_peak'] / mb:7.0f}/{build_peak / mb:<7.0f} "
                   f"{two[0]['split_bytes'] / mb:9.0f}/{two[0]['replicated_bytes'] / mb:<10.0f} "
                   f"{one['tokens_per_s']:8.0f} {speed:10.0f} {speed / one['tokens_per_s']:6.2f}", flush=True)
+        if not args.only or args.only == "load":
+            load_table(tmp)
 
 
 if __name__ == "__main__":

@@ -226,7 +226,8 @@ class TensorParallelAdapters:
 
 def tensor_parallel_split(config: Any) -> TensorParallelAdapters | None:
     """On a rank of a launched group: the split of a ``distributed_strategy: tensor_parallel`` run over the
-    group (None for another strategy, or a group of one)."""
+    group (None for another strategy, or a group of one). ``prepare`` then loads an mlx-lm base lazily and
+    ``shard_for_finetune`` evaluates it after splitting, so each rank reads only its slices into memory."""
     from mlx_train.distributed.trainer import _init_group
     from mlx_train.llm.finetune import check_tensor_parallel
 
@@ -234,6 +235,9 @@ def tensor_parallel_split(config: Any) -> TensorParallelAdapters | None:
         return None
     check_tensor_parallel(config)
     group = _init_group(config.distributed_backend)
+    if group.size() > 1 and str(config.model).endswith(".gguf") and group.rank() == 0:
+        print(f"{config.model}: a GGUF base is dequantized as it loads, so every rank loads it whole before "
+              "splitting it (an mlx-lm directory loads lazily: each rank keeps only its slices)", flush=True)
     return TensorParallelAdapters(group) if group.size() > 1 else None
 
 

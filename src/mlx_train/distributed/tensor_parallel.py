@@ -150,6 +150,17 @@ def shard_model(model: nn.Module, group: Any) -> dict[str, int]:
     return layout
 
 
+def materialize(model: nn.Module) -> None:
+    """Evaluate the parameters of a lazily loaded model one at a time (``load_model(path, lazy=True)``, then
+    ``shard_model``): each tensor is read whole from its file, its slice kept and the rest freed, so the peak
+    is this rank's slices plus one whole tensor. Evaluating them all at once would read every tensor first.
+
+    Example: ``model, _, _ = load_model("base", lazy=True); shard_model(model, group); materialize(model)``
+    """
+    for _, value in tree_flatten(model.parameters()):
+        mx.eval(value)
+
+
 HEAD_COUNTS = ("n_heads", "n_kv_heads", "num_heads", "num_key_value_heads")
 
 
@@ -363,6 +374,7 @@ def shard_for_finetune(model: nn.Module, spec: Any, group: Any) -> dict[str, int
     from mlx_train.llm.adapters import apply_adapters
 
     shard_model(model, group)
+    materialize(model)
     apply_adapters(model, spec)
     return shard_layout(model)
 

@@ -215,7 +215,7 @@ def prepare(cfg: TrainConfig, log: Any = print, split: AdapterSplit | None = Non
     spec = adapters.AdapterConfig.from_mlx_lm(
         {"fine_tune_type": cfg.fine_tune_type, "num_layers": cfg.num_layers, "lora_parameters": cfg.lora_parameters})
     quantized = cfg.quantized if cfg.quantized is not None else mx.default_device() == mx.gpu
-    model, tokenizer, model_config = models.load_model(cfg.model, quantized=quantized)
+    model, tokenizer, model_config = models.load_model(cfg.model, quantized=quantized, lazy=split is not None)
     records = data.load_records(cfg.dataset)
     if not records["train"]:
         raise ConfigError(f"{cfg.dataset} has no training records (train.jsonl is missing or empty)")

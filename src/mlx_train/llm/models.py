@@ -36,12 +36,14 @@ def require_mlx_lm() -> None:
         ) from None
 
 
-def load_model(path: str, quantized: bool = False) -> tuple[nn.Module, Any, dict[str, Any]]:
+def load_model(path: str, quantized: bool = False, lazy: bool = False) -> tuple[nn.Module, Any, dict[str, Any]]:
     """Load ``(model, tokenizer, config)`` from an mlx-lm/Hugging Face directory, a Hugging Face
     repo id (downloaded by mlx-lm) or a llama-family ``.gguf`` file.
 
     GGUF weights are dequantized to float32 unless ``quantized``; a directory's weights load as
     stored (a quantized mlx-lm model stays quantized; ``quantized=False`` dequantizes it).
+    ``lazy`` leaves a directory's parameters unevaluated (each is read when first used: split the model,
+    then evaluate, and only the slices are kept); a GGUF file always loads whole.
 
     Example: ``model, tokenizer, config = load_model("mlx-community/SmolLM2-135M-Instruct")``.
     """
@@ -59,7 +61,7 @@ def load_model(path: str, quantized: bool = False) -> tuple[nn.Module, Any, dict
         )
     try:
         # mlx_lm.load returns (model, tokenizer, config) with return_config=True; its annotation says two
-        model, tokenizer, config = mlx_lm.load(str(path), return_config=True)  # type: ignore[misc]
+        model, tokenizer, config = mlx_lm.load(str(path), lazy=lazy, return_config=True)  # type: ignore[misc]
     except (FileNotFoundError, OSError) as error:
         raise ConfigError(f"cannot load model {path}: {error}; give a local model directory, a .gguf "
                           "file or a Hugging Face repo id") from None
