@@ -83,7 +83,7 @@ def test_a_gguf_base_is_said_to_load_whole_on_every_rank(monkeypatch, capsys, mo
     from mlx_train.config import TrainConfig
     from mlx_train.distributed import trainer
 
-    monkeypatch.setattr(trainer, "_init_group", lambda backend: _Group(rank))
+    monkeypatch.setattr(trainer, "init_group", lambda backend: _Group(rank))
     split = tensor_parallel_split(TrainConfig(model=model, distributed_strategy="tensor_parallel"))
     assert split is not None and split.group.rank() == rank
     out = capsys.readouterr().out

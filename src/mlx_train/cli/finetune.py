@@ -188,57 +188,15 @@ def main(args: argparse.Namespace) -> int:
     return 0 if math.isfinite(result.get("val_loss", 0.0)) else 1
 
 
-class TensorParallelAdapters:
-    """The ``llm.finetune.AdapterSplit`` of a tensor-parallel run: the model is split over ``group`` with
-    its ``shard(group)`` and the adapters added to the split layers (``shard_for_finetune``); they are
-    written whole, gathered from the ranks (``save_gathered_adapters``).
-
-    Example: ``finetune(config, trainer_class=DistributedTrainer, split=TensorParallelAdapters(group))``
-    """
-
-    def __init__(self, group: Any) -> None:
-        self.group = group
-
-    def add(self, model: Any, spec: Any) -> None:
-        from mlx_train.distributed.tensor_parallel import shard_for_finetune
-
-        shard_for_finetune(model, spec, self.group)
-
-    def save(self, model: Any, spec: Any, directory: str, extra: dict[str, Any]) -> None:
-        from mlx_train.distributed.tensor_parallel import save_gathered_adapters
-
-        save_gathered_adapters(model, spec, directory, self.group, extra=extra)
-
-    def whole_at_checkpoint(self, model: Any, path: str, step: int) -> dict[str, Any]:
-        """Rank 0's slices joined with those the other ranks wrote beside the checkpoint (at a checkpoint only
-        rank 0 runs the callbacks, so nothing can be gathered), along the layout's axes."""
-        import mlx.core as mx
-        from mlx.utils import tree_flatten
-
-        from mlx_train.distributed.tensor_parallel import read_shard, shard_layout
-
-        mine = dict(tree_flatten(model.trainable_parameters()))
-        layout = shard_layout(model)
-        parts = [mine] + [read_shard(path, step, rank)["model"] for rank in range(1, self.group.size())]
-        return {key: mx.concatenate([part[key] for part in parts], axis=layout[key]) if key in layout else value
-                for key, value in mine.items()}
-
-
-def tensor_parallel_split(config: Any) -> TensorParallelAdapters | None:
-    """On a rank of a launched group: the split of a ``distributed_strategy: tensor_parallel`` run over the
-    group (None for another strategy, or a group of one). ``prepare`` then loads an mlx-lm base lazily and
-    ``shard_for_finetune`` evaluates it after splitting, so each rank reads only its slices into memory."""
-    from mlx_train.distributed.trainer import _init_group
-    from mlx_train.llm.finetune import check_tensor_parallel
+def tensor_parallel_split(config: Any) -> Any:
+    """On a rank of a launched group: the ``TensorParallelAdapters`` of a ``distributed_strategy:
+    tensor_parallel`` run over the group (None for another strategy, or a group of one)."""
+    from mlx_train.distributed.tensor_parallel import finetune_split
+    from mlx_train.distributed.trainer import init_group
 
     if config.distributed_strategy != "tensor_parallel":
         return None
-    check_tensor_parallel(config)
-    group = _init_group(config.distributed_backend)
-    if group.size() > 1 and str(config.model).endswith(".gguf") and group.rank() == 0:
-        print(f"{config.model}: a GGUF base is dequantized as it loads, so every rank loads it whole before "
-              "splitting it (an mlx-lm directory loads lazily: each rank keeps only its slices)", flush=True)
-    return TensorParallelAdapters(group) if group.size() > 1 else None
+    return finetune_split(config, init_group(config.distributed_backend))
 
 
 def _launch(args: argparse.Namespace, config: Any) -> int:

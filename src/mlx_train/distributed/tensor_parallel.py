@@ -394,3 +394,46 @@ def save_gathered_adapters(model: nn.Module, spec: Any, directory: str, group: A
     if group is not None and group.rank() != 0:
         return None
     return save_adapters(model, spec, directory, extra=extra, weights=whole)
+
+
+class TensorParallelAdapters:
+    """The ``llm.finetune.AdapterSplit`` of a tensor-parallel run: the model is split over ``group`` with
+    its ``shard(group)`` and the adapters added to the split layers (``shard_for_finetune``); they are
+    written whole, gathered from the ranks (``save_gathered_adapters``).
+
+    Example: ``finetune(config, trainer_class=DistributedTrainer, split=TensorParallelAdapters(group))``
+    """
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+
+    def add(self, model: Any, spec: Any) -> None:
+        shard_for_finetune(model, spec, self.group)
+
+    def save(self, model: Any, spec: Any, directory: str, extra: dict[str, Any]) -> None:
+        save_gathered_adapters(model, spec, directory, self.group, extra=extra)
+
+    def whole_at_checkpoint(self, model: Any, path: str, step: int) -> dict[str, Any]:
+        """Rank 0's slices joined with those the other ranks wrote beside the checkpoint (at a checkpoint only
+        rank 0 runs the callbacks, so nothing can be gathered), along the layout's axes."""
+        mine = dict(tree_flatten(model.trainable_parameters()))
+        layout = shard_layout(model)
+        parts = [mine] + [read_shard(path, step, rank)["model"] for rank in range(1, self.group.size())]
+        return {key: mx.concatenate([part[key] for part in parts], axis=layout[key]) if key in layout else value
+                for key, value in mine.items()}
+
+
+def finetune_split(config: Any, group: Any) -> TensorParallelAdapters | None:
+    """The split of a ``distributed_strategy: tensor_parallel`` fine-tune over ``group`` (None for a group of
+    one). ``llm.finetune.prepare`` then loads an mlx-lm base lazily and ``shard_for_finetune`` evaluates it
+    after splitting, so each rank reads only its slices into memory.
+
+    Example: ``finetune(config, trainer_class=DistributedTrainer, split=finetune_split(config, group))``
+    """
+    from mlx_train.llm.finetune import check_tensor_parallel
+
+    check_tensor_parallel(config)
+    if group.size() > 1 and str(config.model).endswith(".gguf") and group.rank() == 0:
+        print(f"{config.model}: a GGUF base is dequantized as it loads, so every rank loads it whole before "
+              "splitting it (an mlx-lm directory loads lazily: each rank keeps only its slices)", flush=True)
+    return TensorParallelAdapters(group) if group.size() > 1 else None

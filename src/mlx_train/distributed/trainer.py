@@ -124,7 +124,7 @@ class DistributedTrainer(Trainer):
         if distributed_config is not None:
             overrides = {**distributed_config.train_overrides(), **overrides}
         super().__init__(model, optimizer, loss_fn, device_config, config=config, **overrides)
-        self.group: mx.distributed.Group = _init_group(self.config.distributed_backend)
+        self.group: mx.distributed.Group = init_group(self.config.distributed_backend)
         world = self.group.size()
         self.backend = active_backend(world_size=world)
         strategy = strategy or self.config.distributed_strategy
@@ -333,7 +333,7 @@ class DistributedTrainer(Trainer):
         raise converted from error
 
 
-def _init_group(backend: str) -> mx.distributed.Group:
+def init_group(backend: str) -> mx.distributed.Group:
     """``mx.distributed.init`` on the configured backend (or the one the launcher set up)."""
     hostfile = os.environ.get("MLX_HOSTFILE")
     if hostfile and os.path.isfile(hostfile) and os.path.getsize(hostfile) <= 1:

@@ -45,10 +45,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from mlx_train.config.train import DPO_LOSS_TYPES, TRAIN_MODES
 from mlx_train.errors import ConfigError, DataError
 
-TRAIN_MODES = ("sft", "dpo", "orpo", "cpo")
-DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo")
 METRICS = ("rewards_chosen", "rewards_rejected", "reward_accuracy", "reward_margin", "logps_chosen",
            "logps_rejected")
 SIDES = ("chosen", "rejected")
