@@ -324,13 +324,15 @@ def test_with_frozen_parameters_checkpoints_and_best_weights_hold_only_what_trai
 
 
 @pytest.mark.parametrize("accumulation", [1, 3])
-def test_fit_and_train_read_a_dataloader_batch_the_same_way(digits, accumulation):
+@pytest.mark.parametrize("architecture", ["mlp", "cnn"])
+def test_fit_and_train_read_a_dataloader_batch_the_same_way(digits, accumulation, architecture):
     """A DataLoader's batch is a micro-batch for train() as for fit(): the same steps, the same weights,
     and a step of batch_size x accumulation samples (as train() on arrays)."""
     x, y = digits["train"]
     runs = {}
     for how in ("fit", "train", "arrays"):
-        model = _mlp(digits["info"])
+        mx.random.seed(0)
+        model = build_model(architecture, digits["info"])
         trainer = Trainer(model, optim.Adam(1e-3), batch_size=8, gradient_accumulation=accumulation, seed=2,
                           max_steps=12, shuffle=False, **_quiet())
         loader = DataLoader((x, y), batch_size=8, shuffle=False, seed=2)
