@@ -108,6 +108,11 @@ class DistributedTrainer(Trainer):
     batch is ``world_size * batch_size * gradient_accumulation`` (``distributed_config=`` sets
     these from a ``DistributedConfig``). With one process it trains exactly like ``Trainer``.
 
+    Reports split out the communication (``time_comm``): data parallel, the gradient all-reduce timed
+    once at start-up; tensor parallel, the collectives inside the step counted for each micro-batch
+    shape and timed on the group at reports, with ``comm_collectives`` and ``comm_bytes`` per step
+    (``distributed.comm.StepCommunication`` says what is measured and what is estimated).
+
     Each rank keeps a heartbeat file (under the supervisor, or in ``run_dir/distributed``); a
     collective that waits more than ``collective_timeout`` seconds ends the run with a
     ``DistributedError`` naming the missing rank. ``checksum_every=K`` compares the ranks'
