@@ -55,6 +55,45 @@ def test_a_lone_process_spends_no_time_communicating():
     assert counting.tally == {} and counting.window(steps=0).collectives == 0.0
 
 
+def _train_steps(counted):
+    """Four steps (2 micro-batches each) of a model with dropout, with or without its collectives counted."""
+    import mlx.nn as nn
+    import mlx.optimizers as optim
+    import numpy as np
+
+    from mlx_train.training.losses import Loss
+    from mlx_train.training.state import LoopState
+    from mlx_train.training.step import StepOptions, build_step
+
+    mx.random.seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Dropout(0.5), nn.ReLU(), nn.Linear(32, 3))
+    optimizer = optim.Adam(1e-2)
+    optimizer.init(model.trainable_parameters())
+    state = LoopState()
+    step = build_step(model, optimizer, Loss(), StepOptions(accumulation=2), state.loss_scale)
+    counting = StepCommunication(mx.distributed.init())
+    if counted:
+        counting.install(step)
+    state.begin_epoch(0, step.zero_running())
+    rng = np.random.default_rng(0)
+    for length in (12, 12, 10, 12):  # two micro-batch shapes: 6 and 5 rows
+        batch = (mx.array(rng.normal(size=(length, 8)).astype(np.float32)), mx.array(rng.integers(0, 3, length)))
+        state.advance(step(state, batch), length)
+    return float(state.running["loss_sum"].item()), model.parameters(), counting
+
+
+def test_counting_a_steps_collectives_leaves_its_training_unchanged():
+    loss, params, _ = _train_steps(counted=False)
+    counted_loss, counted_params, counting = _train_steps(counted=True)
+    assert counted_loss == loss  # the same dropout masks: the random key was put back after each trace
+    assert mx.array_equal(counted_params["layers"][0]["weight"], params["layers"][0]["weight"]).item()
+    assert mx.array_equal(counted_params["layers"][3]["weight"], params["layers"][3]["weight"]).item()
+    # one trace per (micro-batch shape, update, weighted); every micro-batch counted
+    assert sorted(counting.calls) == [(((5, 8), (5,)), False, True), (((5, 8), (5,)), True, True),
+                                      (((6, 8), (6,)), False, True), (((6, 8), (6,)), True, True)]
+    assert sum(counting.tally.values()) == 8 and counting.tally[(((6, 8), (6,)), True, True)] == 3
+
+
 # -- two processes -------------------------------------------------------------------------------
 
 
