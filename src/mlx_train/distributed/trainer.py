@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import itertools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import mlx.core as mx
@@ -25,14 +25,18 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_train.config import TrainConfig
 from mlx_train.distributed import rank as rank_runtime
 from mlx_train.distributed.backends import STRATEGIES, active_backend, check_strategy
+from mlx_train.distributed.comm import Collective, StepCommunication
 from mlx_train.errors import ConfigError, DistributedError
-from mlx_train.training.callbacks import Callback
+from mlx_train.training.callbacks import Callback, CallbackList
+from mlx_train.training.meter import Meter
+from mlx_train.training.oom import MemoryGuard
 from mlx_train.training.step import Reduction
 from mlx_train.training.trainer import Trainer
 
 __all__ = ["DistributedTrainer", "STRATEGIES", "fused_average", "sharded_reduction"]
 
 FUSE_BYTES = 32 * 2**20  # nn.average_gradients' bucket size: larger gradients keep its bucketing
+GUARD_VOTE = Collective("all_sum", (2,), mx.int32)  # the memory guard's vote after each step, when it votes
 _TRANSPORT_ERRORS = ("[ring]", "[mpi]", "[nccl]", "[jaccl]", "connection to a peer")
 
 
@@ -104,6 +108,11 @@ class DistributedTrainer(Trainer):
     batch is ``world_size * batch_size * gradient_accumulation`` (``distributed_config=`` sets
     these from a ``DistributedConfig``). With one process it trains exactly like ``Trainer``.
 
+    Reports split out the communication (``time_comm``): data parallel, the gradient all-reduce timed
+    once at start-up; tensor parallel, the collectives inside the step counted for each micro-batch
+    shape and timed on the group at reports, with ``comm_collectives`` and ``comm_bytes`` per step
+    (``distributed.comm.StepCommunication`` says what is measured and what is estimated).
+
     Each rank keeps a heartbeat file (under the supervisor, or in ``run_dir/distributed``); a
     collective that waits more than ``collective_timeout`` seconds ends the run with a
     ``DistributedError`` naming the missing rank. ``checksum_every=K`` compares the ranks'
@@ -137,6 +146,8 @@ class DistributedTrainer(Trainer):
             self.collective = self.monitor.collective
         #: Tensor parallelism: the split axis of each sharded parameter (``tensor_parallel.shard_layout``).
         self.layout: dict[str, int] = {}
+        #: Tensor parallelism: the collectives inside the steps, counted and timed for time_comm.
+        self.step_communication: StepCommunication | None = None
         if strategy == "tensor_parallel":
             self._setup_tensor_parallel(model)
         elif world > 1:
@@ -178,6 +189,31 @@ class DistributedTrainer(Trainer):
         monitor = self.monitor
         arm = (lambda: monitor.arm("tensor-parallel step")) if monitor is not None else None
         self.gradient_reduction = tensor_parallel.tensor_parallel_reduction(self.group, self.layout, arm)
+        # The all-reduces run inside the forward and backward passes: counted from the step's own code for
+        # each micro-batch shape and timed on the group at reports (see distributed.comm.StepCommunication).
+        self.step_communication = StepCommunication(self.group)
+
+    def _guard(self, callbacks: CallbackList) -> MemoryGuard:
+        guard = super()._guard(callbacks)
+        counting = self.step_communication
+        if counting is not None and self._tensor_parallel:
+            # MemoryGuard._vote: (over budget, out of memory) as two int32, summed after each step
+            counting.set_per_step([GUARD_VOTE] if guard.group is not None else [])
+            if counting.install not in guard.hooks:
+                guard.hooks.append(counting.install)
+            counting.install(guard.step)
+        return guard
+
+    def _report(self, loader: Iterable[Any], callbacks: CallbackList, meter: Meter) -> None:
+        counting = self.step_communication
+        if counting is not None and self._tensor_parallel:
+            meter.pause()  # the timing is not training time
+            with self.collective("timing the collectives of the tensor-parallel step"):
+                comm = counting.window(meter.pending_steps)
+            meter.resume()
+            meter.comm_seconds = comm.seconds
+            meter.comm_counts = {"comm_collectives": comm.collectives, "comm_bytes": comm.nbytes}
+        super()._report(loader, callbacks, meter)
 
     @property
     def world_size(self) -> int:

@@ -49,6 +49,14 @@ def format_age(seconds: float) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m ago"
 
 
+def format_size(count: float) -> str:
+    """Bytes in decimal units: ``229388 -> "229.4 KB"``, ``12 -> "12 B"``."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if count >= size:
+            return f"{count / size:.1f} {unit}"
+    return f"{count:.0f} B"
+
+
 def format_seconds(seconds: float) -> str:
     """A short duration for step times: ``0.00146 -> "1.46 ms"``, ``2.5 -> "2.50 s"``."""
     if seconds >= 1:
@@ -220,6 +228,10 @@ def _performance(snap: RunSnapshot, width: int) -> RenderableType:
         table.add_row(PART_NAMES[key], format_seconds(timing[key]), f"{share:6.1%}",
                       Text(_bar(share, bar_width), style="cyan"))
     rows: list[RenderableType] = [table]
+    if "comm_bytes" in timing:
+        rows.append(Text(f"communication: {timing['comm_collectives']:,.0f} collectives a step, "
+                         f"{format_size(timing['comm_bytes'])} from each rank (timed by replaying them)",
+                         style="dim"))
     per_rank = [r for r in snap.ranks if r.heartbeat.get("timing")]
     if len(per_rank) > 1:
         ranks = Table(box=box.SIMPLE_HEAD, padding=(0, 1))
@@ -239,8 +251,8 @@ def render(snap: RunSnapshot, performance: bool = False, width: int = 100, heigh
            footer: str = "") -> RenderableType:
     """The whole dashboard for a terminal ``width`` columns wide (and ``height`` rows, when live)."""
     width = max(width, 60)
-    fixed = 3 + len(snap.ranks) + 4 + 2 + len(snap.log_lines) + (9 + (len(snap.ranks) + 3 if len(snap.ranks) > 1 else 0)
-                                                                  if performance else 0)
+    panel = 9 + (len(snap.ranks) + 3 if len(snap.ranks) > 1 else 0) + ("comm_bytes" in snap.timing())
+    fixed = 3 + len(snap.ranks) + 4 + 2 + len(snap.log_lines) + (panel if performance else 0)
     room = (height - fixed) if height else 26
     chart_height = max(min(room, 16), 8)
     small_height = max(min(room - chart_height, 10), 0)

@@ -36,6 +36,8 @@ from mlx_train.rundir import CONFIG_FILE, HEARTBEAT_GLOB, LOG_FILE, METRICS_FILE
 
 DEFAULT_STALE_AFTER = 60.0
 TIMING_PARTS = ("time_data", "time_compute", "time_comm", "time_checkpoint")
+#: Per step, in the rows of a run that counts its collectives (tensor parallelism): calls, and bytes per rank.
+COMM_COUNTS = ("comm_collectives", "comm_bytes")
 
 #: A JSON object as read from a run directory: a metrics.jsonl row, a heartbeat, the flattened config.
 Row = dict[str, Any]
@@ -189,13 +191,18 @@ class RunSnapshot:
         """The step-time breakdown averaged over the last ``last`` reports (seconds per step).
 
         Keys: ``step_time``, ``time_data``, ``time_compute``, ``time_comm``, ``time_checkpoint``
-        and ``time_other`` (what the parts do not cover: callbacks, logging).
+        and ``time_other`` (what the parts do not cover: callbacks, logging); and, where the run
+        counted its collectives (tensor parallelism), ``comm_collectives`` and ``comm_bytes`` per step.
         """
         rows = [r for r in self.train if _is_number(r.get("step_time"))][-last:]
         if not rows:
             return {}
         out = {k: sum(float(r.get(k) or 0.0) for r in rows) / len(rows) for k in ("step_time",) + TIMING_PARTS}
         out["time_other"] = max(out["step_time"] - sum(out[k] for k in TIMING_PARTS), 0.0)
+        counted = [r for r in rows if _is_number(r.get("comm_bytes"))]
+        if counted:
+            for key in COMM_COUNTS:
+                out[key] = sum(float(r.get(key) or 0.0) for r in counted) / len(counted)
         return out
 
 

@@ -47,6 +47,9 @@ class Meter:
         self.pending_samples = self.pending_steps = 0
         self.data_seconds = self.step_seconds = self.checkpoint_seconds = 0.0
         self.comm_seconds = 0.0  # per step, estimated by distributed training (it happens inside the step)
+        #: Per step, reported with time_comm where distributed training counts them: ``comm_collectives``
+        #: (collective calls) and ``comm_bytes`` (bytes given to them by each rank).
+        self.comm_counts: dict[str, float] = {}
         self._fetched = self.start
         self._pause_start = self.start
         reset_peak()
@@ -131,6 +134,7 @@ class Meter:
         logs["time_data"] = self.data_seconds / steps
         logs["time_compute"] = step - comm
         logs["time_comm"] = comm
+        logs.update(self.comm_counts)
         logs["time_checkpoint"] = self.checkpoint_seconds / steps
 
 
