@@ -247,7 +247,7 @@ class Trainer:
             per_batch = callbacks.has("on_batch_end")
             voting = self.group is not None and self.group.size() > 1
             labels = LabelCheck.for_run(self.loss, self.model, loader)
-            watch = self._watch
+            advance, count, mark = state.advance, meter.count, self._watch.add  # the step path's calls, found once
             callbacks.call("on_fit_start", self)
             try:
                 while _epoch_of(loader, state) < epochs and not self._done():
@@ -258,8 +258,9 @@ class Trainer:
                     for batch in meter.timed(loader):
                         if labels is not None:
                             labels.batch(batch)  # a no-op when the whole dataset was checked at start
-                        state.advance(step(state, batch), meter.count(batch))
-                        watch.add(state.running)
+                        running = step(state, batch)
+                        advance(running, count(batch))
+                        mark(running)
                         if voting:
                             self._vote_stop(signals)
                         if per_batch:
@@ -328,8 +329,7 @@ class Trainer:
 
     def _end_epoch(self, loader: Iterable[Any], val_loader: Iterable[Any] | None, callbacks: CallbackList,
                    meter: Meter, every: Cadences) -> None:
-        state = self.state
-        self._check_finite(loader)
+        state = self.state  # (the loop looked for non-finite steps right before)
         if not every.report.by_step(state.step) and meter.pending:
             self._report(loader, callbacks, meter)
         totals = self._totals()
