@@ -1,13 +1,21 @@
 """Trainer overhead: mlx-train's Trainer against a hand-written compiled MLX loop.
 
-Both sides train the same model on the same data with the same batch size, in this process,
-alternating rounds so machine noise hits both. The hand-written loop is written the way
-mlx-lm's trainer is: one ``mx.compile``d step with model/optimizer/RNG state captured, lazily
-summed losses, ``mx.eval`` once per step, a report every 10 steps. Both clocks start at the
-report of step 10 (compilation and warm-up left out) and stop after the last step; the Trainer
-is timed from its ``on_report`` and ``on_fit_end`` events, so no per-batch callback is added to it.
-Each side is timed three ways: wall time (the ratio that matters on a quiet machine); this process's
-CPU time, all threads (``time.process_time``); and the main thread's CPU time per step
+All sides train the same model on the same data with the same batch size, in this process,
+alternating rounds so machine noise hits each. The hand-written loop is written the way mlx-lm's
+trainer is: one ``mx.compile``d step with model/optimizer/RNG state captured, lazily summed losses,
+``mx.eval`` once per step, a report every 10 steps. It runs two ways:
+
+- ``hand``: what mlx-lm's report does, as plain Python: each step's time is taken (``perf_counter``
+  before and after), and every 10 steps the loss, the item count and the learning rate are read and one
+  line with loss, learning rate, steps/s, items/s, items trained and peak memory is printed (to the same
+  redirected stdout as the Trainer's report line; mlx-lm prints it through rich, which costs more);
+- ``bare``: the loop alone, reading only the loss at a report and printing nothing. The Trainer prints
+  its report line by default (``ProgressBar``), so this side does less than a user of either gets.
+
+Both clocks start at the report of step 10 (compilation and warm-up left out) and stop after the last
+step; the Trainer is timed from its ``on_report`` and ``on_fit_end`` events, so no per-batch callback is
+added to it. Each side is timed three ways: wall time (the ratio that matters on a quiet machine); this
+process's CPU time, all threads (``time.process_time``); and the main thread's CPU time per step
 (``time.thread_time``: the host work of the loop, from data to dispatch and bookkeeping, while MLX
 computes on its own threads). On a machine shared with other jobs the CPU times move far less with
 their load, which mostly makes wall time wait.
@@ -60,8 +68,9 @@ def _loss(model, *batch):
     return nn.losses.cross_entropy(logits.astype(mx.float32), tokens[:, 1:]).mean(), mx.array(tokens[:, 1:].size)
 
 
-def hand_written(data, info, name, options, batch_size, epochs, max_steps):
-    """The baseline: a compiled step and a plain loop, mlx-lm style. Returns (steps/s, steps per CPU second)."""
+def hand_written(data, info, name, options, batch_size, epochs, max_steps, report_line=True):
+    """The baseline: a compiled step and a plain loop, mlx-lm style; ``report_line=False`` is the bare loop
+    (see the module docstring). Returns ``_rates``."""
     mx.random.seed(0)
     model = build_model(name, info, **options)
     optimizer = optim.AdamW(learning_rate=1e-3)
@@ -77,24 +86,39 @@ def hand_written(data, info, name, options, batch_size, epochs, max_steps):
     arrays = _arrays(data)
     n = len(arrays[0])
     steps, losses, items = 0, mx.array(0.0), mx.array(0.0)
+    train_time, trained = 0.0, 0.0
     start = None
     for epoch in range(epochs):
         order = np.random.default_rng([0, epoch]).permutation(n)
         for i in range(0, n - batch_size + 1, batch_size):
+            tic = time.perf_counter()
             idx = order[i:i + batch_size]
             batch = [mx.array(a[idx]) for a in arrays]
             loss, count = step(*batch)
             losses, items = losses + loss * count, items + count
             mx.eval(state, losses, items)
+            train_time += time.perf_counter() - tic
             steps += 1
             if steps % 10 == 0:
-                _ = (losses / items).item()
-                losses, items = mx.array(0.0), mx.array(0.0)
+                if report_line:
+                    _report_line(steps, losses.item(), items.item(), optimizer.learning_rate.item(), train_time,
+                                 trained)
+                    trained += items.item()
+                else:
+                    _ = (losses / items).item()
+                losses, items, train_time = mx.array(0.0), mx.array(0.0), 0.0
             if steps == WARMUP:
                 start = _clocks()  # compilation and warm-up left out
             if steps >= max_steps:
                 return _rates(steps - WARMUP, start, _clocks())
     return _rates(steps - WARMUP, start, _clocks())
+
+
+def _report_line(step, loss_sum, items, learning_rate, seconds, trained):
+    """mlx-lm's report line (its ``report_train``), printed plainly."""
+    print(f"Iter {step}: Train loss {loss_sum / items:.3f}, Learning Rate {learning_rate:.3e}, "
+          f"It/sec {10 / seconds:.3f}, Items/sec {items / seconds:.3f}, Trained Items {trained + items:.0f}, "
+          f"Peak mem {mx.get_peak_memory() / 1e9:.3f} GB", flush=True)
 
 
 WARMUP = 10  # steps before the clocks start (a report is due there on both sides)
@@ -135,6 +159,15 @@ def with_trainer(data, info, name, options, batch_size, epochs, max_steps):
     return _rates(timer.steps - WARMUP, timer.start, timer.end)
 
 
+def _hand(*args):
+    with contextlib.redirect_stdout(io.StringIO()):  # where the Trainer's report lines go too
+        return hand_written(*args)
+
+
+def _bare(*args):
+    return hand_written(*args, report_line=False)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
@@ -150,24 +183,29 @@ def main() -> None:
         dataset, name, options, batch_size, epochs, max_steps = WORKLOADS[workload]
         max_steps = args.steps or max_steps
         splits = load_dataset(dataset, seed=0)
-        hand, ours = [], []
-        for i in range(args.rounds):  # the side that goes first alternates too: no order effect favours one
-            sides = [(hand, hand_written), (ours, with_trainer)]
-            for results, run in sides if i % 2 == 0 else sides[::-1]:
-                results.append(run(splits["train"], splits["info"], name, options, batch_size, epochs, max_steps))
-        wall = [o[0] / h[0] for h, o in zip(hand, ours, strict=True)]
-        cpu = [o[1] / h[1] for h, o in zip(hand, ours, strict=True)]
-        print(f"{workload}: per-round ratios, wall " + " ".join(f"{r:.3f}" for r in wall) +
-              "; CPU " + " ".join(f"{r:.3f}" for r in cpu))
-        host = (statistics.median(h[2] for h in hand), statistics.median(o[2] for o in ours))
-        rows.append((workload, batch_size, statistics.median(h[0] for h in hand),
-                     statistics.median(o[0] for o in ours), statistics.median(wall), statistics.median(cpu), host))
-    print(f"\n{'workload':<12} {'batch':>5} {'hand-written steps/s':>21} {'Trainer steps/s':>16} "
-          f"{'wall ratio':>11} {'CPU ratio':>10} {'main-thread us/step hand, Trainer':>34}   "
-          f"(medians of {args.rounds} rounds)")
-    for workload, batch_size, h, o, ratio, cpu_ratio, host in rows:
-        print(f"{workload:<12} {batch_size:>5} {h:>21.1f} {o:>16.1f} {ratio:>11.3f} {cpu_ratio:>10.3f} "
-              f"{host[0]:>25.1f}, {host[1]:>7.1f}")
+        results = {"hand": [], "bare": [], "Trainer": []}
+        sides = [(results["hand"], _hand), (results["bare"], _bare), (results["Trainer"], with_trainer)]
+        for i in range(args.rounds):  # the order alternates too: no order effect favours one side
+            for out, run in sides if i % 2 == 0 else sides[::-1]:
+                out.append(run(splits["train"], splits["info"], name, options, batch_size, epochs, max_steps))
+        ours = results["Trainer"]
+        ratios = {}
+        for base in ("hand", "bare"):
+            wall = [o[0] / h[0] for h, o in zip(results[base], ours, strict=True)]
+            cpu = [o[1] / h[1] for h, o in zip(results[base], ours, strict=True)]
+            print(f"{workload}, Trainer / {base}: per-round ratios, wall " + " ".join(f"{r:.3f}" for r in wall) +
+                  "; CPU " + " ".join(f"{r:.3f}" for r in cpu))
+            ratios[base] = (statistics.median(wall), min(wall), max(wall), statistics.median(cpu))
+        rates = {side: statistics.median(r[0] for r in runs) for side, runs in results.items()}
+        host = {side: statistics.median(r[2] for r in runs) for side, runs in results.items()}
+        rows.append((workload, batch_size, rates, ratios, host))
+    print(f"\n(medians of {args.rounds} rounds; ratios: Trainer / hand-written, over 1 the Trainer is faster)")
+    print(f"{'workload':<12} {'steps/s hand, bare, Trainer':>28} {'wall ratio vs hand':>19} {'vs bare':>8} "
+          f"{'CPU ratio vs hand':>18} {'vs bare':>8} {'main-thread us/step hand, bare, Trainer':>40}")
+    for workload, _, rates, ratios, host in rows:
+        print(f"{workload:<12} {rates['hand']:>10.1f},{rates['bare']:>8.1f},{rates['Trainer']:>8.1f} "
+              f"{ratios['hand'][0]:>19.3f} {ratios['bare'][0]:>8.3f} {ratios['hand'][3]:>18.3f} "
+              f"{ratios['bare'][3]:>8.3f} {host['hand']:>22.1f},{host['bare']:>8.1f},{host['Trainer']:>8.1f}")
 
 
 if __name__ == "__main__":

@@ -138,3 +138,16 @@ def test_split_batch_keeps_every_item_once():
     assert np.array_equal(np.concatenate([np.array(p[0]) for p in parts]), np.arange(10))
     parts = split_batch({"a": x}, 4)
     assert sum(p["a"].shape[0] for p in parts) == 10
+
+
+def test_each_epoch_starts_from_fresh_zero_sums_whatever_the_last_one_summed():
+    model, state = _run(1, _batch(), max_grad_norm=1.0, nonfinite="skip")
+    step = build_step(model, optim.SGD(0.1), Loss(_squared), StepOptions(max_grad_norm=1.0, nonfinite="skip"),
+                      state.loss_scale)
+    first = step.zero_running()
+    assert set(first) == {"loss_sum", "items", "window:loss_sum", "window:items", "nonfinite", "grad_norm"}
+    first.update(state.running)  # an epoch's sums written into the dict it started from
+    second = step.zero_running()
+    assert second is not first and set(second) == set(first)
+    assert all(v.item() == 0.0 for v in second.values())
+    assert state.running["loss_sum"].item() > 0  # what the first epoch summed is not zero

@@ -133,6 +133,8 @@ class CallbackList:
         self.callbacks = [as_callback(c) for c in callbacks]
         self._by_event = {e: [getattr(c, e) for c in self.callbacks if _overrides(c, e)] for e in EVENTS}
         self._metric_sources = [c.report_metrics for c in self.callbacks if hasattr(c, "report_metrics")]
+        #: Some callback adds values to reports (``report_metrics``): most runs have none.
+        self.has_metrics = bool(self._metric_sources)
 
     def has(self, event: str) -> bool:
         return bool(self._by_event[event])

@@ -105,15 +105,14 @@ class ProgressBar(Callback):
         if self._progress is not None:
             self._progress.console.print(line)
         else:
-            print(line, file=self.stream, flush=True)
+            self.stream.write(line + "\n")  # one write and a flush, as a report line
+            self.stream.flush()
 
     def on_epoch_end(self, trainer: Trainer, epoch: int, logs: dict[str, Any]) -> None:
         line = format_epoch(epoch, trainer.epochs, logs, time.perf_counter() - self._epoch_start)
         if self._progress is not None:
             self._progress.update(self._task, completed=trainer.step)
-            self._progress.console.print(line)
-        else:
-            print(line, file=self.stream, flush=True)
+        self._print(line)
 
     def on_fit_end(self, trainer: Trainer, history: dict[str, Any]) -> None:
         self._stop()

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import platform
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 import mlx.core as mx
@@ -41,6 +42,18 @@ from mlx_train.training.losses import METRIC_PREFIX, WINDOW_PREFIX
 
 FORMAT_VERSION = 4  # 3: the history in chunk files beside the checkpoints; 4: the report window's own sums
 RUNNING_KEYS = ("loss_sum", "items")
+
+
+@lru_cache(maxsize=1)
+def zero() -> mx.array:
+    """The zero every fresh on-device sum starts from (arrays are immutable: one serves them all), made at its
+    first use (not on import: no device work before the program has chosen its device).
+
+    Example::
+
+        running = {"loss_sum": zero(), "items": zero()}
+    """
+    return mx.array(0.0)
 
 
 def summed_over_ranks(key: str) -> bool:
@@ -216,9 +229,11 @@ class LoopState:
         """A report read the window (``totals``: the epoch's sums over ranks; ``items`` the window's): the next
         window starts here, its on-device sums back at zero (no sync)."""
         self.trained_items += items
-        self.report_base = {**{k: v for k, v in totals.items() if not k.startswith(WINDOW_PREFIX)}, "step": self.step}
-        zero = mx.array(0.0)  # arrays are immutable: one zero serves every window sum
-        self.running = {k: zero if k.startswith(WINDOW_PREFIX) else v for k, v in self.running.items()}
+        base = {k: v for k, v in totals.items() if not k.startswith(WINDOW_PREFIX)}
+        base["step"] = self.step
+        self.report_base = base
+        fresh = zero()
+        self.running = {k: fresh if k.startswith(WINDOW_PREFIX) else v for k, v in self.running.items()}
 
     def end_epoch(self, logs: dict[str, Any]) -> None:
         """The epoch's end ran (validation, logs): ``logs`` join the history, the epoch's sums are closed."""

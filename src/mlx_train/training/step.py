@@ -31,6 +31,7 @@ from mlx.utils import tree_flatten, tree_map
 from mlx_train.errors import DataError
 from mlx_train.training.extensions import StepExtension
 from mlx_train.training.losses import METRIC_PREFIX, WINDOW_PREFIX, Loss, add_metrics, count_correct
+from mlx_train.training.state import zero
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
@@ -124,19 +125,21 @@ class TrainStep:
         self._guarded = self.dynamic_scaling or options.nonfinite == "skip"
         # One micro-batch on one process: the gradient of the mean is used as is (fewer operations).
         self._single = options.accumulation == 1 and reduction is None
+        self._zero: dict[str, mx.array] | None = None  # zero_running(), made once
 
     def zero_running(self) -> dict[str, mx.array]:
         """Fresh on-device sums for an epoch's reported training metrics, and the same sums for the report
         window (``window:<key>``, zeroed at each report); ``nonfinite``, in guarded steps, counts the steps
         whose loss or gradient was NaN/Inf and were undone."""
-        sums = ["loss_sum", "items", *(METRIC_PREFIX + name for name in self.loss.metric_names)]
-        zero = mx.array(0.0)  # arrays are immutable: one zero serves every sum
-        running = {prefix + key: zero for prefix in ("", WINDOW_PREFIX) for key in sums}
-        if self._guarded:
-            running["nonfinite"] = zero
-        if self.options.max_grad_norm is not None:
-            running["grad_norm"] = zero
-        return running
+        if self._zero is None:  # the same keys every epoch: found once
+            sums = ["loss_sum", "items", *(METRIC_PREFIX + name for name in self.loss.metric_names)]
+            fresh = zero()
+            self._zero = {prefix + key: fresh for prefix in ("", WINDOW_PREFIX) for key in sums}
+            if self._guarded:
+                self._zero["nonfinite"] = fresh
+            if self.options.max_grad_norm is not None:
+                self._zero["grad_norm"] = fresh
+        return dict(self._zero)
 
     def __call__(self, state: Any, batch: Any) -> dict[str, mx.array]:
         if self._single:  # one micro-batch, one process: the shortest path

@@ -247,7 +247,7 @@ class Trainer:
             per_batch = callbacks.has("on_batch_end")
             voting = self.group is not None and self.group.size() > 1
             labels = LabelCheck.for_run(self.loss, self.model, loader)
-            watch = self._watch
+            advance, count, mark = state.advance, meter.count, self._watch.add  # the step path's calls, found once
             callbacks.call("on_fit_start", self)
             try:
                 while _epoch_of(loader, state) < epochs and not self._done():
@@ -258,8 +258,9 @@ class Trainer:
                     for batch in meter.timed(loader):
                         if labels is not None:
                             labels.batch(batch)  # a no-op when the whole dataset was checked at start
-                        state.advance(step(state, batch), meter.count(batch))
-                        watch.add(state.running)
+                        running = step(state, batch)
+                        advance(running, count(batch))
+                        mark(running)
                         if voting:
                             self._vote_stop(signals)
                         if per_batch:
@@ -328,8 +329,7 @@ class Trainer:
 
     def _end_epoch(self, loader: Iterable[Any], val_loader: Iterable[Any] | None, callbacks: CallbackList,
                    meter: Meter, every: Cadences) -> None:
-        state = self.state
-        self._check_finite(loader)
+        state = self.state  # (the loop looked for non-finite steps right before)
         if not every.report.by_step(state.step) and meter.pending:
             self._report(loader, callbacks, meter)
         totals = self._totals()
@@ -359,6 +359,9 @@ class Trainer:
             self._save(checkpoints, loader, callbacks, meter)
 
     def _report(self, loader: Iterable[Any], callbacks: CallbackList, meter: Meter) -> None:
+        """One report: a look for non-finite steps, one read of the running sums (summed over ranks), the logs
+        built once for the callbacks that take reports. The loop's largest host work between two steps (one
+        report every 10 steps by default): each value is read once and no dict is built twice."""
         self._check_finite(loader)
         state = self.state
         grad_norm = state.running.get("grad_norm")
@@ -367,8 +370,9 @@ class Trainer:
         logs = meter.report(window, float(self.optimizer.learning_rate.item()),
                             None if grad_norm is None else float(grad_norm.item()))  # type: ignore[arg-type]
         state.close_window(totals, window["items"])  # the window was read (and summed over ranks): the next starts
-        extra = callbacks.report_metrics()
-        callbacks.call("on_report", self, {**logs, **extra} if extra else logs)
+        if callbacks.has_metrics:
+            logs.update(callbacks.report_metrics())
+        callbacks.call("on_report", self, logs)
 
     def _validate(self, loader: Iterable[Any], val_loader: Iterable[Any], callbacks: CallbackList,
                   meter: Meter) -> None:
@@ -619,7 +623,10 @@ class Trainer:
         """The epoch's and the report window's loss sum and item count (and a loss's metric sums), summed over
         ranks (report time only)."""
         running = self.state.running
-        return self._reduce({k: running[k] for k in _summed_keys(tuple(running))})
+        keys = _summed_keys(tuple(running))
+        if self.group is None or self.group.size() == 1:  # one process: read them as they are
+            return {k: float(running[k].item()) for k in keys}  # type: ignore[arg-type]  # real scalars
+        return self._reduce({k: running[k] for k in keys})
 
     def _reduce(self, values: dict[str, mx.array]) -> dict[str, float]:
         """Sum on-device values over ranks and read them: the one place metrics cross processes."""
