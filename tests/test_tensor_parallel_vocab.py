@@ -202,3 +202,14 @@ def test_the_planner_counts_the_vocabulary_only_over_the_ranks_it_divides_by():
     assert sum(v.size for _, v in tree_flatten(model.parameters())) - measure_split(model).parameters == 5 * 32
     analytic = MemoryModel.analytic(1e9, "float32", "adamw", 512)  # a 32000-row vocabulary: split too
     assert analytic.parameter_count - analytic.split.parameters < 1e-3 * analytic.parameter_count
+
+
+def test_a_vocabulary_left_whole_is_named_in_one_line():
+    model, _ = llm_tiny.make_model(97, seed=0)
+    tensor_parallel.shard_model(model, _Rank())
+    assert tensor_parallel.replicated_vocabulary(model, _Rank()) == (
+        "the vocabulary (97 rows) does not divide by 2 ranks: the token embedding and output head stay whole on "
+        "every rank")
+    model, _ = llm_tiny.make_model(96, seed=0)
+    tensor_parallel.shard_model(model, _Rank())
+    assert tensor_parallel.replicated_vocabulary(model, _Rank()) is None

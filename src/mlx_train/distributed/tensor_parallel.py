@@ -67,7 +67,8 @@ from mlx_train.training.step import Reduction
 
 __all__ = ["Shardable", "shard_model", "shard_layout", "is_sharded", "gather_parameters", "take_shard",
            "tensor_parallel_reduction", "replicated_agree", "ShardedCheckpoints", "write_shard", "read_shard",
-           "reshard", "prune_shards", "shard_vocabulary", "VocabParallelEmbedding", "VocabParallelHead"]
+           "reshard", "prune_shards", "shard_vocabulary", "replicated_vocabulary", "VocabParallelEmbedding",
+           "VocabParallelHead"]
 
 #: The axis of each parameter that MLX's sharded layers split over the group (None: replicated).
 MLX_SHARDED_AXES: dict[type, dict[str, int | None]] = {
@@ -501,9 +502,28 @@ def shard_for_finetune(model: nn.Module, spec: Any, group: Any) -> dict[str, int
     from mlx_train.llm.adapters import apply_adapters
 
     shard_model(model, group)
+    note = replicated_vocabulary(model, group)
+    if note and group.rank() == 0:
+        print(note, flush=True)
     materialize(model)
     apply_adapters(model, spec)
     return shard_layout(model)
+
+
+def replicated_vocabulary(model: nn.Module, group: Any) -> str | None:
+    """A line saying why the token embedding of a split ``model`` stays whole on every rank, None when it is
+    split by vocabulary (or the model has no ``model.embed_tokens``).
+
+    Example: ``replicated_vocabulary(model, group)`` -> ``"the vocabulary (49153 rows) does not divide ..."``
+    """
+    body = model.get("model") if isinstance(model, nn.Module) else None
+    embedding = body.get("embed_tokens") if isinstance(body, nn.Module) else None
+    if embedding is None or isinstance(embedding, VocabParallelEmbedding) or group.size() == 1:
+        return None
+    rows = embedding.weight.shape[0]
+    why = (f"the vocabulary ({rows} rows) does not divide by {group.size()} ranks" if rows % group.size() else
+           f"{type(embedding).__name__} (or the model's head) is not one that splits by vocabulary")
+    return f"{why}: the token embedding and output head stay whole on every rank"
 
 
 def save_gathered_adapters(model: nn.Module, spec: Any, directory: str, group: Any,
