@@ -32,9 +32,10 @@ replicated.
 Everything else (norms, attention that ``shard`` leaves whole, an unsplit embedding or head) is
 replicated: every rank computes it on the same batch from the same inputs, and the all-reduces inside
 the sharded layers leave bit-identical values on every rank, so its gradients agree across ranks
-without communication (``replicated_agree`` checks it). The sharded layers' gradients are each rank's slice of the full
-gradient (``AllToShardedLinear`` all-reduces its input's gradient in the backward pass), so no
-gradient is all-reduced; the optimizer state, made from the sharded parameters, is sharded too.
+without communication (``replicated_agree`` checks it). The sharded layers' gradients are each
+rank's slice of the full gradient (``AllToShardedLinear`` and the split head all-reduce their input's
+gradient in the backward pass), so no gradient is all-reduced; the optimizer state, made from the
+sharded parameters, is sharded too.
 
 Checkpoints hold each rank's slices and the layout (see the checkpoint section below); adapters
 are written whole (``save_gathered_adapters``). Tensor x data parallelism is not supported: the
