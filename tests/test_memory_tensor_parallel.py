@@ -31,7 +31,7 @@ def _transformer(dims=256, heads=8, layers=4):
     return model
 
 
-def test_the_split_of_a_tiny_llama_is_its_attention_and_mlp_matrices():
+def test_the_split_of_a_tiny_llama_is_its_attention_and_mlp_matrices_and_its_vocabulary():
     pytest.importorskip("mlx_lm")
     import llm_tiny
 
@@ -40,10 +40,12 @@ def test_the_split_of_a_tiny_llama_is_its_attention_and_mlp_matrices():
     split = measure_split(model)
     hidden, mlp, kv = 32, 64, 32 * 2 // 4
     per_block = 2 * hidden * hidden + 2 * kv * hidden + 3 * hidden * mlp  # q, o; k, v; gate, up, down
-    assert split.parameters == split.trainable == 2 * per_block and split.parameter_bytes == 4 * 2 * per_block
+    embedding = 96 * hidden  # split by vocabulary rows
+    assert split.parameters == split.trainable == 2 * per_block + embedding
+    assert split.parameter_bytes == 4 * split.parameters
     assert split.ranks == (2,)  # 2 key/value heads: not over 4
     whole = sum(v.size for _, v in tree_flatten(model.parameters()))
-    assert whole - split.parameters == 96 * hidden + (2 * 2 + 1) * hidden  # embedding and norms stay whole
+    assert whole - split.parameters == (2 * 2 + 1) * hidden  # the norms stay whole
     assert {k: v.shape for k, v in tree_flatten(model.parameters())} == before  # the model is left whole
     assert measure_split(MLP(8, [16], 4)) is None  # no shard(): nothing known to split
 

@@ -104,7 +104,8 @@ def measure_split(model: Any, most: int = 64) -> Any:
             found = shard_model(copy.deepcopy(model), _Stand_in_group(size))
         except ConfigError:  # heads or widths that do not divide: nor will they by a larger power of two
             break
-        layout = layout or found
+        # split at every rank count listed: a vocabulary that divides by 2 but not by 4 splits only over 2
+        layout = {key: axis for key, axis in found.items() if key in layout} if ranks else found
         ranks.append(size)
         size *= 2
     if not layout:

@@ -114,7 +114,7 @@ def estimate_step_comm_seconds(model: Any, group: Any) -> float:
 # -- the collectives of a tensor-parallel step ---------------------------------------------------
 
 #: The ``mx.distributed`` collectives that ``recording_collectives`` records (and ``time_collectives`` replays).
-RECORDED = ("all_sum", "all_gather", "sum_scatter")
+RECORDED = ("all_sum", "all_max", "all_min", "all_gather", "sum_scatter")
 
 
 @dataclass(frozen=True)
@@ -136,10 +136,10 @@ class Collective:
 
 @contextmanager
 def recording_collectives() -> Iterator[list[Collective]]:
-    """Record every ``mx.distributed.all_sum`` / ``all_gather`` / ``sum_scatter`` called (from Python) in the
-    block, in call order; the calls still happen. MLX's sharded layers and their gradients (custom VJPs run
-    when the gradient graph is built) look these functions up at each call, so building a step's graph
-    inside the block lists all its collectives without evaluating anything.
+    """Record every ``mx.distributed.all_sum`` / ``all_max`` / ``all_min`` / ``all_gather`` / ``sum_scatter``
+    called (from Python) in the block, in call order; the calls still happen. MLX's sharded layers and their
+    gradients (custom VJPs run when the gradient graph is built) look these functions up at each call, so
+    building a step's graph inside the block lists all its collectives without evaluating anything.
 
     Example::
 

@@ -18,12 +18,24 @@ follow (``Model.shard(group)``, built on ``mlx.nn.layers.distributed.shard_linea
   segments=k)`` (fused QKV) is not described by the layout, so checkpoints of such a model resume
   only on the same number of ranks.
 
-Everything else (embeddings, norms, an unsplit output head) is replicated: every rank computes
-it on the same batch from the same inputs, and the all-reduces inside the sharded layers leave
-bit-identical values on every rank, so its gradients agree across ranks without communication
-(``replicated_agree`` checks it). The sharded layers' gradients are each rank's slice of the full
-gradient (``AllToShardedLinear`` all-reduces its input's gradient in the backward pass), so no
-gradient is all-reduced; the optimizer state, made from the sharded parameters, is sharded too.
+The vocabulary is split too (``shard_vocabulary``, which ``shard_model`` calls after ``shard``): for an
+mlx-lm model whose logits are its head applied to ``model.model``'s output (``llm.loss.output_head``) and
+whose vocabulary divides by the group size, the token embedding (``VocabParallelEmbedding``) and an untied
+``lm_head`` (``VocabParallelHead``) keep the rows of their slice of the vocabulary (axis 0 in the layout).
+A tied embedding stays tied: the same slice serves the input lookup and the head. The lookup gives zeros
+for the ids another rank holds and sums over the group; the head gives each rank its slice of the logits,
+which ``llm.loss.target_logprobs`` turns into log-probabilities with a logsumexp over the group, chunk by
+chunk, never gathering them; calling the model (``model(tokens)``) gathers the whole logits. A vocabulary
+that does not divide by the group size, a quantized embedding, or a model with another head stays
+replicated.
+
+Everything else (norms, attention that ``shard`` leaves whole, an unsplit embedding or head) is
+replicated: every rank computes it on the same batch from the same inputs, and the all-reduces inside
+the sharded layers leave bit-identical values on every rank, so its gradients agree across ranks
+without communication (``replicated_agree`` checks it). The sharded layers' gradients are each
+rank's slice of the full gradient (``AllToShardedLinear`` and the split head all-reduce their input's
+gradient in the backward pass), so no gradient is all-reduced; the optimizer state, made from the
+sharded parameters, is sharded too.
 
 Checkpoints hold each rank's slices and the layout (see the checkpoint section below); adapters
 are written whole (``save_gathered_adapters``). Tensor x data parallelism is not supported: the
@@ -41,7 +53,7 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Callable
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -56,7 +68,8 @@ from mlx_train.training.step import Reduction
 
 __all__ = ["Shardable", "shard_model", "shard_layout", "is_sharded", "gather_parameters", "take_shard",
            "tensor_parallel_reduction", "replicated_agree", "ShardedCheckpoints", "write_shard", "read_shard",
-           "reshard", "prune_shards"]
+           "reshard", "prune_shards", "shard_vocabulary", "replicated_vocabulary", "VocabParallelEmbedding",
+           "VocabParallelHead"]
 
 #: The axis of each parameter that MLX's sharded layers split over the group (None: replicated).
 MLX_SHARDED_AXES: dict[type, dict[str, int | None]] = {
@@ -115,14 +128,18 @@ def is_sharded(model: nn.Module) -> bool:
 
 
 def shard_model(model: nn.Module, group: Any) -> dict[str, int]:
-    """Split ``model`` over ``group`` with its ``shard(group)`` method (in place) and return its layout.
+    """Split ``model`` over ``group`` with its ``shard(group)`` method (in place), then its vocabulary
+    (``shard_vocabulary``), and return its layout.
 
-    A model already sharded is left as it is. Raises ``ConfigError`` for a model without ``shard``,
-    or one whose sizes do not divide by the group size.
+    A model already sharded keeps its split layers (its vocabulary is split if it is not yet). Raises
+    ``ConfigError`` for a model without ``shard``, or one whose sizes do not divide by the group size.
 
     Example: ``layout = shard_model(model, mx.distributed.init())``
     """
-    if is_sharded(model) or group.size() == 1:
+    if group.size() == 1:
+        return shard_layout(model)
+    if is_sharded(model):
+        shard_vocabulary(model, group)
         return shard_layout(model)
     if not isinstance(model, Shardable):
         raise ConfigError(
@@ -143,6 +160,7 @@ def shard_model(model: nn.Module, group: Any) -> dict[str, int]:
         ) from error
     finally:  # what follows (adapters, dropout) draws the same numbers as without sharding
         set_rng_key(key)
+    shard_vocabulary(model, group)
     layout = shard_layout(model)
     if not layout:
         raise ConfigError(f"{type(model).__name__}.shard(group) left no layer sharded: it must replace layers "
@@ -159,6 +177,117 @@ def materialize(model: nn.Module) -> None:
     """
     for _, value in tree_flatten(model.parameters()):
         mx.eval(value)
+
+
+# -- the vocabulary ---------------------------------------------------------------------------
+
+
+def _gather_vocabulary(local: mx.array, group: Any) -> mx.array:
+    """The whole logits from each rank's slice of the vocabulary (the last axis); the backward pass gives
+    each rank its slice of the cotangent (``all_gather``'s own gradient)."""
+    joined = mx.distributed.all_gather(mx.moveaxis(local, -1, 0), group=group)
+    return mx.moveaxis(joined, 0, -1)
+
+
+class _VocabularySlice(nn.Module):
+    """Rows ``[vocab_offset, vocab_offset + rows)`` of a ``[vocabulary, dims]`` matrix split over ``group``.
+
+    ``local_logits(x)`` is ``x @ weight.T`` for this rank's slice of the vocabulary, with the gradient of ``x``
+    summed over the group in the backward pass (as ``AllToShardedLinear`` does); ``llm.loss`` finds a split
+    head by it. Calling the module as a head gathers the whole logits.
+    """
+
+    sharded_axes: dict[str, int | None] = {"weight": 0}
+
+    def __init__(self, weight: mx.array, group: Any) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]  # mlx.nn.Module; untyped_calls_exclude misses super()
+        size, rank = group.size(), group.rank()
+        rows = weight.shape[0] // size
+        self.weight = mx.contiguous(weight[rank * rows:(rank + 1) * rows])
+        self.group = group
+        self.vocab_offset = rank * rows
+
+    def local_logits(self, x: mx.array) -> mx.array:
+        """``[..., rows]``: the logits of this rank's slice of the vocabulary."""
+        x = mlx_distributed.sum_gradients(self.group)(x)
+        return x @ self.weight.T
+
+    def _keep_frozen(self, source: nn.Module) -> None:
+        if not tree_flatten(source.trainable_parameters()):
+            self.freeze()
+
+
+class VocabParallelEmbedding(_VocabularySlice):
+    """``nn.Embedding`` split by vocabulary rows over a group: a lookup gives each id's row from the rank that
+    holds it (zeros elsewhere, summed over the group; the gradient lands in that rank's rows only), and
+    ``as_linear`` (a tied head) the whole logits, gathered. Parameter name and layout: ``weight``, axis 0.
+
+    Example: ``model.model.embed_tokens = VocabParallelEmbedding.from_embedding(model.model.embed_tokens, group)``
+    """
+
+    @classmethod
+    def from_embedding(cls, embedding: nn.Embedding, group: Any) -> VocabParallelEmbedding:
+        """This rank's rows of ``embedding`` (frozen if it was)."""
+        split = cls(embedding.weight, group)
+        split._keep_frozen(embedding)
+        return split
+
+    def __call__(self, ids: mx.array) -> mx.array:
+        local = ids - self.vocab_offset
+        inside = (local >= 0) & (local < self.weight.shape[0])
+        rows = self.weight[mx.where(inside, local, 0)]
+        return mx.distributed.all_sum(mx.where(inside[..., None], rows, mx.zeros_like(rows)), group=self.group)
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        """The whole logits of a tied head (each rank's slice, gathered)."""
+        return _gather_vocabulary(self.local_logits(x), self.group)
+
+
+class VocabParallelHead(_VocabularySlice):
+    """An output ``nn.Linear`` (no bias) split by vocabulary rows over a group: called, it gives the whole
+    logits (gathered); ``local_logits`` this rank's slice. Parameter name and layout: ``weight``, axis 0.
+
+    Example: ``model.lm_head = VocabParallelHead.from_linear(model.lm_head, group)``
+    """
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group: Any) -> VocabParallelHead:
+        """This rank's rows of ``linear`` (frozen if it was)."""
+        split = cls(linear.weight, group)
+        split._keep_frozen(linear)
+        return split
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return _gather_vocabulary(self.local_logits(x), self.group)
+
+
+def shard_vocabulary(model: nn.Module, group: Any) -> bool:
+    """Split ``model``'s token embedding (and an untied ``lm_head``) by vocabulary rows over ``group``, in
+    place; True when split (or already split). Left replicated (False): a model whose head
+    ``llm.loss.output_head`` does not find, a vocabulary that does not divide by ``group.size()``, a
+    quantized embedding or a head with a bias.
+
+    Example: ``shard_vocabulary(model, group)  # model.model.embed_tokens is a VocabParallelEmbedding``
+    """
+    from mlx_train.llm.loss import output_head
+
+    found = output_head(model) if group.size() > 1 else None
+    if found is None:
+        return False
+    head, _ = found
+    body = model["model"]
+    embedding = body.get("embed_tokens")
+    if isinstance(embedding, VocabParallelEmbedding):
+        return True
+    tied = head is embedding
+    if type(embedding) is not nn.Embedding or embedding.weight.shape[0] % group.size():
+        return False
+    if not tied and (type(head) is not nn.Linear or "bias" in head or head.weight.shape[0] % group.size()):
+        return False
+    body.embed_tokens = VocabParallelEmbedding.from_embedding(embedding, group)
+    if not tied:
+        model.lm_head = VocabParallelHead.from_linear(cast(nn.Linear, head), group)
+    return True
 
 
 HEAD_COUNTS = ("n_heads", "n_kv_heads", "num_heads", "num_key_value_heads")
@@ -374,9 +503,28 @@ def shard_for_finetune(model: nn.Module, spec: Any, group: Any) -> dict[str, int
     from mlx_train.llm.adapters import apply_adapters
 
     shard_model(model, group)
+    note = replicated_vocabulary(model, group)
+    if note and group.rank() == 0:
+        print(note, flush=True)
     materialize(model)
     apply_adapters(model, spec)
     return shard_layout(model)
+
+
+def replicated_vocabulary(model: nn.Module, group: Any) -> str | None:
+    """A line saying why the token embedding of a split ``model`` stays whole on every rank, None when it is
+    split by vocabulary (or the model has no ``model.embed_tokens``).
+
+    Example: ``replicated_vocabulary(model, group)`` -> ``"the vocabulary (49153 rows) does not divide ..."``
+    """
+    body = model.get("model") if isinstance(model, nn.Module) else None
+    embedding = body.get("embed_tokens") if isinstance(body, nn.Module) else None
+    if embedding is None or isinstance(embedding, VocabParallelEmbedding) or group.size() == 1:
+        return None
+    rows = embedding.weight.shape[0]
+    why = (f"the vocabulary ({rows} rows) does not divide by {group.size()} ranks" if rows % group.size() else
+           f"{type(embedding).__name__} (or the model's head) is not one that splits by vocabulary")
+    return f"{why}: the token embedding and output head stay whole on every rank"
 
 
 def save_gathered_adapters(model: nn.Module, spec: Any, directory: str, group: Any,

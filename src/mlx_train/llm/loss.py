@@ -27,7 +27,14 @@ the plain loss, no recomputation. A trainable head (full fine-tuning, an adapter
 recomputes each chunk in the backward pass instead (``mx.checkpoint``). Given ``positions`` (the
 trained targets of each row, see ``trained_positions``) only those rows of the hidden states are
 projected: padding and masked prompt tokens cost nothing in the head. Other models get the full
-logits, as before. ``CHUNK_LOGITS = 0`` turns chunking off everywhere. A pass that is never
+logits, as before. ``CHUNK_LOGITS = 0`` turns chunking off everywhere.
+
+A head split by vocabulary over a tensor-parallel group (``distributed.tensor_parallel.shard_vocabulary``;
+it has ``local_logits``, ``vocab_offset`` and ``group``) is run the same way on each rank's slice of the
+vocabulary: the log-softmax normaliser is a logsumexp over the group (the maximum all-reduced with
+``all_max``, the sum of exponentials with ``all_sum``) and the target's logit comes from the rank that
+holds it (``all_sum`` of the masked slices); the hidden states' gradient is summed over the group.
+Without chunking the model's own call gathers the whole logits. A pass that is never
 differentiated can say so (``grad=False``: reference passes do); an evaluation through ``lm_loss``
 cannot, and pays one more matrix product per chunk for the gradient it does not use.
 
@@ -192,9 +199,47 @@ def _target_logits_vjp(primals: list[mx.array], cotangents: list[mx.array],
     return mx.where(hit, d_score, 0.0) + d_log_norm * mx.softmax(logits, axis=-1), mx.zeros_like(targets)
 
 
-def _frozen_head_logprobs(project: Callable[[mx.array], mx.array], chunk: int) -> Any:
+def vocab_split(head: nn.Module) -> tuple[int, Any] | None:
+    """``(first vocabulary row, group)`` of a head split by vocabulary over a tensor-parallel group (one with
+    ``local_logits``, ``vocab_offset`` and ``group``), None for a whole head.
+
+    Example: ``vocab_split(model.model.embed_tokens)`` -> ``(24576, group)`` on rank 1 of 2 for SmolLM2.
+    """
+    if not callable(getattr(head, "local_logits", None)):
+        return None
+    return int(head.vocab_offset), head.group
+
+
+def split_target_and_norm(logits: mx.array, targets: mx.array, offset: int, group: Any) -> tuple[mx.array, mx.array]:
+    """``(target logit, logsumexp)`` of each row of logits split by vocabulary over ``group``: ``logits
+    [..., rows]`` are this rank's columns ``[offset, offset + rows)``; every rank gets the whole-vocabulary
+    values (differentiable; the maximum is a constant, as in ``mx.logsumexp``). Every rank must call it.
+
+    Example: ``score, norm = split_target_and_norm(local, targets, rank * rows, group); logp = score - norm``
+    """
+    peak = mx.stop_gradient(mx.distributed.all_max(mx.max(logits, axis=-1), group=group))
+    total = mx.distributed.all_sum(mx.sum(mx.exp(logits - peak[..., None]), axis=-1), group=group)
+    local = targets - offset
+    inside = (local >= 0) & (local < logits.shape[-1])
+    picked = mx.take_along_axis(logits, mx.where(inside, local, 0)[..., None], axis=-1).squeeze(-1)
+    score = mx.distributed.all_sum(mx.where(inside, picked, mx.zeros_like(picked)), group=group)
+    return score, peak + mx.log(total)
+
+
+def _split_log_probs(split: tuple[int, Any]) -> Callable[[mx.array, mx.array], mx.array]:
+    def log_probs(logits: mx.array, targets: mx.array) -> mx.array:
+        score, log_norm = split_target_and_norm(logits.astype(mx.float32), targets, *split)
+        return score - log_norm
+
+    return log_probs
+
+
+def _frozen_head_logprobs(project: Callable[[mx.array], mx.array], chunk: int,
+                          split: tuple[int, Any] | None = None) -> Any:
     """``f(hidden [N, D], targets [N]) -> (log-probs [N], their gradients [N, D])`` in chunks; its
-    backward pass scales the stored gradients, so no chunk of logits outlives its forward pass."""
+    backward pass scales the stored gradients, so no chunk of logits outlives its forward pass.
+    ``split``: ``project`` gives this rank's slice of the vocabulary (see ``vocab_split``)."""
+    offset = 0 if split is None else split[0]
 
     @mx.custom_function
     def logprobs(hidden: mx.array, targets: mx.array) -> tuple[mx.array, mx.array]:
@@ -205,12 +250,18 @@ def _frozen_head_logprobs(project: Callable[[mx.array], mx.array], chunk: int) -
             if values:  # one chunk after the other: MLX would otherwise compute them side by side
                 h = mx.depends(h, [values[-1], grads[-1]])
             logits = project(h).astype(mx.float32)
-            log_norm = mx.logsumexp(logits, axis=-1)
-            values.append(mx.take_along_axis(logits, t[:, None], axis=-1).squeeze(-1) - log_norm)
+            if split is None:
+                log_norm = mx.logsumexp(logits, axis=-1)
+                values.append(mx.take_along_axis(logits, t[:, None], axis=-1).squeeze(-1) - log_norm)
+            else:
+                score, log_norm = split_target_and_norm(logits, t, *split)
+                values.append(score - log_norm)
             # d log p(t) / dh = (onehot(t) - softmax) @ W; the one-hot waits for this chunk's logits
-            # (else MLX builds every chunk's one-hot first, all at once)
-            hit = mx.arange(logits.shape[-1], dtype=t.dtype) == mx.depends(t, log_norm)[:, None]
-            d_logits = hit.astype(mx.float32) - mx.softmax(logits, axis=-1)
+            # (else MLX builds every chunk's one-hot first, all at once). A split head: this rank's columns
+            # of both, and project's backward sums the rows of the result over the group
+            hit = mx.arange(offset, offset + logits.shape[-1], dtype=t.dtype) == mx.depends(t, log_norm)[:, None]
+            softmax = mx.softmax(logits, axis=-1) if split is None else mx.exp(logits - log_norm[:, None])
+            d_logits = hit.astype(mx.float32) - softmax
             grads.append(mx.vjp(project, [h], [d_logits.astype(h.dtype)])[1][0])
         return mx.concatenate(values), mx.concatenate(grads)
 
@@ -224,13 +275,14 @@ def _frozen_head_logprobs(project: Callable[[mx.array], mx.array], chunk: int) -
 
 
 def _recomputed_logprobs(head: nn.Module, project: Callable[[mx.array], mx.array], hidden: mx.array,
-                         targets: mx.array, chunk: int) -> mx.array:
+                         targets: mx.array, chunk: int,
+                         log_probs: Callable[[mx.array, mx.array], mx.array] = _log_probs) -> mx.array:
     """Log-probabilities chunk by chunk through a head with trainable parameters; each chunk's
     logits are computed again in the backward pass."""
     def piece(params: Any, h: mx.array, t: mx.array) -> mx.array:
         saved = head.trainable_parameters()
         head.update(params)
-        out = _log_probs(project(h), mx.stop_gradient(t))
+        out = log_probs(project(h), mx.stop_gradient(t))
         head.update(saved)
         return out
 
@@ -247,18 +299,25 @@ def chunked_logprobs(head: nn.Module, project: Callable[[mx.array], mx.array], h
     ``head``'s trainable parameters; ``grad=False`` for values that are never differentiated
     (less work, no gradients).
 
+    A head split by vocabulary (``vocab_split``) projects onto this rank's slice (its ``local_logits``,
+    whatever ``project`` is) and normalises over the group: every rank of the group must call it.
+
     Example: ``chunked_logprobs(model.lm_head, model.lm_head, hidden, targets, chunk=128)``.
     """
     chunk = chunk or hidden.shape[0]
+    split = vocab_split(head)
+    log_probs = _log_probs if split is None else _split_log_probs(split)
+    if split is not None:
+        project = head.local_logits
     if not grad:
         values: list[mx.array] = []
         for s in range(0, hidden.shape[0], chunk):
             h = mx.stop_gradient(hidden[s:s + chunk])
-            values.append(_log_probs(project(mx.depends(h, values[-1:])), targets[s:s + chunk]))
+            values.append(log_probs(project(mx.depends(h, values[-1:])), targets[s:s + chunk]))
         return mx.concatenate(values)
     if tree_flatten(head.trainable_parameters()):
-        return _recomputed_logprobs(head, project, hidden, targets, chunk)
-    frozen: mx.array = _frozen_head_logprobs(project, chunk)(hidden, targets)[0]
+        return _recomputed_logprobs(head, project, hidden, targets, chunk, log_probs)
+    frozen: mx.array = _frozen_head_logprobs(project, chunk, split)(hidden, targets)[0]
     return frozen
 
 

@@ -14,7 +14,8 @@ the shape of a typical decoder-only transformer (``MemoryModel.analytic``).
 
 Tensor parallelism (``MemoryModel.over_ranks``): a ``TensorSplit`` says which parameters the
 model's ``shard(group)`` splits; each of N ranks holds 1/N of those, and of their gradients and
-optimizer state, and all of the replicated ones (embeddings, norms, layers ``shard`` leaves whole).
+optimizer state, and all of the replicated ones (norms, layers ``shard`` leaves whole, and the token
+embedding and output head when the vocabulary does not divide by N: otherwise they are split by rows).
 The activations are counted whole on every rank: the split layers' own outputs shrink too, but the
 blocks' inputs and outputs, the logits and their gradients do not, so the estimate errs high.
 
@@ -273,9 +274,9 @@ class MemoryModel:
                        f"{heads} heads, {tokens} tokens per sample)")
         notes = ("estimated from the model size alone; MemoryOptimizer.measure(model, data) measures the "
                  "real model",)
-        replicated = min(params, _VOCAB * dims + (2 * layers + 1) * dims)  # embeddings and norms
+        replicated = min(params, (2 * layers + 1) * dims)  # the norms; the embedding splits by vocabulary rows
         split = TensorSplit(params - replicated, 4 * (params - replicated), params - replicated,
-                            tuple(n for n in (2, 4, 8, 16, 32, 64) if heads % n == 0))
+                            tuple(n for n in (2, 4, 8, 16, 32, 64) if heads % n == 0 and _VOCAB % n == 0))
         return cls(params, precision, optimizer, state, {False: plain, True: recomputed}, "analytic",
                    description, tokens, notes, input_bytes=4 * (tokens + 1), split=split)
 
