@@ -16,6 +16,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from typing import Any, Protocol
@@ -295,9 +296,11 @@ def check_tensor_parallel(config: TrainConfig) -> None:
 def _loss_for(cfg: TrainConfig) -> Any:
     from mlx_train.llm import loss, preference
 
-    if cfg.train_mode == "sft":
+    if cfg.train_mode != "sft":
+        return preference.PreferenceLoss(preference.PreferenceConfig.from_finetune(cfg), chunk=cfg.loss_chunk)
+    if cfg.loss_chunk is None:
         return loss.lm_loss
-    return preference.PreferenceLoss(preference.PreferenceConfig.from_finetune(cfg))
+    return functools.update_wrapper(functools.partial(loss.lm_loss, chunk=cfg.loss_chunk), loss.lm_loss)
 
 
 def finetune(config: TrainConfig, callbacks: list[Any] | None = None, resume: str | None = None,
@@ -328,7 +331,10 @@ def finetune(config: TrainConfig, callbacks: list[Any] | None = None, resume: st
                           "out")
     train_rows, valid_rows = splits["train"], splits.get("valid")
     # A loader batch is a micro-batch; the Trainer takes gradient_accumulation of them per optimizer step.
-    loader = data.make_loader(train_rows, config.batch_size, seed=config.seed, num_workers=config.num_workers)
+    # prompt-masked rows: the loss projects only the trained positions onto the vocabulary
+    gather = config.mask_prompt and config.train_mode == "sft"
+    loader = data.make_loader(train_rows, config.batch_size, seed=config.seed, num_workers=config.num_workers,
+                              positions=gather)
     options = {"strategy": config.distributed_strategy} if trainer_class is not Trainer else {}
     trainer = trainer_class(model, loss_fn=_loss_for(config), config=_for_trainer(config), **options)
     # Checkpoints of a run with a frozen base hold the trained parameters and this reference.
@@ -345,7 +351,7 @@ def finetune(config: TrainConfig, callbacks: list[Any] | None = None, resume: st
     eval_rows = config.eval_batch_size or config.batch_size
     if valid_rows is not None:  # the same collate (padding to a multiple of 8) as training, in file order
         rows = valid_rows.head(config.val_batches * eval_rows) if config.val_batches else valid_rows
-        val = data.make_loader(rows, eval_rows, shuffle=False, num_workers=0, drop_last=False)
+        val = data.make_loader(rows, eval_rows, shuffle=False, num_workers=0, drop_last=False, positions=gather)
     # epochs: null (mlx_lm.lora's iters) -> the Trainer passes over the data as often as max_steps needs
     history = trainer.train(train_dataset=loader, val_dataset=val, resume=resume,
                             callbacks=[counter, writer, *(callbacks or [])])
