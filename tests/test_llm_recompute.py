@@ -158,10 +158,33 @@ def test_a_block_without_attention_is_refused_with_advice():
             super().__init__()
             self.layers = [Block(), Block()]
 
-    with pytest.raises(ConfigError, match=r"'layers.0' \(Block\) has none \(its children: mix\).*true"):
+    with pytest.raises(ConfigError, match=r"'layers.0' \(Block\) and the other blocks have none \(its children: "
+                                          r"mix\).*true"):
         enable_gradient_checkpointing(Net(), granularity="attention")
     with pytest.raises(ConfigError, match="one of blocks, attention"):
         enable_gradient_checkpointing(Net(), granularity="heads")
+
+
+def test_a_hybrid_model_recomputes_the_attention_it_has():
+    model = make()
+    del model.model.layers[1]["self_attn"]  # as a hybrid model's recurrent block: no attention module
+    assert enable_gradient_checkpointing(model, granularity="attention") == ["model.layers.0.self_attn",
+                                                                             "model.layers.2.self_attn"]
+
+
+def test_finetune_turns_the_default_off_for_a_model_without_attention():
+    from mlx_train.llm.finetune import FineTuneConfig, recompute_setting
+
+    config = FineTuneConfig(model="base", data="data")
+    assert config.gradient_checkpointing == "attention"  # finetune's default
+    assert FineTuneConfig(model="base", data="data", grad_checkpoint=False).gradient_checkpointing is False
+    model = make()
+    assert recompute_setting(config, model, log=print) is config
+    for block in model.model.layers:
+        del block["self_attn"]
+    said = []
+    assert recompute_setting(config, model, log=said.append).gradient_checkpointing is False
+    assert "finds no attention module" in said[0]
 
 
 def test_the_option_names_what_is_recomputed():

@@ -293,6 +293,28 @@ def check_tensor_parallel(config: TrainConfig) -> None:
                           "rank) or --reference-free, or use --strategy data_parallel")
 
 
+def recompute_setting(config: TrainConfig, model: Any, log: Any = print) -> TrainConfig:
+    """``config``, with attention recomputation (``gradient_checkpointing: attention``, finetune's default)
+    turned off where ``model`` has no block with an attention module to recompute (said in the log).
+
+    Example: ``recompute_setting(FineTuneConfig(model="base", data="data"), model).gradient_checkpointing``
+    -> ``"attention"`` for an mlx-lm llama.
+    """
+    from mlx_train.training.recompute import find_attention, find_blocks
+
+    if config.gradient_checkpointing != "attention":
+        return config
+    try:
+        blocks = find_blocks(model, config.checkpoint_modules)
+    except ConfigError:
+        blocks = []
+    if any(find_attention(block) is not None for _, block in blocks):
+        return config
+    log("gradient_checkpointing: attention finds no attention module in this model's blocks: nothing is "
+        "recomputed (set gradient_checkpointing: true to recompute whole blocks)")
+    return config.replace(gradient_checkpointing=False)
+
+
 def _loss_for(cfg: TrainConfig) -> Any:
     from mlx_train.llm import loss, preference
 
@@ -336,6 +358,10 @@ def finetune(config: TrainConfig, callbacks: list[Any] | None = None, resume: st
     loader = data.make_loader(train_rows, config.batch_size, seed=config.seed, num_workers=config.num_workers,
                               positions=gather)
     options = {"strategy": config.distributed_strategy} if trainer_class is not Trainer else {}
+    config = recompute_setting(config, model, log)
+    # training mode, as mlx_lm.lora sets it (mlx_lm.load leaves a model in eval mode): the loss takes eval
+    # mode (which the Trainer's evaluation sets) for an evaluation, and leaves out the gradient work then
+    model.train()
     trainer = trainer_class(model, loss_fn=_loss_for(config), config=_for_trainer(config), **options)
     # Checkpoints of a run with a frozen base hold the trained parameters and this reference.
     trainer.base_model = models.base_reference(config.model) if os.path.exists(config.model) else \

@@ -314,7 +314,8 @@ def target_weights(mask: mx.array, positions: mx.array | None) -> mx.array:
 def lm_loss(model: nn.Module, batch: dict[str, Any], chunk: int | None = None) -> tuple[mx.array, mx.array]:
     """Mean cross-entropy over the targets where ``loss_mask`` is 1, and how many there are; ``chunk``:
     tokens per chunk of the output projection (None: from ``CHUNK_LOGITS``; 0: the full logits). A
-    model in evaluation mode (``model.eval()``) gets no gradient work in the forward pass.
+    model in evaluation mode (``model.eval()``; ``mlx_lm.load`` leaves a model so: call ``model.train()``
+    before training with this loss) gets no gradient work in the forward pass.
 
     Example: ``loss, tokens = lm_loss(model, batch)``.
     """

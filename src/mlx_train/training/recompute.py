@@ -164,16 +164,18 @@ def find_attention(block: nn.Module) -> tuple[str, nn.Module] | None:
 
 
 def _attention_of(blocks: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
-    found = []
-    for path, block in blocks:
-        attention = find_attention(block)
-        if attention is None:
-            children = _children(block)
-            raise ConfigError(
-                f"gradient_checkpointing: attention recomputes each block's attention module (a child named "
-                f"{', '.join(ATTENTION_NAMES)}), but '{path}' ({type(block).__name__}) has none (its children: "
-                f"{', '.join(children) or 'none'}); recompute whole blocks instead (gradient_checkpointing: true)")
-        found.append((f"{path}.{attention[0]}", attention[1]))
+    """The attention modules of the blocks that have one (a hybrid model's other blocks are left
+    alone); ConfigError when none has."""
+    found = [(f"{path}.{attention[0]}", attention[1]) for path, block in blocks
+             if (attention := find_attention(block)) is not None]
+    if not found:
+        path, block = blocks[0]
+        children = _children(block)
+        raise ConfigError(
+            f"gradient_checkpointing: attention recomputes each block's attention module (a child named "
+            f"{', '.join(ATTENTION_NAMES)}), but '{path}' ({type(block).__name__}) and the other blocks have none "
+            f"(its children: {', '.join(children) or 'none'}); recompute whole blocks instead "
+            "(gradient_checkpointing: true) or nothing (false)")
     return found
 
 
