@@ -358,7 +358,8 @@ class TrainConfig:
         False, "Recompute activations in the backward pass (mx.checkpoint): true or blocks: each repeated block "
                "whole (least memory, about a third more compute for the blocks that train); attention: only "
                "each block's attention module (its attention probabilities are most of a block's activations "
-               "at long sequences; a few percent more compute); false: nothing. Which blocks: "
+               "at long sequences; a fraction of the blocks' recomputation); false: nothing. mlx-train "
+               "finetune's default: attention. Which blocks: "
                "checkpoint_modules (YAML alias: grad_checkpoint, mlx_lm.lora's name; --grad-checkpoint alone "
                "is blocks).", parse=_checkpointing, aliases={"grad_checkpoint": None})
     checkpoint_modules: list = in_memory([], "Blocks gradient_checkpointing recomputes: dotted paths to a module "  # type: ignore[type-arg]
