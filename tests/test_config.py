@@ -50,7 +50,7 @@ SPEC_FIELDS = {
     "weight_decay": ("float", 0.01),
     "momentum": ("float", 0.0), "precision": ("str", "float32"), "loss_scale": ("float", 65536.0),
     "loss_scale_window": ("int", 1000), "max_grad_norm": ("float | None", None), "seed": ("int", 0),
-    "compile": ("bool", True), "gradient_checkpointing": ("bool", False), "checkpoint_modules": ("list", []),
+    "compile": ("bool", True), "gradient_checkpointing": ("bool | str", False), "checkpoint_modules": ("list", []),
     "memory_limit": ("int | None", None), "oom_recovery": ("bool", True),
     "report_every": ("str", "10 steps"), "eval_every": ("str", "1 epoch"),
     "checkpoint_every": ("str", "1 epoch"), "keep_last": ("int", 3), "keep_best": ("int", 1),
@@ -71,7 +71,8 @@ SPEC_FIELDS = {
     # llm: mlx-train finetune
     "fine_tune_type": ("str", "lora"), "num_layers": ("int", 16),
     "lora_parameters": ("dict", {"rank": 8, "scale": 20.0, "dropout": 0.0}), "max_seq_length": ("int", 2048),
-    "mask_prompt": ("bool", False), "pack": ("bool | str", False), "adapter_path": ("str", "adapters"),
+    "mask_prompt": ("bool", False), "pack": ("bool | str", False), "loss_chunk": ("int | None", None),
+    "adapter_path": ("str", "adapters"),
     "resume_adapter_file": ("str | None", None), "quantized": ("bool | None", None), "test": ("bool", False),
     "test_batches": ("int | None", 500), "train_mode": ("str", "sft"), "beta": ("float", 0.1),
     "dpo_loss_type": ("str", "sigmoid"), "label_smoothing": ("float", 0.0), "reference_free": ("bool", False),

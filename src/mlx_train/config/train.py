@@ -201,6 +201,21 @@ def _packing(value: Any) -> Any:
                   f"{did_you_mean(str(value), PACKINGS)}")
 
 
+def _checkpointing(value: Any) -> Any:
+    """``gradient_checkpointing``: true/false, or what is recomputed by name (``blocks`` is true, ``off`` false)."""
+    if isinstance(value, bool):
+        return value
+    text = value.strip().lower() if isinstance(value, str) else None
+    if text in ("true", "blocks"):
+        return True
+    if text in ("false", "off", "none"):
+        return False
+    if text == "attention":
+        return text
+    raise Invalid(f"must be true (= blocks), false, blocks or attention, got {value!r}"
+                  f"{did_you_mean(str(value), ('blocks', 'attention'))}")
+
+
 def _layers(value: int, values: Mapping[str, Any]) -> str | None:
     if value == -1 or value >= 1:
         return None
@@ -339,11 +354,14 @@ class TrainConfig:
                                         "overflow, doubled after loss_scale_window good steps.", above=0)
     loss_scale_window: int = in_memory(1000, "Optimizer steps without overflow before the float16 loss scale "
                                           "doubles.", minimum=1)
-    gradient_checkpointing: bool = in_memory(False, "Recompute the activations of repeated blocks in the backward "
-                                                 "pass (mx.checkpoint): less memory, about a third more "
-                                                 "compute; which blocks: checkpoint_modules (YAML alias: "
-                                                 "grad_checkpoint, mlx_lm.lora's name).",
-                                             aliases={"grad_checkpoint": None})
+    gradient_checkpointing: bool | str = in_memory(
+        False, "Recompute activations in the backward pass (mx.checkpoint): true or blocks: each repeated block "
+               "whole (least memory, about a third more compute for the blocks that train); attention: only "
+               "each block's attention module (its attention probabilities are most of a block's activations "
+               "at long sequences; a fraction of the blocks' recomputation); false: nothing. mlx-train "
+               "finetune's default: attention. Which blocks: "
+               "checkpoint_modules (YAML alias: grad_checkpoint, mlx_lm.lora's name; --grad-checkpoint alone "
+               "is blocks).", parse=_checkpointing, aliases={"grad_checkpoint": None})
     checkpoint_modules: list = in_memory([], "Blocks gradient_checkpointing recomputes: dotted paths to a module "  # type: ignore[type-arg]
                                           "or a list of modules, e.g. ['encoder.layers'] (empty: model.layers).")
     memory_limit: int | None = in_memory(None, "Memory budget per device, bytes or a size like '8GB': a step whose "
@@ -418,6 +436,10 @@ class TrainConfig:
     pack: bool | str = in_llm(False, "Pack the training rows: true or best_fit (several documents per row up to "
                                      "max_seq_length, no loss or attention across them), by_length (one document a "
                                      "row, batches of similar lengths), false.", parse=_packing)
+    loss_chunk: int | None = in_llm(None, "Tokens per chunk of the loss's output projection: the loss never holds "
+                                          "more logits than this many tokens x vocabulary (null: 8M logits a "
+                                          "chunk, 160 tokens of a 49,152-token vocabulary; 0: the full logits, "
+                                          "as mlx_lm.lora).", minimum=0)
     adapter_path: str = in_llm("adapters", "Where the adapters are written (mlx-lm format); relative to run_dir.")
     resume_adapter_file: str | None = in_llm(None, "Adapters (directory or adapters.safetensors) to start from.")
     quantized: bool | None = in_llm(None, "Keep a quantized base quantized (QLoRA); null: keep it on a GPU, "

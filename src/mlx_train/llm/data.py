@@ -48,6 +48,8 @@ import numpy as np
 from mlx_train.errors import ConfigError, DataError
 
 PAD_MULTIPLE = 8
+#: Trained positions per row are padded to a multiple of this (few distinct shapes to compile).
+POSITION_MULTIPLE = 32
 SPLITS = ("train", "valid", "test")
 PACKINGS = ("best_fit", "by_length")
 
@@ -304,9 +306,12 @@ class SequenceDataset:
         return sample
 
 
-def collate(samples: Sequence[Record], multiple: int = PAD_MULTIPLE) -> dict[str, np.ndarray]:
+def collate(samples: Sequence[Record], multiple: int = PAD_MULTIPLE, positions: bool = False) -> dict[str, np.ndarray]:
     """Pad rows to the longest sequence rounded up to ``multiple`` and stack them (padding: token 0,
     loss_mask 0, segment 0); 0-d values (a preference pair's reference log-probabilities) are stacked.
+    ``positions``: add the trained positions of each row (``mlx_train.llm.loss.trained_positions``,
+    padded with -1 to a multiple of ``POSITION_MULTIPLE``), so that the loss projects only those
+    tokens onto the vocabulary (not the masked prompts, nor the padding).
 
     Example: ``collate([ds[0], ds[1]])["inputs"].shape -> (2, 64)``.
     """
@@ -321,14 +326,20 @@ def collate(samples: Sequence[Record], multiple: int = PAD_MULTIPLE) -> dict[str
         for j, s in enumerate(samples):
             out[j, : len(s[key])] = s[key]
         batch[key] = out
+    if positions and "loss_mask" in batch:
+        from mlx_train.llm.loss import trained_positions
+
+        batch["positions"] = trained_positions(batch["loss_mask"], POSITION_MULTIPLE)
     return batch
 
 
 def make_loader(dataset: Any, batch_size: int, seed: int = 0, shuffle: bool = True,
-                num_workers: int = 1, multiple: int = PAD_MULTIPLE, drop_last: bool = True) -> Any:
+                num_workers: int = 1, multiple: int = PAD_MULTIPLE, drop_last: bool = True,
+                positions: bool = False) -> Any:
     """A DataLoader over ``dataset`` (a :class:`SequenceDataset`, or preference pairs): batches of rows
     of similar token length, padded to ``multiple``. A dataset built with ``pack="by_length"`` gets
     batches of as many rows as fit in ``batch_size x max_seq_length`` padded tokens instead.
+    ``positions``: batches carry the trained positions (see :func:`collate`; for prompt-masked rows).
 
     Example: ``loader = make_loader(train_rows, batch_size=4, seed=0)``.
     """
@@ -344,7 +355,8 @@ def make_loader(dataset: Any, batch_size: int, seed: int = 0, shuffle: bool = Tr
         budget = batch_size * -(-dataset.max_seq_length // multiple) * multiple
         batching = TokenBudget(max_tokens=budget, lengths=dataset.lengths, multiple=multiple)
     return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, num_workers=num_workers, drop_last=drop_last,
-                      seed=seed, collate_fn=partial(collate, multiple=multiple), batching=batching)
+                      seed=seed, collate_fn=partial(collate, multiple=multiple, positions=positions),
+                      batching=batching)
 
 
 def describe_documents(name: str, documents: Documents, rows: SequenceDataset | None = None) -> str:

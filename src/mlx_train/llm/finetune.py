@@ -16,6 +16,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from typing import Any, Protocol
@@ -292,12 +293,36 @@ def check_tensor_parallel(config: TrainConfig) -> None:
                           "rank) or --reference-free, or use --strategy data_parallel")
 
 
+def recompute_setting(config: TrainConfig, model: Any, log: Any = print) -> TrainConfig:
+    """``config``, with attention recomputation (``gradient_checkpointing: attention``, finetune's default)
+    turned off where ``model`` has no block with an attention module to recompute (said in the log).
+
+    Example: ``recompute_setting(FineTuneConfig(model="base", data="data"), model).gradient_checkpointing``
+    -> ``"attention"`` for an mlx-lm llama.
+    """
+    from mlx_train.training.recompute import find_attention, find_blocks
+
+    if config.gradient_checkpointing != "attention":
+        return config
+    try:
+        blocks = find_blocks(model, config.checkpoint_modules)
+    except ConfigError:
+        blocks = []
+    if any(find_attention(block) is not None for _, block in blocks):
+        return config
+    log("gradient_checkpointing: attention finds no attention module in this model's blocks: nothing is "
+        "recomputed (set gradient_checkpointing: true to recompute whole blocks)")
+    return config.replace(gradient_checkpointing=False)
+
+
 def _loss_for(cfg: TrainConfig) -> Any:
     from mlx_train.llm import loss, preference
 
-    if cfg.train_mode == "sft":
+    if cfg.train_mode != "sft":
+        return preference.PreferenceLoss(preference.PreferenceConfig.from_finetune(cfg), chunk=cfg.loss_chunk)
+    if cfg.loss_chunk is None:
         return loss.lm_loss
-    return preference.PreferenceLoss(preference.PreferenceConfig.from_finetune(cfg))
+    return functools.update_wrapper(functools.partial(loss.lm_loss, chunk=cfg.loss_chunk), loss.lm_loss)
 
 
 def finetune(config: TrainConfig, callbacks: list[Any] | None = None, resume: str | None = None,
@@ -328,8 +353,15 @@ def finetune(config: TrainConfig, callbacks: list[Any] | None = None, resume: st
                           "out")
     train_rows, valid_rows = splits["train"], splits.get("valid")
     # A loader batch is a micro-batch; the Trainer takes gradient_accumulation of them per optimizer step.
-    loader = data.make_loader(train_rows, config.batch_size, seed=config.seed, num_workers=config.num_workers)
+    # prompt-masked rows: the loss projects only the trained positions onto the vocabulary
+    gather = config.mask_prompt and config.train_mode == "sft"
+    loader = data.make_loader(train_rows, config.batch_size, seed=config.seed, num_workers=config.num_workers,
+                              positions=gather)
     options = {"strategy": config.distributed_strategy} if trainer_class is not Trainer else {}
+    config = recompute_setting(config, model, log)
+    # training mode, as mlx_lm.lora sets it (mlx_lm.load leaves a model in eval mode): the loss takes eval
+    # mode (which the Trainer's evaluation sets) for an evaluation, and leaves out the gradient work then
+    model.train()
     trainer = trainer_class(model, loss_fn=_loss_for(config), config=_for_trainer(config), **options)
     # Checkpoints of a run with a frozen base hold the trained parameters and this reference.
     trainer.base_model = models.base_reference(config.model) if os.path.exists(config.model) else \
@@ -345,7 +377,7 @@ def finetune(config: TrainConfig, callbacks: list[Any] | None = None, resume: st
     eval_rows = config.eval_batch_size or config.batch_size
     if valid_rows is not None:  # the same collate (padding to a multiple of 8) as training, in file order
         rows = valid_rows.head(config.val_batches * eval_rows) if config.val_batches else valid_rows
-        val = data.make_loader(rows, eval_rows, shuffle=False, num_workers=0, drop_last=False)
+        val = data.make_loader(rows, eval_rows, shuffle=False, num_workers=0, drop_last=False, positions=gather)
     # epochs: null (mlx_lm.lora's iters) -> the Trainer passes over the data as often as max_steps needs
     history = trainer.train(train_dataset=loader, val_dataset=val, resume=resume,
                             callbacks=[counter, writer, *(callbacks or [])])

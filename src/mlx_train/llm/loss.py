@@ -27,7 +27,8 @@ the plain loss, no recomputation. A trainable head (full fine-tuning, an adapter
 recomputes each chunk in the backward pass instead (``mx.checkpoint``). Given ``positions`` (the
 trained targets of each row, see ``trained_positions``) only those rows of the hidden states are
 projected: padding and masked prompt tokens cost nothing in the head. Other models get the full
-logits, as before. ``CHUNK_LOGITS = 0`` turns chunking off everywhere.
+logits, as before. ``CHUNK_LOGITS = 0`` turns chunking off everywhere (``lm_loss(..., chunk=0)``,
+the ``loss_chunk`` option of ``mlx-train finetune``, for one loss).
 
 A head split by vocabulary over a tensor-parallel group (``distributed.tensor_parallel.shard_vocabulary``;
 it has ``local_logits``, ``vocab_offset`` and ``group``) is run the same way on each rank's slice of the
@@ -35,8 +36,9 @@ vocabulary: the log-softmax normaliser is a logsumexp over the group (the maximu
 ``all_max``, the sum of exponentials with ``all_sum``) and the target's logit comes from the rank that
 holds it (``all_sum`` of the masked slices); the hidden states' gradient is summed over the group.
 Without chunking the model's own call gathers the whole logits. A pass that is never
-differentiated can say so (``grad=False``: reference passes do); an evaluation through ``lm_loss``
-cannot, and pays one more matrix product per chunk for the gradient it does not use.
+differentiated can say so (``grad=False``: reference passes do); ``lm_loss`` on a model in
+evaluation mode (``model.eval()``, as the Trainer's evaluation sets it) leaves out the gradient
+term of the chunks' forward pass (one matrix product per chunk), staying differentiable.
 
 Example::
 
@@ -293,11 +295,14 @@ def _recomputed_logprobs(head: nn.Module, project: Callable[[mx.array], mx.array
 
 
 def chunked_logprobs(head: nn.Module, project: Callable[[mx.array], mx.array], hidden: mx.array,
-                     targets: mx.array, chunk: int | None = None, grad: bool = True) -> mx.array:
+                     targets: mx.array, chunk: int | None = None, grad: bool = True,
+                     precompute: bool = True) -> mx.array:
     """``log softmax(project(hidden))[target]`` for ``hidden [N, D]`` and ``targets [N]``, ``chunk``
     tokens at a time (all at once when None), differentiable with respect to ``hidden`` and
     ``head``'s trainable parameters; ``grad=False`` for values that are never differentiated
-    (less work, no gradients).
+    (less work, no gradients); ``precompute=False`` for values that are seldom differentiated
+    (an evaluation): no gradient work in the forward pass, plain autodiff (holding every chunk's
+    logits) if they are differentiated all the same.
 
     A head split by vocabulary (``vocab_split``) projects onto this rank's slice (its ``local_logits``,
     whatever ``project`` is) and normalises over the group: every rank of the group must call it.
@@ -309,10 +314,10 @@ def chunked_logprobs(head: nn.Module, project: Callable[[mx.array], mx.array], h
     log_probs = _log_probs if split is None else _split_log_probs(split)
     if split is not None:
         project = head.local_logits
-    if not grad:
+    if not grad or not precompute:
         values: list[mx.array] = []
         for s in range(0, hidden.shape[0], chunk):
-            h = mx.stop_gradient(hidden[s:s + chunk])
+            h = hidden[s:s + chunk] if grad else mx.stop_gradient(hidden[s:s + chunk])
             values.append(log_probs(project(mx.depends(h, values[-1:])), targets[s:s + chunk]))
         return mx.concatenate(values)
     if tree_flatten(head.trainable_parameters()):
@@ -322,13 +327,13 @@ def chunked_logprobs(head: nn.Module, project: Callable[[mx.array], mx.array], h
 
 
 def target_logprobs(model: nn.Module, batch: dict[str, Any], chunk: int | None = None,
-                    grad: bool = True) -> tuple[mx.array, mx.array | None]:
+                    grad: bool = True, precompute: bool = True) -> tuple[mx.array, mx.array | None]:
     """``(log-probabilities, positions)``: ``log p(targets | inputs)`` per target of ``batch``
     (``inputs``, ``targets``; ``segments`` for in-document attention), ``[B, L]``, or ``[B, K]`` at
     ``batch["positions"]`` (then also returned; -1 where a row has fewer). Chunked (see the module
     docstring) when the model's head allows it and ``chunk`` (tokens per chunk; by default from
     ``CHUNK_LOGITS``) is not 0; otherwise from the full logits. ``grad=False``: the result is never
-    differentiated.
+    differentiated; ``precompute=False``: seldom (see :func:`chunked_logprobs`).
 
     Example: ``logps, _ = target_logprobs(model, batch); loss = -(logps * batch["loss_mask"]).sum()``.
     """
@@ -349,7 +354,8 @@ def target_logprobs(model: nn.Module, batch: dict[str, Any], chunk: int | None =
         hidden = mx.take_along_axis(hidden, where[..., None], axis=1)
         targets = mx.take_along_axis(targets, where, axis=1)
     rows, width = targets.shape
-    logps = chunked_logprobs(head, project, hidden.reshape(rows * width, -1), targets.reshape(-1), chunk, grad)
+    logps = chunked_logprobs(head, project, hidden.reshape(rows * width, -1), targets.reshape(-1), chunk, grad,
+                             precompute)
     return logps.reshape(rows, width), positions
 
 
@@ -364,12 +370,15 @@ def target_weights(mask: mx.array, positions: mx.array | None) -> mx.array:
     return mx.take_along_axis(weights, mx.maximum(positions, 0), axis=1) * (positions >= 0)
 
 
-def lm_loss(model: nn.Module, batch: dict[str, Any]) -> tuple[mx.array, mx.array]:
-    """Mean cross-entropy over the targets where ``loss_mask`` is 1, and how many there are.
+def lm_loss(model: nn.Module, batch: dict[str, Any], chunk: int | None = None) -> tuple[mx.array, mx.array]:
+    """Mean cross-entropy over the targets where ``loss_mask`` is 1, and how many there are; ``chunk``:
+    tokens per chunk of the output projection (None: from ``CHUNK_LOGITS``; 0: the full logits). A
+    model in evaluation mode (``model.eval()``; ``mlx_lm.load`` leaves a model so: call ``model.train()``
+    before training with this loss) gets no gradient work in the forward pass.
 
     Example: ``loss, tokens = lm_loss(model, batch)``.
     """
-    logps, positions = target_logprobs(model, batch)
+    logps, positions = target_logprobs(model, batch, chunk, precompute=model.training)
     weights = target_weights(batch["loss_mask"], positions)
     tokens = weights.sum()
     return -(logps * weights).sum() / mx.maximum(tokens, 1.0), tokens

@@ -263,13 +263,14 @@ def load_pairs(data: str) -> dict[str, tuple[list[dict[str, Any]], list[str]]]:
 
 
 def sequence_logps(model: nn.Module, batch: dict[str, Any], after: mx.array | None = None,
-                   grad: bool = True) -> tuple[mx.array, mx.array]:
+                   grad: bool = True, chunk: int | None = None) -> tuple[mx.array, mx.array]:
     """Summed reply log-probabilities and reply token counts, chosen rows then rejected rows
     (``[2 * pairs]`` each), from one forward pass over both; the pass starts once ``after`` (if
     given) is computed, so that the arrays behind ``after`` are freed before this pass builds its own.
     The output projection runs in chunks, never holding the full logits
     (:func:`mlx_train.llm.loss.target_logprobs`); ``grad=False`` (a reference pass) skips the
-    gradient work a chunk otherwise does in its forward pass.
+    gradient work a chunk otherwise does in its forward pass; ``chunk``: tokens per chunk (None: the
+    default; 0: the full logits).
 
     Example: ``logps, tokens = sequence_logps(model, batch); chosen = logps[:len(logps) // 2]``.
     """
@@ -284,7 +285,7 @@ def sequence_logps(model: nn.Module, batch: dict[str, Any], after: mx.array | No
     if "chosen_positions" in batch:
         positions = mx.concatenate([batch["chosen_positions"], batch["rejected_positions"]])
     logps, positions = target_logprobs(model, {"inputs": inputs, "targets": targets, "positions": positions},
-                                       grad=grad)
+                                       chunk, grad=grad, precompute=model.training)
     weights = target_weights(mask, positions)
     return (logps * weights).sum(axis=-1), mask.sum(axis=-1)
 
@@ -355,8 +356,8 @@ class PreferenceLoss:
 
     metric_names = METRICS
 
-    def __init__(self, config: PreferenceConfig) -> None:
-        self.config = config
+    def __init__(self, config: PreferenceConfig, chunk: int | None = None) -> None:
+        self.config, self.chunk = config, chunk  # chunk: tokens per chunk of the output projection
         self.__name__ = f"{config.method}_loss"
 
     def __call__(self, model: nn.Module, batch: dict[str, Any]) -> tuple[mx.array, mx.array, dict[str, mx.array]]:
@@ -365,7 +366,7 @@ class PreferenceLoss:
         # the reference pass first: its activations are gone before the policy's (kept for the
         # backward pass) are built, so a step holds one forward pass's worth, not two
         ref = self._reference(model, batch)
-        logps, tokens = sequence_logps(model, batch, after=ref)
+        logps, tokens = sequence_logps(model, batch, after=ref, chunk=self.chunk)
         if cfg.method == "orpo":
             return self._orpo(logps, tokens, pairs)
         if ref is None:
@@ -390,7 +391,7 @@ class PreferenceLoss:
         if "reference_chosen" in batch:
             return mx.concatenate([batch["reference_chosen"], batch["reference_rejected"]]).astype(mx.float32)
         with adapters_off(model):
-            ref, _ = sequence_logps(model, batch, grad=False)
+            ref, _ = sequence_logps(model, batch, grad=False, chunk=self.chunk)
         return mx.stop_gradient(ref)
 
     def _orpo(self, logps: mx.array, tokens: mx.array, pairs: int) -> tuple[mx.array, mx.array, dict[str, mx.array]]:

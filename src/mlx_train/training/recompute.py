@@ -5,6 +5,13 @@ Each chosen block keeps only its inputs for the backward pass and runs its forwa
 by default (``model.model.layers`` in mlx-lm models), or the modules named by dotted paths
 (``"encoder.layers"``, ``"blocks.3"``).
 
+``granularity="attention"`` recomputes only each block's attention module (``self_attn`` in
+mlx-lm models; see ``ATTENTION_NAMES``): where attention is not fused (MLX's CPU build runs
+``mx.fast.scaled_dot_product_attention`` as plain operations) a trained block otherwise keeps
+its ``batch x heads x length x length`` attention probabilities for the backward pass, most of
+its activations at long sequence lengths; the recomputation is the attention module's forward
+alone (its projections and the attention), a fraction of the block's.
+
 Only the given instance changes. Its blocks get a subclass of their own class whose
 ``__call__`` is checkpointed; the class itself, and every other instance of it in the process,
 stay as they were (unlike patching ``type(block).__call__``). Parameter names and the module
@@ -15,6 +22,7 @@ Example::
     from mlx_train.training.recompute import enable_gradient_checkpointing
     enable_gradient_checkpointing(model)                      # model.layers
     enable_gradient_checkpointing(model, ["encoder.layers"])  # or named modules
+    enable_gradient_checkpointing(model, granularity="attention")  # model.layers.0.self_attn, ...
     # the same through the Trainer: Trainer(model, gradient_checkpointing=True)
 """
 
@@ -28,11 +36,16 @@ import mlx.nn as nn
 
 from mlx_train.errors import ConfigError, did_you_mean
 
-__all__ = ["enable_gradient_checkpointing", "disable_gradient_checkpointing", "find_blocks", "is_checkpointed"]
+__all__ = ["GRANULARITIES", "ATTENTION_NAMES", "enable_gradient_checkpointing", "disable_gradient_checkpointing",
+           "find_attention", "find_blocks", "is_checkpointed"]
 
 _MARK = "_mlx_train_recompute"
 DEFAULT_BLOCKS = ("layers", "model.layers")  # model.layers, or an mlx-lm model's model.model.layers
 _SUBCLASSES: dict[type, type] = {}  # original class -> its checkpointed subclass
+#: What is recomputed: each block whole, or only each block's attention module.
+GRANULARITIES = ("blocks", "attention")
+#: The names a block's attention module goes by (mlx-lm models: self_attn), tried in this order.
+ATTENTION_NAMES = ("self_attn", "attention", "attn", "self_attention")
 
 
 def _checkpointed_class(cls: type) -> type:
@@ -40,12 +53,11 @@ def _checkpointed_class(cls: type) -> type:
     if getattr(cls, _MARK, False):
         return cls
     if cls not in _SUBCLASSES:
-        original = cls.__call__
 
         def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
             def forward(params: Any, *inner_args: Any, **inner_kwargs: Any) -> Any:
                 self.update(params)
-                return original(self, *inner_args, **inner_kwargs)
+                return cls.__call__(self, *inner_args, **inner_kwargs)  # looked up now: the class's current call
 
             return mx.checkpoint(forward)(self.trainable_parameters(), *args, **kwargs)
 
@@ -138,29 +150,79 @@ def find_blocks(model: nn.Module, modules: Sequence[str] | None = None) -> list[
     return blocks
 
 
-def enable_gradient_checkpointing(model: nn.Module, modules: Sequence[str] | None = None) -> list[str]:
-    """Recompute the activations of ``model``'s blocks in the backward pass; returns their paths.
+def find_attention(block: nn.Module) -> tuple[str, nn.Module] | None:
+    """``(name, module)`` of ``block``'s attention module (the first of ``ATTENTION_NAMES`` it has), or None.
 
-    Calling it again is harmless. Other instances of the blocks' classes are not changed.
+    Example: ``find_attention(model.model.layers[0])`` -> ``("self_attn", Attention)`` for an mlx-lm llama.
+    """
+    for name in ATTENTION_NAMES:
+        child = block.get(name)
+        if isinstance(child, nn.Module):
+            return name, child
+    return None
+
+
+def _attention_of(blocks: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """The attention modules of the blocks that have one (a hybrid model's other blocks are left
+    alone); ConfigError when none has."""
+    found = [(f"{path}.{attention[0]}", attention[1]) for path, block in blocks
+             if (attention := find_attention(block)) is not None]
+    if not found:
+        path, block = blocks[0]
+        children = _children(block)
+        raise ConfigError(
+            f"gradient_checkpointing: attention recomputes each block's attention module (a child named "
+            f"{', '.join(ATTENTION_NAMES)}), but '{path}' ({type(block).__name__}) and the other blocks have none "
+            f"(its children: {', '.join(children) or 'none'}); recompute whole blocks instead "
+            "(gradient_checkpointing: true) or nothing (false)")
+    return found
+
+
+def _restore(module: nn.Module) -> None:
+    module.__class__ = type(module).__bases__[0]
+
+
+def enable_gradient_checkpointing(model: nn.Module, modules: Sequence[str] | None = None,
+                                  granularity: str = "blocks") -> list[str]:
+    """Recompute the activations of ``model``'s blocks in the backward pass; returns the paths of the
+    recomputed modules: the blocks, or with ``granularity="attention"`` each block's attention module.
+
+    Calling it again is harmless; "blocks" after "attention" recomputes whole blocks instead (not the
+    attention twice), "attention" after "blocks" keeps the blocks. Other instances of the modules'
+    classes are not changed.
 
     Example::
 
         enable_gradient_checkpointing(model)      # ["layers.0", "layers.1", ...]
+        enable_gradient_checkpointing(model, granularity="attention")  # ["layers.0.self_attn", ...]
     """
+    if granularity not in GRANULARITIES:
+        raise ConfigError(f"gradient checkpointing recomputes one of {', '.join(GRANULARITIES)}, got {granularity!r}"
+                          f"{did_you_mean(str(granularity), GRANULARITIES)}")
     blocks = find_blocks(model, modules)
-    for path, block in blocks:
+    if granularity == "attention":
+        if any(is_checkpointed(block) for _, block in blocks):
+            return [path for path, _ in blocks]  # whole blocks already: their attention is recomputed with them
+        targets = _attention_of(blocks)
+    else:
+        for _, block in blocks:  # recomputing the block recomputes its attention: not twice
+            for _, inner in block.named_modules():
+                if inner is not block and is_checkpointed(inner):
+                    _restore(inner)
+        targets = blocks
+    for path, module in targets:
         try:
-            block.__class__ = _checkpointed_class(type(block))
+            module.__class__ = _checkpointed_class(type(module))
         except TypeError as error:  # a class with __slots__ or a C++ module
-            raise ConfigError(f"cannot checkpoint '{path}' ({type(block).__name__}): {error}") from None
-    return [path for path, _ in blocks]
+            raise ConfigError(f"cannot checkpoint '{path}' ({type(module).__name__}): {error}") from None
+    return [path for path, _ in targets]
 
 
 def disable_gradient_checkpointing(model: nn.Module) -> list[str]:
-    """Undo ``enable_gradient_checkpointing`` on every block of ``model``; returns their paths."""
+    """Undo ``enable_gradient_checkpointing`` on every module of ``model``; returns their paths."""
     restored = []
     for path, module in model.named_modules():
         if is_checkpointed(module):
-            module.__class__ = type(module).__bases__[0]
+            _restore(module)
             restored.append(path)
     return restored

@@ -107,7 +107,7 @@ class Trainer:
         self._loaders: tuple[Any, ...] | None = None
         self._optimizer_ready = False
         self._seeded = False
-        self._checkpointed_blocks = False
+        self._checkpointed_blocks: str | None = None  # what gradient checkpointing recomputes
         self._saved_step: int | None = None
         self._poisoned = False
         self._signals: StopSignals | None = None
@@ -475,11 +475,14 @@ class Trainer:
                        loss_scale_window=cfg.loss_scale_window, compile=cfg.compile, nonfinite=cfg.nonfinite)
 
         def build(accumulation: int, checkpointing: bool) -> TrainStep:
-            if (checkpointing or cfg.gradient_checkpointing) and not self._checkpointed_blocks:
+            # what is recomputed: "blocks" (true, or the memory guard's retry), "attention", or nothing
+            granularity = "blocks" if checkpointing or cfg.gradient_checkpointing is True else \
+                cfg.gradient_checkpointing or None
+            if granularity and self._checkpointed_blocks not in (granularity, "blocks"):
                 from mlx_train.training.recompute import enable_gradient_checkpointing
 
-                enable_gradient_checkpointing(self.model, cfg.checkpoint_modules)  # before the trace
-                self._checkpointed_blocks = True
+                enable_gradient_checkpointing(self.model, cfg.checkpoint_modules, str(granularity))  # before the trace
+                self._checkpointed_blocks = str(granularity)
             return build_step(self.model, self.optimizer, self.loss, StepOptions(accumulation=accumulation, **options),
                               self.state.loss_scale, self.gradient_reduction, extensions)
 
