@@ -399,3 +399,13 @@ def test_epochs_null_runs_as_many_passes_as_max_steps_needs():
                                                           report_every="100 steps"))
     trainer.train((x, y))
     assert trainer.step == 7 and trainer.epochs == 2  # 5 steps per epoch: the run goes on into the second
+
+
+def test_an_exponent_without_a_dot_is_a_float_whatever_was_imported_before():
+    # plain YAML 1.1 reads 1e-4 as a string; mlx_lm.lora, when imported, changes yaml.SafeLoader itself
+    code = ("import yaml\n"
+            "from mlx_train.config.files import load_yaml\n"
+            "assert yaml.safe_load('x: 1e-4') == {'x': '1e-4'}, 'yaml.SafeLoader is pristine here'\n"
+            "print(repr(load_yaml('lr: 1e-4\\nwd: -2E-3\\nname: 1e4abc\\nsteps: 10')))\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "{'lr': 0.0001, 'wd': -0.002, 'name': '1e4abc', 'steps': 10}"

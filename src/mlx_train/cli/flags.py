@@ -18,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from mlx_train.config.files import load_yaml
 from mlx_train.errors import ConfigError, did_you_mean
 
 # Dedicated flag -> TrainConfig field; help and type come from the field (one source of truth).
@@ -149,7 +150,7 @@ def _set_value(item: str, current: Callable[[str], Any]) -> tuple[str, Any]:
         mapping = current(name)
         if not isinstance(mapping, dict):
             raise ConfigError(f"'{name}' is not a mapping, so '{key}' cannot be set; use --set {name}=VALUE")
-        return name, {**mapping, option: yaml.safe_load(text)}
+        return name, {**mapping, option: load_yaml(text)}
     except yaml.YAMLError as error:
         raise ConfigError(f"{origin}: the value is not valid YAML: {error}") from None
     except ConfigError as error:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 from collections.abc import Callable, Mapping
 from typing import Any, cast
 
@@ -62,6 +63,27 @@ def read(path: str | os.PathLike[str], fields: Fields, sections: tuple[str, ...]
     return build(data, source, lines, fields, sections, dialect, defer, defaults)
 
 
+class ConfigLoader(yaml.SafeLoader):
+    """PyYAML's safe loader that also reads ``1e-4`` (an exponent without a dot) as a float, as
+    mlx_lm.lora's loader does (plain YAML 1.1 reads it as a string). A subclass, so parsing never
+    depends on whether some other module changed ``yaml.SafeLoader`` itself.
+
+    Example: ``yaml.load("lr: 1e-4", Loader=ConfigLoader)  # {'lr': 0.0001}``
+    """
+
+
+ConfigLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def load_yaml(text: str) -> Any:
+    """``text`` parsed with ``ConfigLoader`` (what config files and ``--set`` values are read with)."""
+    return yaml.load(text, Loader=ConfigLoader)  # noqa: S506 - a SafeLoader subclass
+
+
 def _where(source: str, line: int | None) -> str:
     return f"{source}:{line}" if line else source
 
@@ -69,7 +91,7 @@ def _where(source: str, line: int | None) -> str:
 def _parse(text: str, source: str, sections: tuple[str, ...]) -> tuple[Any, dict[tuple[Any, ...], int]]:
     """Parse YAML keeping the line of each top-level and section key (from the composed nodes)."""
     lines: dict[tuple[Any, ...], int] = {}
-    loader = yaml.SafeLoader(text)
+    loader = ConfigLoader(text)
     try:
         root = loader.get_single_node()
         if root is None:

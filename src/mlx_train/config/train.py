@@ -571,7 +571,7 @@ class TrainConfig:
             import yaml
 
             try:
-                value = yaml.safe_load(text)
+                value = files.load_yaml(text)
             except yaml.YAMLError:
                 pass
         try:
