@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from test_tensor_parallel import ENV, _launcher  # noqa: E402
 
 # The tiny llama of tests/scripts/llm_tiny.py and the run of tp_comm_run.py.
-LAYERS, HIDDEN, LORA_RANK, BATCH = 2, 32, 4, 8
+LAYERS, HIDDEN, LORA_RANK, BATCH, VOCAB = 2, 32, 4, 8, 96
 FLOAT32, VOTE, CLIP_NORM, GUARD_VOTE = 4, 4, 4, 8  # bytes: an activation element, the scalars, 2 int32
 
 
@@ -111,6 +111,15 @@ def _activation(length, width=HIDDEN):
     return BATCH * length * width * FLOAT32
 
 
+#: The tied embedding split by vocabulary: the lookup all-reduces its rows (forward), the head gathers each
+#: rank's half of the logits (forward) and all-reduces its input's gradient (backward).
+VOCAB_COLLECTIVES = 3
+
+
+def _vocabulary(length):
+    return 2 * _activation(length) + _activation(length, VOCAB // 2)
+
+
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("full")
@@ -126,9 +135,10 @@ def test_a_tensor_parallel_step_reports_its_communication_time(full_run):
         assert 0 < row["time_comm"] <= row["step_time"]
         assert row["time_compute"] + row["time_comm"] + row["time_data"] <= row["step_time"] * 1.0001
         # per layer: the attention output and MLP down projections all-reduce their outputs (2), and q, k, v,
-        # gate and up their input's gradient (5); then the step's stop vote and the memory guard's vote
-        assert row["comm_collectives"] == 7 * LAYERS + 2
-        assert row["comm_bytes"] == 7 * LAYERS * _activation(16) + VOTE + GUARD_VOTE
+        # gate and up their input's gradient (5); the split vocabulary's three; then the step's stop vote and
+        # the memory guard's vote
+        assert row["comm_collectives"] == 7 * LAYERS + VOCAB_COLLECTIVES + 2
+        assert row["comm_bytes"] == 7 * LAYERS * _activation(16) + _vocabulary(16) + VOTE + GUARD_VOTE
 
 
 @pytest.mark.slow
@@ -138,17 +148,17 @@ def test_the_bytes_follow_the_tokens_the_micro_batches_and_the_gradients_needed(
     longer = _run(tmp_path / "longer", "--length", "32", "--accumulation", "2", "--max-grad-norm", "1.0")
     # twice the tokens: twice the activation bytes; two micro-batches: each layer's collectives twice; clipping:
     # the norm of the split gradient summed over the ranks
-    assert longer[-1]["comm_collectives"] == 2 * 7 * LAYERS + 3
-    assert longer[-1]["comm_bytes"] == 7 * LAYERS * _activation(32) + VOTE + CLIP_NORM + GUARD_VOTE
+    assert longer[-1]["comm_collectives"] == 2 * (7 * LAYERS + VOCAB_COLLECTIVES) + 3
+    assert longer[-1]["comm_bytes"] == 7 * LAYERS * _activation(32) + _vocabulary(32) + VOTE + CLIP_NORM + GUARD_VOTE
     assert longer[-1]["comm_bytes"] - VOTE - CLIP_NORM - GUARD_VOTE == 2 * (rows[-1]["comm_bytes"] - VOTE - GUARD_VOTE)
     lora = _run(tmp_path / "lora", "--mode", "lora", "--length", "16")
     # LoRA: the base is frozen, so layer 0's attention input needs no gradient (its q, k, v all-reduce none),
     # while each adapter all-reduces its rank-4 activation (forward for o/down, gradient for q/k/v/gate/up)
     hidden = 2 * LAYERS + 2 + 5 * (LAYERS - 1)
     low_rank = 2 * LAYERS + 5 * LAYERS
-    assert lora[-1]["comm_collectives"] == hidden + low_rank + 2
-    assert lora[-1]["comm_bytes"] == hidden * _activation(16) + low_rank * _activation(16, LORA_RANK) + VOTE + \
-        GUARD_VOTE
+    assert lora[-1]["comm_collectives"] == hidden + low_rank + VOCAB_COLLECTIVES + 2
+    assert lora[-1]["comm_bytes"] == hidden * _activation(16) + low_rank * _activation(16, LORA_RANK) + \
+        _vocabulary(16) + VOTE + GUARD_VOTE
     assert 0 < lora[-1]["time_comm"] <= lora[-1]["step_time"]
 
 
@@ -180,5 +190,5 @@ def test_the_monitor_breakdown_shows_the_communication_of_a_tensor_parallel_run(
     share = comm_mean / (sum(r["step_time"] for r in last) / len(last))
     assert comm_mean > 0
     assert re.search(rf"communication\s+{re.escape(format_seconds(comm_mean))}\s+{share:.1%}", text), text
-    assert f"communication: {7 * LAYERS + 2} collectives a step, " \
-           f"{(7 * LAYERS * _activation(16) + VOTE + GUARD_VOTE) / 1e3:.1f} KB from each rank" in text
+    assert f"communication: {7 * LAYERS + VOCAB_COLLECTIVES + 2} collectives a step, " \
+           f"{(7 * LAYERS * _activation(16) + _vocabulary(16) + VOTE + GUARD_VOTE) / 1e3:.1f} KB from each rank" in text
