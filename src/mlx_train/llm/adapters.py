@@ -125,7 +125,8 @@ class _ShardedAdapter(nn.Module):
     ("all-to-sharded") ``lora_b``'s columns are, and ``lora_a`` is whole on every rank; for a layer
     whose input is split ("sharded-to-all") ``lora_a``'s rows are, and ``lora_b`` is whole. The
     rank-``r`` activation ``x @ lora_a`` is all-reduced (its gradient, or its value) so that every
-    rank computes the unsplit layer's result and gradients. Parameter names are mlx-lm's
+    rank computes the unsplit layer's result and gradients. A base split in unequal slices (attention
+    split by key/value groups, ``split_sizes``) has its factor split in the same slices. Parameter names are mlx-lm's
     (``linear``, ``lora_a``, ``lora_b``, DoRA's ``m``): gathered, they are an mlx-lm adapter file.
     """
 
@@ -138,10 +139,25 @@ class _ShardedAdapter(nn.Module):
         self.scale = scale
         self.group = linear.group
         self.output_sharded = isinstance(linear, (dist.AllToShardedLinear, dist.QuantizedAllToShardedLinear))
-        size, rank = self.group.size(), self.group.rank()
         a, b = template.lora_a, template.lora_b  # drawn at the unsplit size: the same numbers as one process
-        self.lora_a = a if self.output_sharded else mx.contiguous(mx.split(a, size, axis=0)[rank])
-        self.lora_b = mx.contiguous(mx.split(b, size, axis=1)[rank]) if self.output_sharded else b
+        self.lora_a = a if self.output_sharded else self._own_part(a, 0)
+        self.lora_b = self._own_part(b, 1) if self.output_sharded else b
+
+    def _own_part(self, factor: mx.array, axis: int) -> mx.array:
+        """This rank's slice of ``factor`` on ``axis``: equal slices, or the base layer's ``split_sizes``."""
+        size, rank = self.group.size(), self.group.rank()
+        sizes = self.split_sizes
+        if sizes is None:
+            return mx.contiguous(mx.split(factor, size, axis=axis)[rank])
+        start = sum(sizes[:rank])
+        return mx.contiguous(mx.take(factor, mx.arange(start, start + sizes[rank]), axis=axis))
+
+    @property
+    def split_sizes(self) -> tuple[int, ...] | None:
+        """Each rank's size on the split axis when the base layer's slices are unequal (``tensor_parallel``'s
+        uneven attention), else None."""
+        sizes: tuple[int, ...] | None = getattr(self.linear, "split_sizes", None)
+        return sizes
 
     @property
     def sharded_axes(self) -> dict[str, int | None]:
@@ -157,9 +173,10 @@ class _ShardedAdapter(nn.Module):
         if "scales" in linear:
             in_dims = in_dims * 32 // linear.bits
         size = linear.group.size()
+        sizes = getattr(linear, "split_sizes", None)  # unequal slices: their sum is the unsplit size
         if isinstance(linear, (dist.AllToShardedLinear, dist.QuantizedAllToShardedLinear)):
-            return in_dims, out_dims * size
-        return in_dims * size, out_dims
+            return in_dims, sum(sizes) if sizes else out_dims * size
+        return sum(sizes) if sizes else in_dims * size, out_dims
 
     def _low_rank(self, x: mx.array) -> mx.array:
         h = self.dropout(x) @ self.lora_a
