@@ -100,6 +100,7 @@ def worker(args) -> None:
     mx.reset_peak_memory()
     model, vocab = build(model_name, group)
     apply_adapters(model, AdapterConfig(tune, num_layers=-1 if tune == "full" else 8, rank=8))
+    model.train()
     mx.eval(model.parameters())
     build_peak = mx.get_peak_memory()
     layout = tensor_parallel.shard_layout(model)
@@ -108,8 +109,10 @@ def worker(args) -> None:
     # the trainer replaces the replicated arrays with rank 0's
     tokens = np.random.default_rng(0).integers(0, vocab, size=(batch * (args.steps + 1), length + 1))
 
+    from mlx_train.llm.loss import lm_loss
+
     def lm(model, inputs, targets):
-        return nn.losses.cross_entropy(model(inputs), targets).mean()
+        return lm_loss(model, {"inputs": inputs, "targets": targets, "loss_mask": mx.ones(targets.shape)})[0]
 
     class Clock(Callback):
         def __init__(self):
