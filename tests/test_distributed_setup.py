@@ -250,6 +250,15 @@ def _sleeper(env_extra):
     return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], env=env)
 
 
+def _wait_exec(*children, timeout=30.0):
+    """Wait until each child runs its own program (its environment and command line are its own)."""
+    deadline = time.monotonic() + timeout
+    for child in children:
+        while b"time.sleep(120)" not in open(f"/proc/{child.pid}/cmdline", "rb").read():
+            assert time.monotonic() < deadline, f"pid {child.pid} did not start"
+            time.sleep(0.05)
+
+
 def test_reset_stops_only_leftover_mlx_train_processes_and_names_them(home):
     orphan = _sleeper({"MLX_TRAIN_RUN_ID": "gone-run", "MLX_RANK": "1"})       # its supervisor is gone
     healthy = _sleeper({"MLX_TRAIN_RUN_ID": "live-run", "MLX_RANK": "0"})      # its supervisor runs
@@ -265,7 +274,7 @@ def test_reset_stops_only_leftover_mlx_train_processes_and_names_them(home):
         write_json_atomic(registry.entry_path(999999), dead)
         killed = {"pid": 999998, "kind": "supervisor", "run_id": "gone-run", "start_time": 1}
         write_json_atomic(registry.entry_path(999998), killed)
-        time.sleep(0.3)  # let the children exec
+        _wait_exec(orphan, healthy, unrelated, unknown, supervisor)
         assert "supervised runs in progress: 1" in describe_cluster()
         lines = reset_distributed(grace=1.0)
         assert any(f"stopped pid {orphan.pid}: rank 1 of run gone-run" in line and "its supervisor is gone" in line
