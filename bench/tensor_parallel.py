@@ -86,7 +86,6 @@ def worker(args) -> None:
 
     # isort: split
     import mlx.core as mx
-    import mlx.nn as nn
     import mlx.optimizers as optim
     import numpy as np
     from mlx.utils import tree_flatten
