@@ -124,8 +124,8 @@ def test_lm_loss_and_gradients_equal_the_full_logits(tie, train, layout):
 
 
 def test_chunk_size_follows_the_vocabulary():
-    assert llm_loss.chunk_tokens(49152) == 160 and llm_loss.chunk_tokens(151936) == 128
-    assert llm_loss.chunk_tokens(32000) == 256
+    assert llm_loss.chunk_tokens(49152) == 64 and llm_loss.chunk_tokens(151936) == 32  # 4M logits, at least 32
+    assert llm_loss.chunk_tokens(32000) == 128
 
 
 def test_trained_positions_are_row_wise_and_padded():

@@ -17,7 +17,7 @@ earlier documents of its row.
 The output projection in chunks. For an mlx-lm model whose ``Model.__call__`` is the plain
 "``self.model`` then ``lm_head`` (or the tied embedding's ``as_linear``)", ``target_logprobs``
 runs the transformer body once and then the projection and the log-softmax a chunk of tokens at
-a time (``CHUNK_LOGITS`` logits, 160 tokens of SmolLM2's 49152-token vocabulary), so the loss
+a time (``CHUNK_LOGITS`` logits, 64 tokens of SmolLM2's 49152-token vocabulary), so the loss
 layer's memory does not grow with tokens x vocabulary (the full logits of one 2048-token row of
 SmolLM2 are 400 MB, and the plain loss holds a few such arrays). When the head has no trainable
 parameters (LoRA, DoRA, a frozen head) each chunk also computes the gradient of its
@@ -59,11 +59,13 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 #: Logits per chunk of the output projection: a chunk is this many over the vocabulary size tokens
-#: (a multiple of 32 from 64 on), at least MIN_CHUNK_TOKENS; 8M float32 logits are 32 MB (160
-#: tokens of a 49152-token vocabulary). 0 computes the full logits (the plain loss).
-CHUNK_LOGITS = 1 << 23
-#: Smaller chunks save little memory and cost time (many small matrix products).
-MIN_CHUNK_TOKENS = 128
+#: (a multiple of 32 from 64 on), at least MIN_CHUNK_TOKENS; 4M float32 logits are 16 MB (64
+#: tokens of a 49152-token vocabulary). 0 computes the full logits (the plain loss). Measured on
+#: SmolLM2-135M LoRA at batch 4: 160-token chunks peaked at 0.66x mlx-lm's memory, 64-token chunks
+#: at 0.55x, for ~2% of the step (docs/benchmarks.md, Fine-tuning).
+CHUNK_LOGITS = 1 << 22
+#: Smaller chunks save little more memory and cost time (many small matrix products).
+MIN_CHUNK_TOKENS = 32
 
 # Model.__call__ bodies (as ast.unparse writes them) whose logits are ``head(self.model(...))``.
 _PLAIN_BODIES = {
@@ -152,7 +154,7 @@ def output_head(model: nn.Module) -> tuple[nn.Module, Callable[[mx.array], mx.ar
 def chunk_tokens(vocabulary: int) -> int:
     """Tokens per chunk of the output projection for this vocabulary size (see ``CHUNK_LOGITS``).
 
-    Example: ``chunk_tokens(49152)`` -> ``160``.
+    Example: ``chunk_tokens(49152)`` -> ``64``.
     """
     rows = CHUNK_LOGITS // vocabulary
     return max(MIN_CHUNK_TOKENS, rows - rows % 32 if rows >= 64 else rows)
