@@ -32,24 +32,7 @@ ENV = {**os.environ, "OPENBLAS_NUM_THREADS": "1",
 ATTENTION = "model.layers.0.self_attn"
 
 
-class _Rank:
-    """A stand-in group of 2 (splitting communicates nothing; only running the split model does)."""
-
-    def __init__(self, rank):
-        self._rank = rank
-
-    def size(self):
-        return 2
-
-    def rank(self):
-        return self._rank
-
-
-def _launcher():
-    from test_tensor_parallel import _launcher as find
-
-    return find()
-
+from test_tensor_parallel_vocab import _launcher, _Rank  # noqa: E402
 
 # -- one process ------------------------------------------------------------------------------
 

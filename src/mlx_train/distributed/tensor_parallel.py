@@ -294,9 +294,14 @@ class _VocabularySlice(nn.Module):
         x = mlx_distributed.sum_gradients(self.group)(x)
         return x @ self.weight.T
 
-    def _keep_frozen(self, source: nn.Module) -> None:
-        if not tree_flatten(source.trainable_parameters()):
-            self.freeze()
+    @classmethod
+    def of(cls, module: nn.Module, group: Any) -> Any:
+        """This rank's rows of ``module``'s ``weight`` (an ``nn.Embedding`` or a bias-free ``nn.Linear``),
+        frozen if ``module`` was."""
+        split = cls(module.weight, group)
+        if not tree_flatten(module.trainable_parameters()):
+            split.freeze()
+        return split
 
 
 class VocabParallelEmbedding(_VocabularySlice):
@@ -304,15 +309,8 @@ class VocabParallelEmbedding(_VocabularySlice):
     holds it (zeros elsewhere, summed over the group; the gradient lands in that rank's rows only), and
     ``as_linear`` (a tied head) the whole logits, gathered. Parameter name and layout: ``weight``, axis 0.
 
-    Example: ``model.model.embed_tokens = VocabParallelEmbedding.from_embedding(model.model.embed_tokens, group)``
+    Example: ``model.model.embed_tokens = VocabParallelEmbedding.of(model.model.embed_tokens, group)``
     """
-
-    @classmethod
-    def from_embedding(cls, embedding: nn.Embedding, group: Any) -> VocabParallelEmbedding:
-        """This rank's rows of ``embedding`` (frozen if it was)."""
-        split = cls(embedding.weight, group)
-        split._keep_frozen(embedding)
-        return split
 
     def __call__(self, ids: mx.array) -> mx.array:
         local = ids - self.vocab_offset
@@ -329,15 +327,8 @@ class VocabParallelHead(_VocabularySlice):
     """An output ``nn.Linear`` (no bias) split by vocabulary rows over a group: called, it gives the whole
     logits (gathered); ``local_logits`` this rank's slice. Parameter name and layout: ``weight``, axis 0.
 
-    Example: ``model.lm_head = VocabParallelHead.from_linear(model.lm_head, group)``
+    Example: ``model.lm_head = VocabParallelHead.of(model.lm_head, group)``
     """
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, group: Any) -> VocabParallelHead:
-        """This rank's rows of ``linear`` (frozen if it was)."""
-        split = cls(linear.weight, group)
-        split._keep_frozen(linear)
-        return split
 
     def __call__(self, x: mx.array) -> mx.array:
         return _gather_vocabulary(self.local_logits(x), self.group)
@@ -366,9 +357,9 @@ def shard_vocabulary(model: nn.Module, group: Any) -> bool:
         return False
     if not tied and (type(head) is not nn.Linear or "bias" in head or head.weight.shape[0] % group.size()):
         return False
-    body.embed_tokens = VocabParallelEmbedding.from_embedding(embedding, group)
+    body.embed_tokens = VocabParallelEmbedding.of(embedding, group)
     if not tied:
-        model.lm_head = VocabParallelHead.from_linear(cast(nn.Linear, head), group)
+        model.lm_head = VocabParallelHead.of(cast(nn.Linear, head), group)
     return True
 
 
