@@ -10,9 +10,15 @@ Printed, as medians over the rounds, mlx-train against mlx-lm (step times: wall 
 process CPU time, which a shared machine's load changes less, with --single-thread):
 
   (a) identical batches (mlx-lm's, fed to both): speed, largest per-step loss difference, peak memory;
-      mlx-train with finetune's default (attention recomputed) and with nothing recomputed; also both
+      mlx-train with finetune's default (gradient_checkpointing: auto, attention recomputed on rows of 1024
+      tokens or more: none here) and recomputing attention on every row, and nothing; also both
       recomputing whole blocks (mlx-lm's grad_checkpoint, mlx-train's gradient_checkpointing: true)
-  (b) each side's own batching: real (non-padding) tokens/s, mlx-train packed (PACK_LENGTH)
+  (b) each side's own batching: real (non-padding) tokens/s; mlx-train with finetune's default batching
+      (rows of similar token length, padded to a multiple of 8) and packed (PACK_LENGTH), mlx-lm with its
+      iterate_batches (sorted by length, padded to a multiple of 32); on the passages and on short records
+      (SHORT tokens, where padding costs most). Besides all steps after the first, the ratio over the steps
+      whose batch shape was already compiled (a new shape traces and compiles the step again, which a long
+      run pays once per shape and a 12-step run pays on most steps)
   (c) long context, 2048 tokens per row, identical batches: speed, loss difference, peak memory
   (d) checkpoint size against mlx-lm's adapters + the Adam state it would need to resume
   (e) validation loss after the steps of the last round, both sides
@@ -21,6 +27,7 @@ process CPU time, which a shared machine's load changes less, with --single-thre
     python bench/llm.py --rounds 3 --steps 5
     python bench/llm.py --runs lm,mt,lm_long,mt_long --rounds 1      # a subset (names: RUNS)
     python bench/llm.py --single-thread   # a shared machine: compare process CPU time per step
+    python bench/llm.py --runs lm,mt_bucketed,lm_short,mt_short --rounds 2 --own-steps 16   # own batching
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ SHAKESPEARE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..
                            "tinyshakespeare.txt")
 LORA = {"rank": 8, "scale": 20.0, "dropout": 0.0}
 BATCH, LAYERS, LR, PACK_LENGTH, LONG = 4, 8, 1e-4, 512, 2048
+SHORT = (24, 96)  # tokens per short record
 
 
 def find_gguf() -> str | None:
@@ -161,7 +169,8 @@ def run_mlx_lm(base: Base, batches: list, val=None, grad_checkpoint: bool = Fals
     optimizer_bytes = sum(v.nbytes for _, v in tree_flatten(optimizer.state))
     result = {"losses": losses, "seconds": stamps[-1] - stamps[0], "cpu_seconds": cpu[-1] - cpu[0],
               "peak": max(peak, *peaks), "tokens": sum(real_tokens(b) for b in batches[1:]),
-              "resume_bytes": adapter_bytes + optimizer_bytes}
+              "resume_bytes": adapter_bytes + optimizer_bytes,
+              **compiled_steps(stamps, [b[0].shape for b in batches], [real_tokens(b) for b in batches])}
     if val is not None:
         result["val_loss"] = evaluate(model, val, batch_size=BATCH, num_batches=-1)
     shutil.rmtree(folder)
@@ -171,10 +180,12 @@ def run_mlx_lm(base: Base, batches: list, val=None, grad_checkpoint: bool = Fals
 def run_mlx_train(base: Base, batches, steps: int, val_rows=None, checkpoint_dir: str | None = None,
                   grad_checkpoint: bool | str = False) -> dict:
     """mlx-train's Trainer on a list of batches or a DataLoader, ``steps`` optimizer steps; peak memory."""
+    from mlx_train.llm.activations import use_lean_swiglu
     from mlx_train.llm.loss import lm_loss
     from mlx_train.training import Callback, Trainer
 
     model = base.lora_model()
+    use_lean_swiglu(model)  # as mlx-train finetune does
     stamps, cpu, losses, peaks, seen = [], [], [], [], []
 
     class Record(Callback):
@@ -200,8 +211,10 @@ def run_mlx_train(base: Base, batches, steps: int, val_rows=None, checkpoint_dir
             trainer.train(train_dataset=batches, epochs=100, callbacks=[Record()], checkpoint_dir=checkpoint_dir)
             seen = recorder.batches
     peak = mx.get_peak_memory()
+    shapes = [(b["inputs"].shape, b["positions"].shape if "positions" in b else None) for b in seen[:steps]]
     result = {"losses": losses, "seconds": stamps[-1] - stamps[0], "cpu_seconds": cpu[-1] - cpu[0],
               "peak": max(peak, *peaks), "tokens": sum(real_tokens(b) for b in seen[1:steps]),
+              **compiled_steps(stamps, shapes, [real_tokens(b) for b in seen[:steps]]),
               "trainable_bytes": sum(v.nbytes for _, v in tree_flatten(model.trainable_parameters()))
               + sum(v.nbytes for _, v in tree_flatten(trainer.optimizer.state))}
     if val_rows is not None:
@@ -210,6 +223,18 @@ def run_mlx_train(base: Base, batches, steps: int, val_rows=None, checkpoint_dir
         result["val_loss_mlx_lm_eval"] = evaluate(model, val_rows[1], batch_size=BATCH, num_batches=-1)
         result["val_loss"] = trainer.evaluate(val_rows[0])["loss"]
     return result
+
+
+def compiled_steps(stamps: list[float], shapes: list, tokens: list[int]) -> dict:
+    """Seconds and real tokens of the steps whose batch shape an earlier step already had (``stamps``: the
+    time at the end of each step; a new shape traces and compiles the step again)."""
+    seconds, count, seen = 0.0, 0, {shapes[0]}
+    for i in range(1, len(stamps)):
+        if shapes[i] in seen:
+            seconds += stamps[i] - stamps[i - 1]
+            count += tokens[i]
+        seen.add(shapes[i])
+    return {"compiled_seconds": seconds, "compiled_tokens": count}
 
 
 class _Recording:
@@ -242,17 +267,25 @@ def directory_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
 
 
-# name: (side, data, gradient checkpointing: False, True = whole blocks, "attention"); --runs picks a subset.
-# mlx-train's runs without a suffix use mlx-train finetune's default (attention recomputed); _off: nothing.
+# name: (side, data, gradient checkpointing: False, True = whole blocks, "attention", "auto"); --runs picks a
+# subset. mlx-train's runs without a suffix use mlx-train finetune's default (auto: attention recomputed on rows
+# of >= 1024 tokens), _attention recomputes it on every row, _off nothing. All use finetune's lean SwiGLU.
 RUNS = {
-    "lm": ("mlx-lm", "same", False), "mt": ("mlx-train", "same", "attention"), "mt_off": ("mlx-train", "same", False),
-    "mt_full_logits": ("mlx-train", "same", "attention"),  # the loss from the full logits (CHUNK_LOGITS = 0)
+    "lm": ("mlx-lm", "same", False), "mt": ("mlx-train", "same", "auto"),
+    "mt_attention": ("mlx-train", "same", "attention"), "mt_off": ("mlx-train", "same", False),
+    "mt_full_logits": ("mlx-train", "same", "auto"),  # the loss from the full logits (CHUNK_LOGITS = 0)
     "lm_ckpt": ("mlx-lm", "same", True), "mt_ckpt": ("mlx-train", "same", True),
-    "mt_packed": ("mlx-train", "packed", "attention"),
-    "lm_long": ("mlx-lm", "long", False), "mt_long": ("mlx-train", "long", "attention"),
+    "mt_packed": ("mlx-train", "packed", "auto"), "mt_bucketed": ("mlx-train", "bucketed", "auto"),
+    "lm_own": ("mlx-lm", "same", False),  # mlx-lm's own batching, --own-steps steps (the lm run's data)
+    "lm_short": ("mlx-lm", "short", False), "mt_short": ("mlx-train", "short", "auto"),
+    "lm_long": ("mlx-lm", "long", False), "mt_long": ("mlx-train", "long", "auto"),
     "mt_long_off": ("mlx-train", "long", False),
     "lm_long_ckpt": ("mlx-lm", "long", True), "mt_long_ckpt": ("mlx-train", "long", True),
 }
+
+
+#: The own-batching runs: --own-steps steps each.
+OWN = ("lm_own", "mt_packed", "mt_bucketed", "lm_short", "mt_short")
 
 
 def worker(name: str, round_: int, steps: int, final: bool) -> dict:
@@ -269,6 +302,16 @@ def worker(name: str, round_: int, steps: int, final: bool) -> dict:
     base = Base(find_gguf())
     records = passages(base.tokenizer, 260)
     train_records, val_records = records[:200], records[200:240]
+    if data == "short":  # short records: mlx-lm's batches of them, or finetune's default batching
+        short = passages(base.tokenizer, 400, seed=2, lengths=SHORT)
+        if side == "mlx-lm":
+            return run_mlx_lm(base, mlx_lm_batches(CacheDataset(TextDataset(short, base.tokenizer)), steps,
+                                                   seed=round_))
+        rows = SequenceDataset(tokenize(short, base.tokenizer))
+        return run_mlx_train(base, make_loader(rows, BATCH, seed=round_), steps, grad_checkpoint=ckpt)
+    if data == "bucketed":
+        rows = SequenceDataset(tokenize(train_records, base.tokenizer))
+        return run_mlx_train(base, make_loader(rows, BATCH, seed=round_), steps, grad_checkpoint=ckpt)
     if data == "long":
         rows = passages(base.tokenizer, 2 * steps, seed=1, lengths=(LONG + 60, LONG + 60))
         batches = mlx_lm_batches(CacheDataset(TextDataset(rows, base.tokenizer)), steps, seed=round_, batch_size=1,
@@ -276,7 +319,7 @@ def worker(name: str, round_: int, steps: int, final: bool) -> dict:
     else:
         batches = mlx_lm_batches(CacheDataset(TextDataset(train_records, base.tokenizer)), steps, seed=round_)
     lm_val = CacheDataset(TextDataset(val_records, base.tokenizer))
-    val = final and data == "same" and ckpt is not True
+    val = final and data == "same" and ckpt is not True and name != "lm_own"
     if side == "mlx-lm":
         return run_mlx_lm(base, batches, val=lm_val if val else None, grad_checkpoint=bool(ckpt))
     if data != "packed":
@@ -314,6 +357,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps per run (the first is not timed)")
     parser.add_argument("--long-steps", type=int, default=2, help=f"steps of the {LONG}-token runs (slow on a CPU)")
+    parser.add_argument("--own-steps", type=int, default=12,
+                        help="steps of the own-batching runs (lm also runs them when one is chosen)")
     parser.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {', '.join(RUNS)}")
     parser.add_argument("--single-thread", action="store_true",
                         help="one BLAS thread per run (OPENBLAS_NUM_THREADS=1): on a shared machine the process CPU "
@@ -337,12 +382,14 @@ def main() -> int:
         parser.error(f"unknown run {unknown[0]}; choose from {', '.join(RUNS)}")
     print(f"model {os.path.basename(gguf)}; LoRA r{LORA['rank']} on the last {LAYERS} layers; batch {BATCH} of "
           f"128-250-token passages, packed rows of <= {PACK_LENGTH}; long context: batch 1 of {LONG} tokens; "
-          f"{args.rounds} rounds x {args.steps} steps, each run in its own process", flush=True)
+          f"{args.rounds} rounds x {args.steps} steps ({args.own_steps} for own batching, {args.long_steps} at "
+          f"{LONG} tokens), each run in its own process", flush=True)
     rows: dict[str, list[dict]] = {n: [] for n in names}
     for r in range(args.rounds):
         order = names if r % 2 == 0 else names[::-1]  # alternate which side goes first
         for name in order:
-            steps = args.long_steps if RUNS[name][1] == "long" else args.steps
+            data = RUNS[name][1]
+            steps = args.long_steps if data == "long" else args.own_steps if name in OWN else args.steps
             rows[name].append(launch(name, r, steps, final=r == args.rounds - 1))
     report(rows)
     return 0
@@ -367,12 +414,14 @@ def report(rows: dict[str, list[dict]]) -> None:
     print("\n| measure | mlx-lm | mlx-train | ratio | target |")
     print("|---|---|---|---|---|")
     for lm, mt, label, goal_speed, goal_peak in (
-            ("lm", "mt", "(a) identical batches, batch 4 (mlx-train: its default, attention recomputed)", ">= 1.0x",
-             "<= 0.6x"),
+            ("lm", "mt", "(a) identical batches, batch 4 (mlx-train: its default, auto: nothing recomputed at "
+             "<= 256 tokens)", ">= 1.0x", "<= 0.6x"),
+            ("lm", "mt_attention", "(a) identical batches, batch 4, mlx-train recomputing attention on every row",
+             ">= 1.0x", "<= 0.6x"),
             ("lm", "mt_off", "(a) identical batches, batch 4, mlx-train recomputing nothing", ">= 1.0x", "<= 0.6x"),
             ("lm_ckpt", "mt_ckpt", "(a) identical batches, batch 4, both checkpointing blocks", ">= 1.0x", ""),
-            ("lm_long", "mt_long", f"(c) long context, 1 x {LONG} tokens (mlx-train: attention recomputed)",
-             ">= 1.0x", "<= 0.5x"),
+            ("lm_long", "mt_long", f"(c) long context, 1 x {LONG} tokens (mlx-train: its default, auto: attention "
+             "recomputed)", ">= 1.0x", "<= 0.5x"),
             ("lm_long", "mt_long_off", f"(c) long context, 1 x {LONG}, mlx-train recomputing nothing", ">= 1.0x",
              "<= 0.5x"),
             ("lm_long_ckpt", "mt_long_ckpt", f"(c) long context, 1 x {LONG}, both checkpointing blocks", ">= 1.0x",
@@ -400,11 +449,23 @@ def report(rows: dict[str, list[dict]]) -> None:
             print(f"| {label}: peak memory (GB) | {peak(lm):.2f} | {peak(mt):.2f} | {peak(mt) / peak(lm):.2f}x | "
                   f"{goal} |")
             print(f"| {label}: real tokens/s | {tps(lm):.0f} | {tps(mt):.0f} | {tps(mt) / tps(lm):.2f}x | |")
+    def compiled_tps(name: str) -> float:
+        return med(name, lambda x: x["compiled_tokens"] / x["compiled_seconds"] if x["compiled_seconds"] else 0.0)
+
+    own_lm = "lm_own" if have("lm_own") else "lm"
+    for lm, mt, label in ((own_lm, "mt_bucketed", "(b) own batching, passages (mlx-train: finetune's default)"),
+                          (own_lm, "mt_packed", f"(b) own batching, passages (mlx-train packed to {PACK_LENGTH})"),
+                          ("lm_short", "mt_short", f"(b) own batching, short records of {SHORT[0]}-{SHORT[1]} "
+                           "tokens (mlx-train: finetune's default)")):
+        if not have(lm, mt):
+            continue
+        print(f"| {label}: real tokens/s, steps after the first | {tps(lm):.0f} | {tps(mt):.0f} | "
+              f"{tps(mt) / tps(lm):.2f}x | >= 1.5x |")
+        if compiled_tps(lm) and compiled_tps(mt):
+            print(f"| {label}: real tokens/s, steps of an already compiled shape | {compiled_tps(lm):.0f} | "
+                  f"{compiled_tps(mt):.0f} | {compiled_tps(mt) / compiled_tps(lm):.2f}x | >= 1.5x |")
+        print(f"| {label}: peak memory (GB) | {peak(lm):.2f} | {peak(mt):.2f} | {peak(mt) / peak(lm):.2f}x | |")
     if have("lm", "mt_packed"):
-        print(f"| (b) own batching (mlx-train packed {PACK_LENGTH}): real tokens/s | {tps('lm'):.0f} | "
-              f"{tps('mt_packed'):.0f} | {tps('mt_packed') / tps('lm'):.2f}x | >= 1.5x |")
-        print(f"| (b) own batching (mlx-train packed): peak memory (GB) | {peak('lm'):.2f} | {peak('mt_packed'):.2f} | "
-              f"{peak('mt_packed') / peak('lm'):.2f}x | |")
         last_lm, last_packed = rows["lm"][-1], rows["mt_packed"][-1]
         if "checkpoint_bytes" in last_packed and "val_loss" in last_lm:
             resume = last_lm["resume_bytes"]

@@ -96,9 +96,10 @@ def test_mlx_lm_defaults_are_finetunes_defaults(tmp_path):
     from mlx_lm.lora import CONFIG_DEFAULTS
 
     text = yaml.safe_dump({**CONFIG_DEFAULTS, "train": True, "model": "base", "data": "data"})
-    # all but one: finetune recomputes attention unless told not to, as the file's grad_checkpoint: false does
+    # all but one: finetune recomputes attention on long rows unless told not to, as the file's
+    # grad_checkpoint: false does
     finetune = TrainConfig.for_finetune({"model": "base", "dataset": "data"})
-    assert CONFIG_DEFAULTS["grad_checkpoint"] is False and finetune.gradient_checkpointing == "attention"
+    assert CONFIG_DEFAULTS["grad_checkpoint"] is False and finetune.gradient_checkpointing == "auto"
     assert load(tmp_path, text) == finetune.replace(gradient_checkpointing=False)
     assert TrainConfig.for_finetune({}).max_steps == 1000 and TrainConfig.for_finetune({}).optimizer == "adam"
 

@@ -1,7 +1,8 @@
 """Attention recomputation (``gradient_checkpointing: attention``) on mlx-lm models: it recomputes each
 block's attention module in the backward pass and nothing else, gives the same losses and gradients
 as no recomputation (LoRA, DoRA, full fine-tuning, a quantized base, packed rows, the preference
-losses with their reference pass), gives way to whole blocks, and the config and flag name it."""
+losses with their reference pass), gives way to whole blocks, and the config and flag name it.
+``auto`` (finetune's default) does the same on rows of at least ``AUTO_MIN_TOKENS`` tokens only."""
 
 import os
 import sys
@@ -22,6 +23,7 @@ from mlx_train.errors import ConfigError  # noqa: E402
 from mlx_train.llm.adapters import AdapterConfig, apply_adapters  # noqa: E402
 from mlx_train.llm.loss import lm_loss  # noqa: E402
 from mlx_train.llm.preference import PreferenceConfig, PreferenceLoss  # noqa: E402
+from mlx_train.training import recompute  # noqa: E402
 from mlx_train.training.recompute import (  # noqa: E402
     disable_gradient_checkpointing,
     enable_gradient_checkpointing,
@@ -176,7 +178,7 @@ def test_finetune_turns_the_default_off_for_a_model_without_attention():
     from mlx_train.llm.finetune import FineTuneConfig, recompute_setting
 
     config = FineTuneConfig(model="base", data="data")
-    assert config.gradient_checkpointing == "attention"  # finetune's default
+    assert config.gradient_checkpointing == "auto"  # finetune's default
     assert FineTuneConfig(model="base", data="data", grad_checkpoint=False).gradient_checkpointing is False
     model = make()
     assert recompute_setting(config, model, log=print) is config
@@ -189,10 +191,11 @@ def test_finetune_turns_the_default_off_for_a_model_without_attention():
 
 def test_the_option_names_what_is_recomputed():
     assert TrainConfig(gradient_checkpointing="attention").gradient_checkpointing == "attention"
+    assert TrainConfig(gradient_checkpointing="Auto").gradient_checkpointing == "auto"
     assert TrainConfig(gradient_checkpointing="blocks").gradient_checkpointing is True
     assert TrainConfig(gradient_checkpointing="off").gradient_checkpointing is False
     assert TrainConfig.from_dict({"grad_checkpoint": True}, finetune=True).gradient_checkpointing is True
-    with pytest.raises(ConfigError, match="true .*, false, blocks or attention, got 'atention'.*attention"):
+    with pytest.raises(ConfigError, match="true .*, false, blocks, attention or auto, got 'atention'.*attention"):
         TrainConfig(gradient_checkpointing="atention")
 
 
@@ -202,7 +205,8 @@ def test_the_trainer_recomputes_what_the_config_says():
     from mlx_train.training import Trainer
 
     data = batch(prompt=2)
-    for setting, attention, blocks in (("attention", True, False), (True, False, True), (False, False, False)):
+    for setting, attention, blocks in (("attention", True, False), ("auto", True, False), (True, False, True),
+                                       (False, False, False)):
         model = make()
         trainer = Trainer(model, optim.Adam(learning_rate=1e-3), loss_fn=lm_loss, gradient_checkpointing=setting,
                           max_steps=1, report_every="1 steps", eval_every="1000 epochs")
@@ -213,7 +217,8 @@ def test_the_trainer_recomputes_what_the_config_says():
 
 @pytest.mark.parametrize(("flags", "value"), [
     (["--grad-checkpoint"], True), (["--grad-checkpoint", "blocks"], True),
-    (["--grad-checkpoint", "attention"], "attention"), (["--grad-checkpoint", "off"], False)])
+    (["--grad-checkpoint", "attention"], "attention"), (["--grad-checkpoint", "auto"], "auto"),
+    (["--grad-checkpoint", "off"], False)])
 def test_the_flag_alone_recomputes_blocks_and_can_name_attention(tmp_path, flags, value):
     from mlx_train.cli.finetune import resolve_config
     from mlx_train.cli.main import build_parser
@@ -221,3 +226,66 @@ def test_the_flag_alone_recomputes_blocks_and_can_name_attention(tmp_path, flags
     args = build_parser("finetune").parse_args(["finetune", "--model", "base", "--data", "data", "--run-dir",
                                                  str(tmp_path / "r"), *flags])
     assert resolve_config(args, log=lambda message: None).gradient_checkpointing == value
+
+
+def test_auto_recomputes_attention_on_long_rows_only(monkeypatch):
+    monkeypatch.setattr(recompute, "AUTO_MIN_TOKENS", 16)
+    model = make()
+    short, long = batch(length=15, prompt=2), batch(length=21, prompt=2)
+    with Counting(queries(model)) as attention, Counting(gates(model)) as mlp:
+        plain = {name: loss_and_grads(model, lm_loss, data, chunk=8) for name, data in (("short", short),
+                                                                                       ("long", long))}
+        assert enable_gradient_checkpointing(model, granularity="auto") == [f"model.layers.{i}.self_attn"
+                                                                             for i in range(3)]
+        assert all(is_checkpointed(b.self_attn) for b in model.model.layers)
+        for name, data, recomputed in (("short", short, 0), ("long", long, 2)):
+            attention.calls = mlp.calls = 0
+            assert_same(plain[name], loss_and_grads(model, lm_loss, data, chunk=8))
+            # 15 tokens: the 3 forwards alone; 21: again in the backward pass of the 2 blocks that train
+            assert (attention.calls, mlp.calls) == (3 + recomputed, 3), name
+
+
+def test_auto_and_attention_replace_each_other_and_give_way_to_blocks(monkeypatch):
+    monkeypatch.setattr(recompute, "AUTO_MIN_TOKENS", 1000)
+    model = make()
+    data = batch(length=21, prompt=2)
+    with Counting(queries(model)) as attention:
+        enable_gradient_checkpointing(model, granularity="auto")
+        loss_and_grads(model, lm_loss, data, chunk=8)
+        assert attention.calls == 3  # 21 tokens < 1000: nothing recomputed
+        enable_gradient_checkpointing(model, granularity="attention")
+        attention.calls = 0
+        loss_and_grads(model, lm_loss, data, chunk=8)
+        assert attention.calls == 3 + 2  # every row now
+        enable_gradient_checkpointing(model, granularity="auto")
+        attention.calls = 0
+        loss_and_grads(model, lm_loss, data, chunk=8)
+        assert attention.calls == 3
+    assert enable_gradient_checkpointing(model) == [f"model.layers.{i}" for i in range(3)]
+    assert all(is_checkpointed(b) and not is_checkpointed(b.self_attn) for b in model.model.layers)
+    assert enable_gradient_checkpointing(model, granularity="auto") == [f"model.layers.{i}" for i in range(3)]
+    assert len(disable_gradient_checkpointing(model)) == 3
+    assert not any(is_checkpointed(m) for _, m in model.named_modules())
+
+
+def test_a_compiled_step_decides_per_batch_shape_and_trains_as_without_recomputation(monkeypatch):
+    import mlx.optimizers as optim
+    from mlx.utils import tree_flatten
+
+    from mlx_train.training import Trainer
+
+    monkeypatch.setattr(recompute, "AUTO_MIN_TOKENS", 16)
+    data = [batch(length=15, prompt=2), batch(length=21, prompt=2, seed=1), batch(length=15, prompt=2, seed=2)]
+    trained = {}
+    for setting in ("auto", False):
+        model = make()
+        trainer = Trainer(model, optim.Adam(learning_rate=1e-2), loss_fn=lm_loss, gradient_checkpointing=setting,
+                          max_steps=3, report_every="1 steps", eval_every="1000 epochs", compile=True)
+        with Counting(queries(model)) as attention:
+            trainer.fit(data, epochs=1, save_best=False)
+        trained[setting] = (attention.calls, dict(tree_flatten(model.trainable_parameters())))
+    # Python runs only while a step is traced: the 15-token shape once (3 forwards), the 21-token shape once
+    # (3 forwards and the 2 trained blocks' attention again); the third batch reuses the first trace
+    assert trained["auto"][0] == 3 + 3 + 2 and trained[False][0] == 3 + 3
+    for name, value in trained[False][1].items():
+        assert mx.allclose(value, trained["auto"][1][name], rtol=1e-5, atol=1e-6).item(), name

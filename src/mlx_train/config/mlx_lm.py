@@ -65,7 +65,7 @@ _KEYWORD_FIELDS = {"eps": "epsilon", "weight_decay": "weight_decay", "momentum":
 #: TrainConfig's terms: ``mlx-train finetune`` starts from these. An empty model or dataset is "not given".
 FINETUNE_DEFAULTS: dict[str, Any] = {
     "model": "", "dataset": "", "optimizer": "adam", "learning_rate": 1e-5, "batch_size": 4, "val_batches": 25,
-    "num_workers": 1, "gradient_checkpointing": "attention",  # recompute attention: see docs/guides/finetuning.md
+    "num_workers": 1, "gradient_checkpointing": "auto",  # attention on long rows: see docs/guides/finetuning.md
 }
 _DEFAULT_ITERATIONS = {"iters": 1000, "steps_per_report": 10, "steps_per_eval": 200, "save_every": 100}
 

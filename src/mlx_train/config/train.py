@@ -210,10 +210,10 @@ def _checkpointing(value: Any) -> Any:
         return True
     if text in ("false", "off", "none"):
         return False
-    if text == "attention":
+    if text in ("attention", "auto"):
         return text
-    raise Invalid(f"must be true (= blocks), false, blocks or attention, got {value!r}"
-                  f"{did_you_mean(str(value), ('blocks', 'attention'))}")
+    raise Invalid(f"must be true (= blocks), false, blocks, attention or auto, got {value!r}"
+                  f"{did_you_mean(str(value), ('blocks', 'attention', 'auto'))}")
 
 
 def _layers(value: int, values: Mapping[str, Any]) -> str | None:
@@ -358,8 +358,9 @@ class TrainConfig:
         False, "Recompute activations in the backward pass (mx.checkpoint): true or blocks: each repeated block "
                "whole (least memory, about a third more compute for the blocks that train); attention: only "
                "each block's attention module (its attention probabilities are most of a block's activations "
-               "at long sequences; a fraction of the blocks' recomputation); false: nothing. mlx-train "
-               "finetune's default: attention. Which blocks: "
+               "at long sequences; a fraction of the blocks' recomputation); auto: attention, on rows of at "
+               "least 1024 tokens only (shorter rows recompute nothing); false: nothing. mlx-train finetune's "
+               "default: auto. Which blocks: "
                "checkpoint_modules (YAML alias: grad_checkpoint, mlx_lm.lora's name; --grad-checkpoint alone "
                "is blocks).", parse=_checkpointing, aliases={"grad_checkpoint": None})
     checkpoint_modules: list = in_memory([], "Blocks gradient_checkpointing recomputes: dotted paths to a module "  # type: ignore[type-arg]

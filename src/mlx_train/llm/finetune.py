@@ -294,15 +294,15 @@ def check_tensor_parallel(config: TrainConfig) -> None:
 
 
 def recompute_setting(config: TrainConfig, model: Any, log: Any = print) -> TrainConfig:
-    """``config``, with attention recomputation (``gradient_checkpointing: attention``, finetune's default)
-    turned off where ``model`` has no block with an attention module to recompute (said in the log).
+    """``config``, with attention recomputation (``gradient_checkpointing: attention``, or ``auto``, finetune's
+    default) turned off where ``model`` has no block with an attention module to recompute (said in the log).
 
     Example: ``recompute_setting(FineTuneConfig(model="base", data="data"), model).gradient_checkpointing``
-    -> ``"attention"`` for an mlx-lm llama.
+    -> ``"auto"`` for an mlx-lm llama.
     """
     from mlx_train.training.recompute import find_attention, find_blocks
 
-    if config.gradient_checkpointing != "attention":
+    if config.gradient_checkpointing not in ("attention", "auto"):
         return config
     try:
         blocks = find_blocks(model, config.checkpoint_modules)
@@ -310,8 +310,8 @@ def recompute_setting(config: TrainConfig, model: Any, log: Any = print) -> Trai
         blocks = []
     if any(find_attention(block) is not None for _, block in blocks):
         return config
-    log("gradient_checkpointing: attention finds no attention module in this model's blocks: nothing is "
-        "recomputed (set gradient_checkpointing: true to recompute whole blocks)")
+    log(f"gradient_checkpointing: {config.gradient_checkpointing} finds no attention module in this model's "
+        "blocks: nothing is recomputed (set gradient_checkpointing: true to recompute whole blocks)")
     return config.replace(gradient_checkpointing=False)
 
 
@@ -339,7 +339,7 @@ def finetune(config: TrainConfig, callbacks: list[Any] | None = None, resume: st
 
     Example: ``finetune(FineTuneConfig(model="base", data="data", iters=50))["val_perplexity"]``.
     """
-    from mlx_train.llm import card, data, models
+    from mlx_train.llm import activations, card, data, models
     from mlx_train.training import Trainer
 
     trainer_class = trainer_class or Trainer
@@ -359,6 +359,7 @@ def finetune(config: TrainConfig, callbacks: list[Any] | None = None, resume: st
                               positions=gather)
     options = {"strategy": config.distributed_strategy} if trainer_class is not Trainer else {}
     config = recompute_setting(config, model, log)
+    activations.use_lean_swiglu(model)  # the MLPs' backward keeps two arrays fewer, for no recomputed product
     # training mode, as mlx_lm.lora sets it (mlx_lm.load leaves a model in eval mode): the loss takes eval
     # mode (which the Trainer's evaluation sets) for an evaluation, and leaves out the gradient work then
     model.train()

@@ -12,6 +12,12 @@ its ``batch x heads x length x length`` attention probabilities for the backward
 its activations at long sequence lengths; the recomputation is the attention module's forward
 alone (its projections and the attention), a fraction of the block's.
 
+``granularity="auto"`` (``mlx-train finetune``'s default) recomputes each block's attention module the
+same way, but only in calls on rows of at least ``AUTO_MIN_TOKENS`` tokens (1024): there its
+attention probabilities are most of a block's activations; on shorter rows they are a small part, and
+recomputing the module would cost 3-10% of a step to save little. The length is read from the
+module's input when the step is traced, so each batch shape gets its own choice.
+
 Only the given instance changes. Its blocks get a subclass of their own class whose
 ``__call__`` is checkpointed; the class itself, and every other instance of it in the process,
 stay as they were (unlike patching ``type(block).__call__``). Parameter names and the module
@@ -23,6 +29,7 @@ Example::
     enable_gradient_checkpointing(model)                      # model.layers
     enable_gradient_checkpointing(model, ["encoder.layers"])  # or named modules
     enable_gradient_checkpointing(model, granularity="attention")  # model.layers.0.self_attn, ...
+    enable_gradient_checkpointing(model, granularity="auto")       # the same, on rows of >= 1024 tokens
     # the same through the Trainer: Trainer(model, gradient_checkpointing=True)
 """
 
@@ -36,39 +43,58 @@ import mlx.nn as nn
 
 from mlx_train.errors import ConfigError, did_you_mean
 
-__all__ = ["GRANULARITIES", "ATTENTION_NAMES", "enable_gradient_checkpointing", "disable_gradient_checkpointing",
-           "find_attention", "find_blocks", "is_checkpointed"]
+__all__ = ["GRANULARITIES", "ATTENTION_NAMES", "AUTO_MIN_TOKENS", "enable_gradient_checkpointing",
+           "disable_gradient_checkpointing", "find_attention", "find_blocks", "is_checkpointed"]
 
 _MARK = "_mlx_train_recompute"
 DEFAULT_BLOCKS = ("layers", "model.layers")  # model.layers, or an mlx-lm model's model.model.layers
-_SUBCLASSES: dict[type, type] = {}  # original class -> its checkpointed subclass
-#: What is recomputed: each block whole, or only each block's attention module.
-GRANULARITIES = ("blocks", "attention")
+_LONG = "_mlx_train_recompute_long"  # set on the subclasses that recompute long rows only
+_SUBCLASSES: dict[tuple[type, bool], type] = {}  # (original class, long rows only) -> its checkpointed subclass
+#: What is recomputed: each block whole, each block's attention module, or that on long rows only.
+GRANULARITIES = ("blocks", "attention", "auto")
+#: ``granularity="auto"``: the shortest rows (tokens, the second-to-last axis of the module's input) whose
+#: attention is recomputed. At 1024 tokens a SmolLM2 block's attention probabilities (9 heads) match the rest
+#: of its activations; at 256 they are a quarter of them.
+AUTO_MIN_TOKENS = 1024
 #: The names a block's attention module goes by (mlx-lm models: self_attn), tried in this order.
 ATTENTION_NAMES = ("self_attn", "attention", "attn", "self_attention")
 
 
-def _checkpointed_class(cls: type) -> type:
-    """A subclass of ``cls`` whose ``__call__`` recomputes in the backward pass (one per class)."""
+def _rows_are_long(args: tuple[Any, ...]) -> bool:
+    """Whether a call's input (its first argument, ``[..., tokens, features]``) has ``AUTO_MIN_TOKENS`` tokens or
+    more; an input of another kind counts as long."""
+    x = args[0] if args else None
+    if not isinstance(x, mx.array) or x.ndim < 2:
+        return True
+    return x.shape[-2] >= AUTO_MIN_TOKENS
+
+
+def _checkpointed_class(cls: type, long_only: bool = False) -> type:
+    """A subclass of ``cls`` whose ``__call__`` recomputes in the backward pass (one per class and kind);
+    ``long_only``: only in calls on rows of at least ``AUTO_MIN_TOKENS`` tokens."""
     if getattr(cls, _MARK, False):
-        return cls
-    if cls not in _SUBCLASSES:
+        cls = cls.__bases__[0]
+    if (cls, long_only) not in _SUBCLASSES:
 
         def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if long_only and not _rows_are_long(args):
+                return cls.__call__(self, *args, **kwargs)
+
             def forward(params: Any, *inner_args: Any, **inner_kwargs: Any) -> Any:
                 self.update(params)
                 return cls.__call__(self, *inner_args, **inner_kwargs)  # looked up now: the class's current call
 
             return mx.checkpoint(forward)(self.trainable_parameters(), *args, **kwargs)
 
-        namespace = {"__call__": __call__, _MARK: True, "__module__": cls.__module__,
+        namespace = {"__call__": __call__, _MARK: True, _LONG: long_only, "__module__": cls.__module__,
                      "__qualname__": cls.__qualname__, "__doc__": cls.__doc__}
-        _SUBCLASSES[cls] = type(cls.__name__, (cls,), namespace)
-    return _SUBCLASSES[cls]
+        _SUBCLASSES[cls, long_only] = type(cls.__name__, (cls,), namespace)
+    return _SUBCLASSES[cls, long_only]
 
 
 def is_checkpointed(module: nn.Module) -> bool:
-    """True when ``module`` recomputes its activations in the backward pass."""
+    """True when ``module`` recomputes its activations in the backward pass (with ``granularity="auto"``: on
+    long rows)."""
     return bool(getattr(type(module), _MARK, False))
 
 
@@ -162,7 +188,7 @@ def find_attention(block: nn.Module) -> tuple[str, nn.Module] | None:
     return None
 
 
-def _attention_of(blocks: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+def _attention_of(blocks: list[tuple[str, nn.Module]], granularity: str) -> list[tuple[str, nn.Module]]:
     """The attention modules of the blocks that have one (a hybrid model's other blocks are left
     alone); ConfigError when none has."""
     found = [(f"{path}.{attention[0]}", attention[1]) for path, block in blocks
@@ -171,7 +197,7 @@ def _attention_of(blocks: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Mod
         path, block = blocks[0]
         children = _children(block)
         raise ConfigError(
-            f"gradient_checkpointing: attention recomputes each block's attention module (a child named "
+            f"gradient_checkpointing: {granularity} recomputes each block's attention module (a child named "
             f"{', '.join(ATTENTION_NAMES)}), but '{path}' ({type(block).__name__}) and the other blocks have none "
             f"(its children: {', '.join(children) or 'none'}); recompute whole blocks instead "
             "(gradient_checkpointing: true) or nothing (false)")
@@ -185,11 +211,12 @@ def _restore(module: nn.Module) -> None:
 def enable_gradient_checkpointing(model: nn.Module, modules: Sequence[str] | None = None,
                                   granularity: str = "blocks") -> list[str]:
     """Recompute the activations of ``model``'s blocks in the backward pass; returns the paths of the
-    recomputed modules: the blocks, or with ``granularity="attention"`` each block's attention module.
+    recomputed modules: the blocks, or with ``granularity="attention"`` each block's attention module
+    (``"auto"``: the same, in calls on rows of at least ``AUTO_MIN_TOKENS`` tokens).
 
-    Calling it again is harmless; "blocks" after "attention" recomputes whole blocks instead (not the
-    attention twice), "attention" after "blocks" keeps the blocks. Other instances of the modules'
-    classes are not changed.
+    Calling it again is harmless; "blocks" after "attention" or "auto" recomputes whole blocks instead (not
+    the attention twice), "attention" or "auto" after "blocks" keeps the blocks, and "attention" and "auto"
+    replace each other. Other instances of the modules' classes are not changed.
 
     Example::
 
@@ -200,10 +227,10 @@ def enable_gradient_checkpointing(model: nn.Module, modules: Sequence[str] | Non
         raise ConfigError(f"gradient checkpointing recomputes one of {', '.join(GRANULARITIES)}, got {granularity!r}"
                           f"{did_you_mean(str(granularity), GRANULARITIES)}")
     blocks = find_blocks(model, modules)
-    if granularity == "attention":
+    if granularity != "blocks":
         if any(is_checkpointed(block) for _, block in blocks):
             return [path for path, _ in blocks]  # whole blocks already: their attention is recomputed with them
-        targets = _attention_of(blocks)
+        targets = _attention_of(blocks, granularity)
     else:
         for _, block in blocks:  # recomputing the block recomputes its attention: not twice
             for _, inner in block.named_modules():
@@ -212,7 +239,7 @@ def enable_gradient_checkpointing(model: nn.Module, modules: Sequence[str] | Non
         targets = blocks
     for path, module in targets:
         try:
-            module.__class__ = _checkpointed_class(type(module))
+            module.__class__ = _checkpointed_class(type(module), long_only=granularity == "auto")
         except TypeError as error:  # a class with __slots__ or a C++ module
             raise ConfigError(f"cannot checkpoint '{path}' ({type(module).__name__}): {error}") from None
     return [path for path, _ in targets]

@@ -475,7 +475,7 @@ class Trainer:
                        loss_scale_window=cfg.loss_scale_window, compile=cfg.compile, nonfinite=cfg.nonfinite)
 
         def build(accumulation: int, checkpointing: bool) -> TrainStep:
-            # what is recomputed: "blocks" (true, or the memory guard's retry), "attention", or nothing
+            # what is recomputed: "blocks" (true, or the memory guard's retry), "attention", "auto", or nothing
             granularity = "blocks" if checkpointing or cfg.gradient_checkpointing is True else \
                 cfg.gradient_checkpointing or None
             if granularity and self._checkpointed_blocks not in (granularity, "blocks"):
