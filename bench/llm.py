@@ -302,16 +302,12 @@ def worker(name: str, round_: int, steps: int, final: bool) -> dict:
     base = Base(find_gguf())
     records = passages(base.tokenizer, 260)
     train_records, val_records = records[:200], records[200:240]
-    if data == "short":  # short records: mlx-lm's batches of them, or finetune's default batching
-        short = passages(base.tokenizer, 400, seed=2, lengths=SHORT)
+    if data in ("short", "bucketed"):  # finetune's default batching, or (short records) mlx-lm's own
+        own = passages(base.tokenizer, 400, seed=2, lengths=SHORT) if data == "short" else train_records
         if side == "mlx-lm":
-            return run_mlx_lm(base, mlx_lm_batches(CacheDataset(TextDataset(short, base.tokenizer)), steps,
-                                                   seed=round_))
-        rows = SequenceDataset(tokenize(short, base.tokenizer))
-        return run_mlx_train(base, make_loader(rows, BATCH, seed=round_), steps, grad_checkpoint=ckpt)
-    if data == "bucketed":
-        rows = SequenceDataset(tokenize(train_records, base.tokenizer))
-        return run_mlx_train(base, make_loader(rows, BATCH, seed=round_), steps, grad_checkpoint=ckpt)
+            return run_mlx_lm(base, mlx_lm_batches(CacheDataset(TextDataset(own, base.tokenizer)), steps, seed=round_))
+        loader = make_loader(SequenceDataset(tokenize(own, base.tokenizer)), BATCH, seed=round_)
+        return run_mlx_train(base, loader, steps, grad_checkpoint=ckpt)
     if data == "long":
         rows = passages(base.tokenizer, 2 * steps, seed=1, lengths=(LONG + 60, LONG + 60))
         batches = mlx_lm_batches(CacheDataset(TextDataset(rows, base.tokenizer)), steps, seed=round_, batch_size=1,

@@ -22,9 +22,8 @@ Example::
 
 from __future__ import annotations
 
-import ast
 import inspect
-import textwrap
+import sys
 from functools import partial
 from typing import Any
 
@@ -66,18 +65,11 @@ def _swiglu_vjp(primals: list[mx.array], cotangent: mx.array, output: mx.array) 
 def _is_plain(cls: type) -> bool:
     """Whether ``cls.__call__`` is mlx-lm's plain gated MLP over mlx-lm's own ``swiglu``."""
     if cls not in _PLAIN:
-        try:
-            tree = ast.parse(textwrap.dedent(inspect.getsource(cls.__call__)))
-            function = tree.body[0]
-            body = "\n".join(ast.unparse(s) for s in function.body)  # type: ignore[attr-defined]
-            arguments = [a.arg for a in function.args.args]  # type: ignore[attr-defined]
-            from mlx_lm.models import activations
+        from mlx_train.llm.models import call_source
 
-            namespace = inspect.getmodule(cls).__dict__
-            plain = body == _PLAIN_BODY and arguments == ["self", "x"] and namespace.get("swiglu") is activations.swiglu
-        except (OSError, TypeError, SyntaxError, IndexError, AttributeError, ImportError):
-            plain = False
-        _PLAIN[cls] = plain
+        mlx_lm_activations = sys.modules.get("mlx_lm.models.activations")  # loaded wherever an mlx-lm model's module is
+        _PLAIN[cls] = (call_source(cls) == (["self", "x"], _PLAIN_BODY) and mlx_lm_activations is not None
+                       and getattr(inspect.getmodule(cls), "swiglu", None) is mlx_lm_activations.swiglu)
     return _PLAIN[cls]
 
 

@@ -47,9 +47,6 @@ Example::
 
 from __future__ import annotations
 
-import ast
-import inspect
-import textwrap
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -131,18 +128,14 @@ def output_head(model: nn.Module) -> tuple[nn.Module, Callable[[mx.array], mx.ar
 
     Example: ``module, project = output_head(model); logits = project(model.model(tokens))``.
     """
-    from mlx_train.llm.models import is_mlx_lm_model
+    from mlx_train.llm.models import call_source, is_mlx_lm_model
 
     if not is_mlx_lm_model(model) or not isinstance(model.get("model"), nn.Module):
         return None
     cls = type(model)
     if cls not in _PLAIN_CLASSES:
-        try:
-            tree = ast.parse(textwrap.dedent(inspect.getsource(cls.__call__)))
-            body = "\n".join(ast.unparse(s) for s in tree.body[0].body)  # type: ignore[attr-defined]
-        except (OSError, TypeError, SyntaxError, IndexError, AttributeError):
-            body = ""
-        _PLAIN_CLASSES[cls] = body in _PLAIN
+        source = call_source(cls)
+        _PLAIN_CLASSES[cls] = source is not None and source[1] in _PLAIN
     if not _PLAIN_CLASSES[cls]:
         return None
     if "lm_head" in model and not getattr(getattr(model, "args", None), "tie_word_embeddings", False):

@@ -10,9 +10,12 @@ Example::
 
 from __future__ import annotations
 
+import ast
 import hashlib
+import inspect
 import json
 import os
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -145,6 +148,21 @@ def base_reference(path: str) -> dict[str, Any]:
     except OSError:
         pass  # a read-only cache only costs re-hashing next time
     return {"path": os.path.abspath(path), "sha256": digest.hexdigest()}
+
+
+def call_source(cls: type) -> tuple[list[str], str] | None:
+    """``(parameter names, body)`` of ``cls.__call__``, the body as ``ast.unparse`` writes it (one statement a
+    line), or None where its source cannot be read: what recognises a known mlx-lm ``__call__``.
+
+    Example: ``call_source(mlx_lm.models.llama.MLP)`` ->
+    ``(["self", "x"], "return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))")``.
+    """
+    try:
+        function = ast.parse(textwrap.dedent(inspect.getsource(cls.__call__))).body[0]
+        body = "\n".join(ast.unparse(s) for s in function.body)  # type: ignore[attr-defined]
+        return [a.arg for a in function.args.args], body  # type: ignore[attr-defined]
+    except (OSError, TypeError, SyntaxError, IndexError, AttributeError):
+        return None
 
 
 def is_mlx_lm_model(model: nn.Module) -> bool:

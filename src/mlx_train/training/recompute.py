@@ -48,7 +48,6 @@ __all__ = ["GRANULARITIES", "ATTENTION_NAMES", "AUTO_MIN_TOKENS", "enable_gradie
 
 _MARK = "_mlx_train_recompute"
 DEFAULT_BLOCKS = ("layers", "model.layers")  # model.layers, or an mlx-lm model's model.model.layers
-_LONG = "_mlx_train_recompute_long"  # set on the subclasses that recompute long rows only
 _SUBCLASSES: dict[tuple[type, bool], type] = {}  # (original class, long rows only) -> its checkpointed subclass
 #: What is recomputed: each block whole, each block's attention module, or that on long rows only.
 GRANULARITIES = ("blocks", "attention", "auto")
@@ -86,7 +85,7 @@ def _checkpointed_class(cls: type, long_only: bool = False) -> type:
 
             return mx.checkpoint(forward)(self.trainable_parameters(), *args, **kwargs)
 
-        namespace = {"__call__": __call__, _MARK: True, _LONG: long_only, "__module__": cls.__module__,
+        namespace = {"__call__": __call__, _MARK: True, "__module__": cls.__module__,
                      "__qualname__": cls.__qualname__, "__doc__": cls.__doc__}
         _SUBCLASSES[cls, long_only] = type(cls.__name__, (cls,), namespace)
     return _SUBCLASSES[cls, long_only]
