@@ -77,6 +77,32 @@ def test_round_trip_of_every_dtype_and_the_state(tmp_path):
     assert (info.step, info.path, info.metrics) == (300, path, {"val_loss": 0.25})
 
 
+@pytest.mark.parametrize("url", ["local", "memory"])
+def test_where_a_writer_thread_must_not_read_mlx_arrays_the_save_serialises_on_the_callers_thread(
+        tmp_path, monkeypatch, url):
+    # On CUDA a background thread reading MLX arrays that the training thread uses can crash the process.
+    monkeypatch.setattr(manager_module, "_writer_needs_host_bytes", lambda: True)
+    saved_on = []
+    real_save = storage_module.mx.save_safetensors
+
+    def recording_save(*args, **kwargs):
+        saved_on.append(threading.current_thread() is threading.main_thread())
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(storage_module.mx, "save_safetensors", recording_save)
+    arrays = {"model": {"w": mx.random.normal((3, 5)), "e": mx.random.normal((4, 2)).astype(mx.bfloat16)},
+              "optimizer": {"step": mx.array(7, dtype=mx.uint64), "m": mx.ones((2, 2), dtype=mx.float16)}}
+    directory = str(tmp_path) if url == "local" else f"memory://staged-{uuid.uuid4().hex[:8]}"
+    manager = CheckpointManager(directory, keep_last=None)
+    path = manager.save(5, arrays, {"step": 5})
+    manager.wait()
+
+    assert saved_on == [True, True]  # both groups serialised on this thread, none on the writer's
+    got_arrays, got_state = load_checkpoint(path)
+    assert_arrays_equal(got_arrays, arrays)
+    assert got_state == {"step": 5}
+
+
 def test_load_only_some_groups_and_unknown_group(tmp_path):
     saved(tmp_path, [(1, 0.5)])
     path = str(tmp_path / "step-00000001")

@@ -46,6 +46,7 @@ from mlx_train.checkpointing.storage import (
     FsspecStore,
     LocalStore,
     open_store,
+    safetensors_bytes,
     split_location,
 )
 from mlx_train.checkpointing.storage import pause_point as _pause_point  # tests replace it here
@@ -63,7 +64,7 @@ class CheckpointWarning(UserWarning):
 class _Job:
     step: int
     tmp: str
-    arrays: dict[str, dict[str, mx.array]]
+    arrays: dict[str, dict[str, mx.array] | bytes]  # bytes: a group already serialised on the caller's thread
     state_json: bytes
     metrics: dict[str, Any]
 
@@ -153,6 +154,13 @@ def _snapshot(arrays: Any) -> dict[str, dict[str, mx.array]]:
     return snapshot
 
 
+def _writer_needs_host_bytes() -> bool:
+    """True where a background thread must not read MLX arrays: on CUDA an array's buffer can move between
+    device and host while the training thread runs, so a writer thread reading it can crash the process."""
+    cuda = getattr(mx, "cuda", None)
+    return bool(cuda is not None and cuda.is_available())
+
+
 def _disk_full(directory: str, error: BaseException) -> str:
     """". The disk is full: 0.1 MiB free on ..." when the failure looks like a full disk, else ""."""
     if "://" in directory:
@@ -192,6 +200,7 @@ class CheckpointManager:
         self.keep_last, self.keep_best, self.monitor = keep_last, keep_best, monitor
         self.mode = metric_direction(monitor, mode)
         self.async_save = async_save
+        self._host_bytes = _writer_needs_host_bytes()
         self._store = open_store(directory)
         self._executor: ThreadPoolExecutor | None = None
         self._pending: Future[Any] | None = None
@@ -210,7 +219,10 @@ class CheckpointManager:
         self.wait()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise CheckpointError(f"step must be an int >= 0, got {step!r}")
-        job = _Job(step, f"{step_name(step)}.tmp-{uuid.uuid4().hex[:8]}", _snapshot(arrays),
+        snapshot: dict[str, dict[str, mx.array] | bytes] = dict(_snapshot(arrays))
+        if self.async_save and self._host_bytes:  # serialise here; the writer thread only writes bytes
+            snapshot = {group: safetensors_bytes(flat) for group, flat in snapshot.items()}  # type: ignore[arg-type]
+        job = _Job(step, f"{step_name(step)}.tmp-{uuid.uuid4().hex[:8]}", snapshot,
                    json.dumps(_plain(state, "state"), indent=1).encode(), _plain(dict(metrics or {}), "metrics"))
         self._inflight = job.tmp
         if not self.async_save:
@@ -263,7 +275,9 @@ class CheckpointManager:
             store.makedirs(job.tmp)
             records = {}
             for group, flat in job.arrays.items():
-                records[f"{group}.safetensors"] = store.write_safetensors(f"{job.tmp}/{group}.safetensors", flat)
+                rel = f"{job.tmp}/{group}.safetensors"
+                records[f"{group}.safetensors"] = (store.write_bytes(rel, flat) if isinstance(flat, bytes)
+                                                   else store.write_safetensors(rel, flat))
                 _pause_point(f"{group}.safetensors", store.url(job.tmp))
             records[STATE_FILE] = store.write_bytes(f"{job.tmp}/{STATE_FILE}", job.state_json)
             _pause_point(STATE_FILE, store.url(job.tmp))

@@ -120,6 +120,13 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def safetensors_bytes(arrays: dict[str, mx.array]) -> bytes:
+    """``arrays`` as the bytes of a safetensors file, written by MLX in memory."""
+    buffer = io.BytesIO()
+    mx.save_safetensors(buffer, arrays)
+    return buffer.getvalue()
+
+
 class LocalStore:
     """A directory on local disk: fsync'ed writes, atomic rename commits."""
 
@@ -297,9 +304,7 @@ class FsspecStore:
         return FileRecord(len(data), hashlib.sha256(data).hexdigest())
 
     def write_safetensors(self, rel: str, arrays: dict[str, mx.array]) -> FileRecord:
-        buffer = io.BytesIO()
-        mx.save_safetensors(buffer, arrays)
-        return self.write_bytes(rel, buffer.getvalue())
+        return self.write_bytes(rel, safetensors_bytes(arrays))
 
     def read_safetensors(self, rel: str, sha256: str) -> dict[str, mx.array]:
         """Load arrays after checking the file's sha256 (ValueError when it differs)."""
