@@ -182,7 +182,9 @@ def test_lazy_arrays_saved_from_another_thread_get_a_clear_error(tmp_path):
                                          r"MLX stream .*: call mx.eval on them first", errors[0])
 
 
-def test_background_error_is_raised_by_wait_and_by_the_next_save(tmp_path, monkeypatch):
+@pytest.mark.parametrize("host_bytes", [False, True], ids=["arrays", "host-bytes"])
+def test_background_error_is_raised_by_wait_and_by_the_next_save(tmp_path, monkeypatch, host_bytes):
+    monkeypatch.setattr(manager_module, "_writer_needs_host_bytes", lambda: host_bytes)
     manager = CheckpointManager(str(tmp_path), keep_last=None)
     manager.save(1, small(1), {"step": 1})
     manager.wait()

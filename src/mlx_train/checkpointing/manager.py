@@ -275,9 +275,7 @@ class CheckpointManager:
             store.makedirs(job.tmp)
             records = {}
             for group, flat in job.arrays.items():
-                rel = f"{job.tmp}/{group}.safetensors"
-                records[f"{group}.safetensors"] = (store.write_bytes(rel, flat) if isinstance(flat, bytes)
-                                                   else store.write_safetensors(rel, flat))
+                records[f"{group}.safetensors"] = store.write_safetensors(f"{job.tmp}/{group}.safetensors", flat)
                 _pause_point(f"{group}.safetensors", store.url(job.tmp))
             records[STATE_FILE] = store.write_bytes(f"{job.tmp}/{STATE_FILE}", job.state_json)
             _pause_point(STATE_FILE, store.url(job.tmp))

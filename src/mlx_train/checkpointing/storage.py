@@ -174,7 +174,10 @@ class LocalStore:
         atomic_write(self.local(rel), data)  # the run directory's one local writer: temp, fsync, rename
         return FileRecord(len(data), hashlib.sha256(data).hexdigest())
 
-    def write_safetensors(self, rel: str, arrays: dict[str, mx.array]) -> FileRecord:
+    def write_safetensors(self, rel: str, arrays: dict[str, mx.array] | bytes) -> FileRecord:
+        """Write ``arrays``, or a safetensors file already serialised (bytes)."""
+        if isinstance(arrays, bytes):
+            return self.write_bytes(rel, arrays)
         # MLX writes straight to disk (no second copy in memory); hash what landed there.
         path = self.local(rel)
         mx.save_safetensors(path, arrays)
@@ -303,8 +306,9 @@ class FsspecStore:
         self.fs.pipe_file(self._p(rel), data)
         return FileRecord(len(data), hashlib.sha256(data).hexdigest())
 
-    def write_safetensors(self, rel: str, arrays: dict[str, mx.array]) -> FileRecord:
-        return self.write_bytes(rel, safetensors_bytes(arrays))
+    def write_safetensors(self, rel: str, arrays: dict[str, mx.array] | bytes) -> FileRecord:
+        """Write ``arrays``, or a safetensors file already serialised (bytes)."""
+        return self.write_bytes(rel, arrays if isinstance(arrays, bytes) else safetensors_bytes(arrays))
 
     def read_safetensors(self, rel: str, sha256: str) -> dict[str, mx.array]:
         """Load arrays after checking the file's sha256 (ValueError when it differs)."""
