@@ -248,16 +248,20 @@ def _frozen_head_logprobs(project: Callable[[mx.array], mx.array], chunk: int,
                 h = mx.depends(h, [values[-1], grads[-1]])
             logits = project(h).astype(mx.float32)
             if split is None:
-                log_norm = mx.logsumexp(logits, axis=-1)
+                # One pass of exponentials over the logits, not two (on the CPU they cost more than the
+                # projection): the softmax, which the gradient needs, is exp(logit - max) / sum, so at a
+                # row's largest logit it is 1 / sum, and the normaliser max + log(sum) follows from it.
+                softmax = mx.softmax(logits, axis=-1)
+                log_norm = mx.max(logits, axis=-1) - mx.log(mx.max(softmax, axis=-1))
                 values.append(mx.take_along_axis(logits, t[:, None], axis=-1).squeeze(-1) - log_norm)
             else:
                 score, log_norm = split_target_and_norm(logits, t, *split)
                 values.append(score - log_norm)
+                softmax = mx.exp(logits - log_norm[:, None])
             # d log p(t) / dh = (onehot(t) - softmax) @ W; the one-hot waits for this chunk's logits
             # (else MLX builds every chunk's one-hot first, all at once). A split head: this rank's columns
             # of both, and project's backward sums the rows of the result over the group
             hit = mx.arange(offset, offset + logits.shape[-1], dtype=t.dtype) == mx.depends(t, log_norm)[:, None]
-            softmax = mx.softmax(logits, axis=-1) if split is None else mx.exp(logits - log_norm[:, None])
             d_logits = hit.astype(mx.float32) - softmax
             grads.append(mx.vjp(project, [h], [d_logits.astype(h.dtype)])[1][0])
         return mx.concatenate(values), mx.concatenate(grads)
