@@ -123,6 +123,19 @@ def test_lm_loss_and_gradients_equal_the_full_logits(tie, train, layout):
     assert_same(plain, loss_and_grads(model, lm_loss, data, chunk=8))  # 63 or fewer tokens: several chunks
 
 
+def test_a_frozen_plain_head_gives_its_target_rows_and_others_take_the_one_hot():
+    # The LoRA path's gradient W[t] - softmax @ W reads the rows of a plain Embedding or bias-free Linear
+    # head; a quantized head or one with a bias is left to (onehot - softmax) @ W (both equal the full
+    # logits' gradients: test_lm_loss_and_gradients_equal_the_full_logits, test_quantized_model_...).
+    targets = mx.array([5, 0, 96, 5])
+    for tie in (True, False):
+        head = output_head(make(tie=tie))[0]
+        rows = llm_loss.target_rows(head)
+        assert rows is not None and mx.array_equal(rows(targets), head.weight[targets]).item()
+    assert llm_loss.target_rows(nn.Linear(8, VOCAB, bias=True)) is None
+    assert llm_loss.target_rows(nn.QuantizedEmbedding(VOCAB, 64, group_size=32, bits=4)) is None
+
+
 def test_chunk_size_follows_the_vocabulary():
     assert llm_loss.chunk_tokens(49152) == 64 and llm_loss.chunk_tokens(151936) == 32  # 4M logits, at least 32
     assert llm_loss.chunk_tokens(32000) == 128

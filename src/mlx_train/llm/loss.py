@@ -22,8 +22,10 @@ layer's memory does not grow with tokens x vocabulary (the full logits of one 20
 SmolLM2 are 400 MB, and the plain loss holds a few such arrays). When the head has no trainable
 parameters (LoRA, DoRA, a frozen head) each chunk also computes the gradient of its
 log-probabilities with respect to its hidden states in the forward pass (``(onehot - softmax) @
-W``, ``[tokens, hidden]``), which the backward pass only scales: the same two matrix products as
-the plain loss, no recomputation. A trainable head (full fine-tuning, an adapter on ``lm_head``)
+W``, ``[tokens, hidden]``; ``W[t] - softmax @ W`` for a plain embedding or bias-free linear head),
+which the backward pass only scales: the same two matrix products as the plain loss, no
+recomputation, and one pass of exponentials over the logits (the normaliser is read off the
+softmax), where the plain loss makes two: on the CPU they cost more than the projection. A trainable head (full fine-tuning, an adapter on ``lm_head``)
 recomputes each chunk in the backward pass instead (``mx.checkpoint``). Given ``positions`` (the
 trained targets of each row, see ``trained_positions``) only those rows of the hidden states are
 projected: padding and masked prompt tokens cost nothing in the head. Other models get the full
@@ -231,11 +233,26 @@ def _split_log_probs(split: tuple[int, Any]) -> Callable[[mx.array, mx.array], m
     return log_probs
 
 
+def target_rows(head: nn.Module) -> Callable[[mx.array], mx.array] | None:
+    """``rows(targets) -> W[targets]``: the rows of a bias-free output projection ``W`` (a plain
+    ``nn.Embedding`` used as the tied head, or an ``nn.Linear`` without bias), None for other heads.
+    ``onehot(t) @ W`` is ``W[t]``: the gradient of a target's logit with respect to the hidden state.
+
+    Example: ``target_rows(model.model.embed_tokens)(mx.array([5, 7]))`` -> rows 5 and 7 of the embedding.
+    """
+    if type(head) is nn.Embedding or (type(head) is nn.Linear and "bias" not in head):
+        weight = head.weight
+        return lambda targets: weight[targets]
+    return None
+
+
 def _frozen_head_logprobs(project: Callable[[mx.array], mx.array], chunk: int,
-                          split: tuple[int, Any] | None = None) -> Any:
+                          split: tuple[int, Any] | None = None,
+                          rows: Callable[[mx.array], mx.array] | None = None) -> Any:
     """``f(hidden [N, D], targets [N]) -> (log-probs [N], their gradients [N, D])`` in chunks; its
     backward pass scales the stored gradients, so no chunk of logits outlives its forward pass.
-    ``split``: ``project`` gives this rank's slice of the vocabulary (see ``vocab_split``)."""
+    ``split``: ``project`` gives this rank's slice of the vocabulary (see ``vocab_split``); ``rows``:
+    the projection's target rows (``target_rows``), which spare each chunk a one-hot of its logits."""
     offset = 0 if split is None else split[0]
 
     @mx.custom_function
@@ -258,9 +275,14 @@ def _frozen_head_logprobs(project: Callable[[mx.array], mx.array], chunk: int,
                 score, log_norm = split_target_and_norm(logits, t, *split)
                 values.append(score - log_norm)
                 softmax = mx.exp(logits - log_norm[:, None])
-            # d log p(t) / dh = (onehot(t) - softmax) @ W; the one-hot waits for this chunk's logits
-            # (else MLX builds every chunk's one-hot first, all at once). A split head: this rank's columns
-            # of both, and project's backward sums the rows of the result over the group
+            # d log p(t) / dh = (onehot(t) - softmax) @ W = W[t] - softmax @ W
+            if rows is not None:
+                spread = mx.vjp(project, [h], [softmax.astype(h.dtype)])[1][0]
+                grads.append(rows(t).astype(spread.dtype) - spread)
+                continue
+            # Without the rows: the one-hot waits for this chunk's logits (else MLX builds every chunk's
+            # one-hot first, all at once). A split head: this rank's columns of both, and project's backward
+            # sums the rows of the result over the group
             hit = mx.arange(offset, offset + logits.shape[-1], dtype=t.dtype) == mx.depends(t, log_norm)[:, None]
             d_logits = hit.astype(mx.float32) - softmax
             grads.append(mx.vjp(project, [h], [d_logits.astype(h.dtype)])[1][0])
@@ -321,7 +343,8 @@ def chunked_logprobs(head: nn.Module, project: Callable[[mx.array], mx.array], h
         return mx.concatenate(values)
     if tree_flatten(head.trainable_parameters()):
         return _recomputed_logprobs(head, project, hidden, targets, chunk, log_probs)
-    frozen: mx.array = _frozen_head_logprobs(project, chunk, split)(hidden, targets)[0]
+    rows = target_rows(head) if split is None else None
+    frozen: mx.array = _frozen_head_logprobs(project, chunk, split, rows)(hidden, targets)[0]
     return frozen
 
 
