@@ -10,9 +10,9 @@ Printed, as medians over the rounds, mlx-train against mlx-lm (step times: wall 
 process CPU time, which a shared machine's load changes less, with --single-thread):
 
   (a) identical batches (mlx-lm's, fed to both): speed, largest per-step loss difference, peak memory;
-      mlx-train with finetune's default (gradient_checkpointing: auto, attention recomputed on rows of 1024
-      tokens or more: none here) and recomputing attention on every row, and nothing; also both
-      recomputing whole blocks (mlx-lm's grad_checkpoint, mlx-train's gradient_checkpointing: true)
+      mlx-train with finetune's default (causal attention in blocks of queries, the lean SwiGLU,
+      gradient_checkpointing: auto, attention recomputed on rows of 1024 tokens or more: none here) and
+      recomputing attention on every row, and nothing; also both recomputing whole blocks (mlx-lm's grad_checkpoint, mlx-train's gradient_checkpointing: true)
   (b) each side's own batching: real (non-padding) tokens/s; mlx-train with finetune's default batching
       (rows of similar token length, padded to a multiple of 8) and packed (PACK_LENGTH), mlx-lm with its
       iterate_batches (sorted by length, padded to a multiple of 32); on the passages and on short records
@@ -181,11 +181,13 @@ def run_mlx_train(base: Base, batches, steps: int, val_rows=None, checkpoint_dir
                   grad_checkpoint: bool | str = False) -> dict:
     """mlx-train's Trainer on a list of batches or a DataLoader, ``steps`` optimizer steps; peak memory."""
     from mlx_train.llm.activations import use_lean_swiglu
+    from mlx_train.llm.attention import use_block_attention
     from mlx_train.llm.loss import lm_loss
     from mlx_train.training import Callback, Trainer
 
     model = base.lora_model()
-    use_lean_swiglu(model)  # as mlx-train finetune does
+    use_block_attention(model)  # as mlx-train finetune does
+    use_lean_swiglu(model)
     stamps, cpu, losses, peaks, seen = [], [], [], [], []
 
     class Record(Callback):
