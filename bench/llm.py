@@ -12,7 +12,8 @@ process CPU time, which a shared machine's load changes less, with --single-thre
   (a) identical batches (mlx-lm's, fed to both): speed, largest per-step loss difference, peak memory;
       mlx-train with finetune's default (causal attention in blocks of queries, the lean SwiGLU,
       gradient_checkpointing: auto, attention recomputed on rows of 1024 tokens or more: none here) and
-      recomputing attention on every row, and nothing; also both recomputing whole blocks (mlx-lm's grad_checkpoint, mlx-train's gradient_checkpointing: true)
+      recomputing attention on every row, and nothing; also both recomputing whole blocks (mlx-lm's
+      grad_checkpoint, mlx-train's gradient_checkpointing: true)
   (b) each side's own batching: real (non-padding) tokens/s; mlx-train with finetune's default batching
       (rows of similar token length, padded to a multiple of 8) and packed (PACK_LENGTH), mlx-lm with its
       iterate_batches (sorted by length, padded to a multiple of 32); on the passages and on short records

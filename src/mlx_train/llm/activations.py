@@ -96,17 +96,6 @@ def use_lean_swiglu(model: nn.Module) -> list[str]:
 
     Example: ``use_lean_swiglu(model)`` -> ``["model.layers.0.mlp", ...]`` for an mlx-lm llama.
     """
-    changed = []
-    for path, module in model.named_modules():
-        if is_lean(module) or not _is_plain(type(module)):
-            continue
-        try:
-            module.__class__ = _lean_class(type(module))
-        except TypeError:  # a class with __slots__: left as it is
-            continue
-        changed.append(path)
-    return sorted(changed, key=_natural)
+    from mlx_train.llm.models import switch_classes
 
-
-def _natural(path: str) -> list[Any]:
-    return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in path.split(".")]
+    return switch_classes(model, lambda m: not is_lean(m) and _is_plain(type(m)), _lean_class)

@@ -108,7 +108,7 @@ def _blocked_class(cls: type) -> type:
 
 def is_blocked(module: nn.Module) -> bool:
     """True when ``module`` is an attention module switched to :func:`blocked_sdpa`."""
-    return any(getattr(cls, _MARK, False) for cls in type(module).__mro__)
+    return bool(getattr(type(module), _MARK, False))
 
 
 def use_block_attention(model: nn.Module) -> list[str]:
@@ -118,13 +118,6 @@ def use_block_attention(model: nn.Module) -> list[str]:
 
     Example: ``use_block_attention(model)`` -> ``["model.layers.0.self_attn", ...]`` for an mlx-lm llama.
     """
-    changed = []
-    for path, module in model.named_modules():
-        if is_blocked(module) or not _calls_mlx_lm_sdpa(type(module)):
-            continue
-        try:
-            module.__class__ = _blocked_class(type(module))
-        except TypeError:  # a class with __slots__: left as it is
-            continue
-        changed.append(path)
-    return sorted(changed, key=lambda path: [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in path.split(".")])
+    from mlx_train.llm.models import switch_classes
+
+    return switch_classes(model, lambda m: not is_blocked(m) and _calls_mlx_lm_sdpa(type(m)), _blocked_class)

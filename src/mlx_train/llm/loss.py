@@ -25,12 +25,13 @@ log-probabilities with respect to its hidden states in the forward pass (``(oneh
 W``, ``[tokens, hidden]``; ``W[t] - softmax @ W`` for a plain embedding or bias-free linear head),
 which the backward pass only scales: the same two matrix products as the plain loss, no
 recomputation, and one pass of exponentials over the logits (the normaliser is read off the
-softmax), where the plain loss makes two: on the CPU they cost more than the projection. A trainable head (full fine-tuning, an adapter on ``lm_head``)
-recomputes each chunk in the backward pass instead (``mx.checkpoint``). Given ``positions`` (the
-trained targets of each row, see ``trained_positions``) only those rows of the hidden states are
-projected: padding and masked prompt tokens cost nothing in the head. Other models get the full
-logits, as before. ``CHUNK_LOGITS = 0`` turns chunking off everywhere (``lm_loss(..., chunk=0)``,
-the ``loss_chunk`` option of ``mlx-train finetune``, for one loss).
+softmax), where the plain loss makes two: on the CPU they cost more than the projection. A
+trainable head (full fine-tuning, an adapter on ``lm_head``) recomputes each chunk in the
+backward pass instead (``mx.checkpoint``). Given ``positions`` (the trained targets of each row,
+see ``trained_positions``) only those rows of the hidden states are projected: padding and masked
+prompt tokens cost nothing in the head. Other models get the full logits, as before.
+``CHUNK_LOGITS = 0`` turns chunking off everywhere (``lm_loss(..., chunk=0)``, the ``loss_chunk``
+option of ``mlx-train finetune``, for one loss).
 
 A head split by vocabulary over a tensor-parallel group (``distributed.tensor_parallel.shard_vocabulary``;
 it has ``local_logits``, ``vocab_offset`` and ``group``) is run the same way on each rank's slice of the

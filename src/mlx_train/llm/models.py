@@ -16,6 +16,7 @@ import inspect
 import json
 import os
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -163,6 +164,27 @@ def call_source(cls: type) -> tuple[list[str], str] | None:
         return [a.arg for a in function.args.args], body  # type: ignore[attr-defined]
     except (OSError, TypeError, SyntaxError, IndexError, AttributeError):
         return None
+
+
+def switch_classes(model: nn.Module, applies: Callable[[nn.Module], bool],
+                   subclass: Callable[[type], type]) -> list[str]:
+    """Give each module of ``model`` for which ``applies(module)`` holds the class ``subclass(its class)``
+    (one instance at a time: the class itself, other instances and parameter names stay as they are);
+    returns their paths in model order. A class with ``__slots__`` is left as it is.
+
+    Example: ``switch_classes(model, lambda m: isinstance(m, MLP), lean_subclass)`` -> ``["model.layers.0.mlp", ...]``
+    """
+    changed = []
+    for path, module in model.named_modules():
+        if not applies(module):
+            continue
+        try:
+            module.__class__ = subclass(type(module))
+        except TypeError:
+            continue
+        changed.append(path)
+    return sorted(changed, key=lambda p: [(0, int(part), "") if part.isdigit() else (1, 0, part)
+                                          for part in p.split(".")])
 
 
 def is_mlx_lm_model(model: nn.Module) -> bool:
