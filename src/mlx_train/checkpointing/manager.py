@@ -219,10 +219,11 @@ class CheckpointManager:
         self.wait()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise CheckpointError(f"step must be an int >= 0, got {step!r}")
-        snapshot: dict[str, dict[str, mx.array] | bytes] = dict(_snapshot(arrays))
-        if self.async_save and self._host_bytes:  # serialise here; the writer thread only writes bytes
-            snapshot = {group: safetensors_bytes(flat) for group, flat in snapshot.items()}  # type: ignore[arg-type]
-        job = _Job(step, f"{step_name(step)}.tmp-{uuid.uuid4().hex[:8]}", snapshot,
+        snapshot = _snapshot(arrays)
+        groups: dict[str, dict[str, mx.array] | bytes] = dict(snapshot)
+        if self.async_save and self._host_bytes:  # serialised here: the writer thread only writes bytes
+            groups = {group: safetensors_bytes(flat) for group, flat in snapshot.items()}
+        job = _Job(step, f"{step_name(step)}.tmp-{uuid.uuid4().hex[:8]}", groups,
                    json.dumps(_plain(state, "state"), indent=1).encode(), _plain(dict(metrics or {}), "metrics"))
         self._inflight = job.tmp
         if not self.async_save:

@@ -35,7 +35,6 @@ __all__ = ["swiglu", "use_lean_swiglu", "is_lean"]
 _MARK = "_mlx_train_lean_swiglu"
 _PLAIN_BODY = "return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))"
 _PLAIN: dict[type, bool] = {}  # MLP class -> whether its call is the plain one
-_SUBCLASSES: dict[type, type] = {}
 
 
 @partial(mx.compile, shapeless=True)
@@ -73,16 +72,8 @@ def _is_plain(cls: type) -> bool:
     return _PLAIN[cls]
 
 
-def _lean_class(cls: type) -> type:
-    if cls not in _SUBCLASSES:
-
-        def __call__(self: Any, x: mx.array) -> mx.array:
-            return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))  # type: ignore[no-any-return]
-
-        namespace = {"__call__": __call__, _MARK: True, "__module__": cls.__module__,
-                     "__qualname__": cls.__qualname__, "__doc__": cls.__doc__}
-        _SUBCLASSES[cls] = type(cls.__name__, (cls,), namespace)
-    return _SUBCLASSES[cls]
+def _lean_call(self: Any, x: mx.array) -> mx.array:
+    return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))  # type: ignore[no-any-return]
 
 
 def is_lean(module: nn.Module) -> bool:
@@ -98,4 +89,4 @@ def use_lean_swiglu(model: nn.Module) -> list[str]:
     """
     from mlx_train.llm.models import switch_classes
 
-    return switch_classes(model, lambda m: not is_lean(m) and _is_plain(type(m)), _lean_class)
+    return switch_classes(model, _MARK, _is_plain, lambda cls: _lean_call)

@@ -41,7 +41,6 @@ MIN_BLOCK = 64  # tokens: smaller blocks save little and add operations
 MAX_BLOCKS = 8  # blocks per call: the scores computed fall to 56% of the matrix; more add operations to trace
 _NAME = "scaled_dot_product_attention"
 _MARK = "_mlx_train_block_attention"
-_SUBCLASSES: dict[type, type] = {}
 
 
 def block_size(length: int) -> int:
@@ -86,24 +85,21 @@ def blocked_sdpa(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
 
 
 def _calls_mlx_lm_sdpa(cls: type) -> bool:
-    call = next((c.__dict__["__call__"] for c in cls.__mro__ if "__call__" in c.__dict__), None)  # as cls.__call__
+    call = cls.__call__
     base = sys.modules.get("mlx_lm.models.base")  # loaded wherever an mlx-lm model's module is
     return (base is not None and isinstance(call, types.FunctionType) and _NAME in call.__code__.co_names
             and call.__globals__.get(_NAME) is getattr(base, _NAME, None))
 
 
-def _blocked_class(cls: type) -> type:
-    if cls not in _SUBCLASSES:
-        call = cls.__call__
-        names = dict(call.__globals__)  # the module's names, with the attention function replaced
-        names[_NAME] = blocked_sdpa(names[_NAME])
-        blocked = types.FunctionType(call.__code__, names, call.__name__, call.__defaults__, call.__closure__)
-        blocked.__kwdefaults__ = call.__kwdefaults__
-        blocked.__qualname__, blocked.__doc__ = call.__qualname__, call.__doc__
-        namespace = {"__call__": blocked, _MARK: True, "__module__": cls.__module__,
-                     "__qualname__": cls.__qualname__, "__doc__": cls.__doc__}
-        _SUBCLASSES[cls] = type(cls.__name__, (cls,), namespace)
-    return _SUBCLASSES[cls]
+def _blocked_call(cls: type) -> Callable[..., Any]:
+    """``cls.__call__``'s code, run with the module's names but :func:`blocked_sdpa` for the attention function."""
+    call = cls.__call__
+    names = dict(call.__globals__)
+    names[_NAME] = blocked_sdpa(names[_NAME])
+    blocked = types.FunctionType(call.__code__, names, call.__name__, call.__defaults__, call.__closure__)
+    blocked.__kwdefaults__ = call.__kwdefaults__
+    blocked.__qualname__, blocked.__doc__ = call.__qualname__, call.__doc__
+    return blocked
 
 
 def is_blocked(module: nn.Module) -> bool:
@@ -120,4 +116,4 @@ def use_block_attention(model: nn.Module) -> list[str]:
     """
     from mlx_train.llm.models import switch_classes
 
-    return switch_classes(model, lambda m: not is_blocked(m) and _calls_mlx_lm_sdpa(type(m)), _blocked_class)
+    return switch_classes(model, _MARK, _calls_mlx_lm_sdpa, _blocked_call)

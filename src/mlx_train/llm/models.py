@@ -166,20 +166,30 @@ def call_source(cls: type) -> tuple[list[str], str] | None:
         return None
 
 
-def switch_classes(model: nn.Module, applies: Callable[[nn.Module], bool],
-                   subclass: Callable[[type], type]) -> list[str]:
-    """Give each module of ``model`` for which ``applies(module)`` holds the class ``subclass(its class)``
-    (one instance at a time: the class itself, other instances and parameter names stay as they are);
-    returns their paths in model order. A class with ``__slots__`` is left as it is.
+_SWITCHED: dict[tuple[type, str], type] = {}  # (class, mark) -> its subclass
 
-    Example: ``switch_classes(model, lambda m: isinstance(m, MLP), lean_subclass)`` -> ``["model.layers.0.mlp", ...]``
+
+def switch_classes(model: nn.Module, mark: str, applies: Callable[[type], bool],
+                   make_call: Callable[[type], Callable[..., Any]]) -> list[str]:
+    """Give each module of ``model`` whose class ``applies`` a subclass of that class (one per class and
+    ``mark``, which it carries as a true attribute) whose ``__call__`` is ``make_call(the class)``: one instance
+    at a time, the class itself, other instances and parameter names stay as they are. A module already
+    switched (its class has ``mark``) or with ``__slots__`` is left as it is. Returns the paths switched, in
+    model order.
+
+    Example: ``switch_classes(model, "_lean", is_plain_mlp, lambda cls: lean_call)`` -> ``["model.layers.0.mlp", ...]``
     """
     changed = []
     for path, module in model.named_modules():
-        if not applies(module):
+        cls = type(module)
+        if getattr(cls, mark, False) or not applies(cls):
             continue
+        if (cls, mark) not in _SWITCHED:
+            namespace = {"__call__": make_call(cls), mark: True, "__module__": cls.__module__,
+                         "__qualname__": cls.__qualname__, "__doc__": cls.__doc__}
+            _SWITCHED[cls, mark] = type(cls.__name__, (cls,), namespace)
         try:
-            module.__class__ = subclass(type(module))
+            module.__class__ = _SWITCHED[cls, mark]
         except TypeError:
             continue
         changed.append(path)
