@@ -30,7 +30,7 @@ from mlx_train.builtin.models import build_model
 from mlx_train.device import format_bytes
 from mlx_train.memory import HEADROOM, MemoryOptimizer
 from mlx_train.memory.calibrate import measure_step, take_samples
-from mlx_train.training import Trainer
+from mlx_train.training import DataLoader, Trainer
 
 # name: (dataset, model, model options, micro-batches to plan for)
 MODELS = {
@@ -54,23 +54,27 @@ class _Peak:
 
 
 def trainer_peak(data, info, name, options, plan, steps: int = 4) -> int:
-    """Peak bytes of a real Trainer run with the plan's settings, counted from before the model exists."""
-    gc.collect()
-    mx.clear_cache()
-    before = mx.get_active_memory()
-    mx.random.seed(0)
-    model = build_model(name, info, **options)
-    probe = _Peak()
-    trainer = Trainer(model, optim.AdamW(1e-3), max_steps=steps, num_workers=0, report_every="1000 steps",
-                      shuffle=False, **plan.to_config())
+    """Peak bytes of a real Trainer run with the plan's settings, counted from before the model exists (the
+    arrays the DataLoader holds for MLX to gather batches from are data, not the step memory the plan
+    predicts: they are made, at a first batch, before the count starts)."""
     train = data["train"]
     step_batch = plan.batch_size * plan.gradient_accumulation
     if isinstance(train, dict):
         train = {k: np.concatenate([v] * max(1, -(-step_batch * steps // len(v)))) for k, v in train.items()}
     else:
         train = tuple(np.concatenate([v] * max(1, -(-step_batch * steps // len(v)))) for v in train)
+    loader = DataLoader(train, batch_size=plan.batch_size, num_workers=0)  # shuffled: each batch a gathered copy
+    next(iter(loader))
+    loader.set_epoch(0)
+    gc.collect()
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    mx.random.seed(0)
+    model = build_model(name, info, **options)
+    probe = _Peak()
+    trainer = Trainer(model, optim.AdamW(1e-3), max_steps=steps, report_every="1000 steps", **plan.to_config())
     with contextlib.redirect_stdout(io.StringIO()):
-        trainer.train(train, epochs=1, callbacks=[probe])
+        trainer.train(loader, epochs=1, callbacks=[probe])
     return probe.peak - before
 
 

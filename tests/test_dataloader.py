@@ -81,6 +81,62 @@ def test_dict_and_mlx_arrays_and_shuffle_false():
     assert len(loader) == 3
 
 
+def _values(batches) -> list[dict[str, np.ndarray]]:
+    return [{k: np.array(v) for k, v in (b.items() if isinstance(b, dict) else enumerate(b))} for b in batches]
+
+
+@pytest.mark.parametrize("as_dict", [False, True])
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_small_arrays_held_by_mlx_give_the_batches_numpy_gives(monkeypatch, as_dict, shuffle):
+    from mlx_train.data import sources
+
+    x, y = arrays(100)
+    data = {"x": x, "y": y} if as_dict else (x, y)
+    resident = DataLoader(data, batch_size=32, shuffle=shuffle, num_workers=0, seed=4)
+    held = [list(resident), list(resident)]  # two epochs: each its own order
+    assert resident._source.resident() is not None
+    monkeypatch.setattr(sources, "RESIDENT_MAX_BYTES", 0)  # the same data, batched through NumPy
+    host = DataLoader(data, batch_size=32, shuffle=shuffle, num_workers=0, seed=4)
+    assert host._source.resident() is None
+    for mine, theirs in zip(held, [list(host), list(host)], strict=True):
+        assert len(mine) == len(theirs) == 4
+        for a, b in zip(mine, theirs, strict=True):
+            assert type(a) is type(b)
+            assert all(va.dtype == vb.dtype and va.shape == vb.shape for va, vb in
+                       zip((a.values() if as_dict else a), (b.values() if as_dict else b), strict=True))
+        mine_values, their_values = _values(mine), _values(theirs)
+        assert all(m.keys() == t.keys() and all(np.array_equal(m[k], t[k]) for k in m)
+                   for m, t in zip(mine_values, their_values, strict=True))
+
+
+def test_resident_arrays_resume_mid_epoch_and_shard_as_numpy_ones():
+    x, y = arrays(70)
+    reference = list(DataLoader((x, y), batch_size=16, num_workers=0, seed=9))
+    first = DataLoader((x, y), batch_size=16, num_workers=0, seed=9)
+    it = iter(first)
+    next(it)
+    next(it)
+    resumed = DataLoader((x, y), batch_size=16, num_workers=0, seed=9)
+    resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    assert ids(resumed) == ids(reference[2:])
+    halves = []
+    for rank in range(2):
+        loader = DataLoader((x, y), batch_size=8, num_workers=0, seed=9)
+        loader.set_shard(rank, 2)
+        halves.append(list(loader))
+    assert ids([halves[0][0], halves[1][0]]) == ids(reference[:1])
+
+
+def test_arrays_over_the_resident_limit_stay_in_numpy(monkeypatch):
+    from mlx_train.data import sources
+
+    x, y = arrays(100)
+    monkeypatch.setattr(sources, "RESIDENT_MAX_BYTES", x.size * 4)  # x (float32) fits, x and y together do not
+    loader = DataLoader((x, y), batch_size=32, num_workers=0, seed=1)
+    assert ids(loader) == np.random.default_rng([1, 0]).permutation(100).tolist()
+    assert loader._source.resident() is None
+
+
 def test_batch_128_is_four_batches_of_32_and_drop_last():
     x, y = arrays(300)
     small = list(DataLoader((x, y), batch_size=32, num_workers=0, seed=3))

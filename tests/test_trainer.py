@@ -55,6 +55,22 @@ def test_one_step_matches_a_hand_written_mlx_step(digits):
     assert _max_rel_err(got, want) < 1e-6
 
 
+def test_batches_gathered_by_mlx_train_exactly_as_numpy_ones(digits, monkeypatch):
+    from mlx_train.data import sources
+
+    def run():
+        model = _mlp(digits["info"])
+        trainer = Trainer(model, optim.AdamW(1e-3), batch_size=32, max_steps=50, **_quiet())
+        history = trainer.train(digits["train"], digits["val"], epochs=2)
+        return _flat(model), history
+
+    resident, resident_history = run()  # the digits (~330 KB) are held by MLX
+    monkeypatch.setattr(sources, "RESIDENT_MAX_BYTES", 0)
+    host, host_history = run()
+    assert all(np.array_equal(resident[k], host[k]) for k in host)
+    assert resident_history["train_loss"] == host_history["train_loss"]
+
+
 def test_accumulation_8x4_equals_32x1(digits):
     runs = {}
     for batch_size, accumulation in ((32, 1), (8, 4)):

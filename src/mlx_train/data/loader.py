@@ -76,7 +76,9 @@ def _index(plan: EpochPlan, k: int) -> np.ndarray | slice:
 class DataLoader:
     """Batches from arrays, a map-style dataset or an iterable, in a seeded, resumable order.
 
-    Arrays (``(x, y)`` or a dict) are gathered with one fancy-index per array;
+    Arrays (``(x, y)`` or a dict) of up to 256 MB are held as MLX arrays (made at the first batch;
+    later changes to the NumPy arrays are not seen) and each batch is gathered from them by MLX, in the
+    step's graph; larger ones are gathered with one fancy-index per array;
     map-style samples (tuples, dicts, token lists) are collated by
     ``collate_fn`` (default :func:`~mlx_train.data.default_collate`: stack, pad
     token sequences to a multiple of 32 with a mask). Batches reach the
@@ -329,16 +331,24 @@ class DataLoader:
         start, stop = self._position, plan.num_batches
         source = self._source
         if isinstance(source, ArraySource) and self._collate_fn is None and not self._threads_help():
-            # The hot path (digits-sized arrays): one fancy-index + one conversion per array.
-            arrays, keys, order = source.arrays, source.keys, plan.order
-            starts, stops = plan.starts, plan.stops
+            # The hot path (digits-sized arrays). Arrays MLX holds (``ArraySource.resident``) are gathered by
+            # MLX in the step's graph, with the epoch's order converted once; larger ones with one NumPy
+            # fancy-index and one copy into MLX per array, on this thread.
+            keys, starts, stops = source.keys, plan.starts, plan.stops
+            order: Any = plan.order
+            arrays: list[Any] | None = source.resident()
+            if arrays is not None and order is not None:
+                order = mx.array(order, dtype=mx.int32)  # (resident arrays have fewer than 2**31 rows)
             batch: Batch
             for k in range(start, stop):
                 index = order[starts[k]:stops[k]] if order is not None else slice(starts[k], stops[k])
-                if keys is None:
-                    batch = tuple([mx.array(a[index]) for a in arrays])
+                if arrays is not None:
+                    batch = (tuple([a[index] for a in arrays]) if keys is None else
+                             dict(zip(keys, [a[index] for a in arrays], strict=True)))
+                elif keys is None:
+                    batch = tuple([mx.array(a[index]) for a in source.arrays])
                 else:
-                    batch = {key: mx.array(a[index]) for key, a in zip(keys, arrays, strict=False)}
+                    batch = {key: mx.array(a[index]) for key, a in zip(keys, source.arrays, strict=False)}
                 self._position = k + 1  # advances when a batch is yielded, not when it is prefetched
                 yield batch
         else:

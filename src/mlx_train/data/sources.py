@@ -25,6 +25,9 @@ from .collate import normalize_dtype
 __all__ = ["ArraySource", "MapSource", "IterableSource", "make_source", "sample_length"]
 
 _MAX_ARRAY_FIELDS = 8
+# Arrays up to this size (all fields together) are also held as MLX arrays, and batches are gathered from
+# them by MLX: one gather per array in the step's graph instead of a NumPy fancy-index and a copy into MLX.
+RESIDENT_MAX_BYTES = 256 << 20
 
 
 def _is_array(value: Any) -> bool:
@@ -96,6 +99,20 @@ class ArraySource:
         self.dataset = arrays
         self.num_samples = len(self.arrays[0])
         self.lengths_cache: dict[Any, np.ndarray] = {}
+        self._resident: list[mx.array] | None = None
+
+    def resident(self) -> list[mx.array] | None:
+        """The arrays as MLX arrays (made once, at the first call), or None when they are larger than
+        ``RESIDENT_MAX_BYTES`` or MLX cannot hold them. Their values are those of the NumPy arrays at that
+        first call: later changes to the NumPy arrays are not seen."""
+        if self._resident is None:
+            self._resident = []
+            if sum(a.nbytes for a in self.arrays) <= RESIDENT_MAX_BYTES:
+                try:
+                    self._resident = [mx.array(a) for a in self.arrays]
+                except (TypeError, ValueError):  # a dtype MLX has no match for: batches go through NumPy
+                    pass
+        return self._resident or None
 
     def gather(self, index: np.ndarray | slice) -> tuple[Any, ...] | dict[str, Any]:
         """One batch as numpy arrays: one fancy-index (or slice) per array."""
