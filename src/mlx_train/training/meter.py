@@ -31,10 +31,11 @@ from mlx_train.training.losses import METRIC_PREFIX, WINDOW_PREFIX, batch_size_o
 class Meter:
     """Counts samples and train time (validation and saving left out) between reports.
 
-    It splits the step time: waiting for the loader (``timed``), the step itself (from a batch's
-    arrival to ``count``) and checkpoint saves (``resume(checkpoint=True)``). Validation counts in
-    none of them. It never writes the loop state: ``count`` returns the samples the loop's step
-    transition (``LoopState.advance``) adds up.
+    It splits the step time: waiting for the loader (``timed``), checkpoint saves
+    (``resume(checkpoint=True)``) and the rest, the step itself. Validation counts in none of them. It
+    never writes the loop state: ``count`` returns the samples the loop's step transition
+    (``LoopState.advance``) adds up, and the steps and samples since the last report are read from the
+    loop state at the report (nothing is counted per step but the wait for data).
     """
 
     def __init__(self, state: Any, world_size: int = 1, clock: Callable[[], float] = time.perf_counter,
@@ -44,13 +45,12 @@ class Meter:
         self.peak_memory, self.reset_peak = peak_memory, reset_peak
         self.start = clock()
         self.paused = 0.0
-        self.pending_samples = self.pending_steps = 0
-        self.data_seconds = self.step_seconds = self.checkpoint_seconds = 0.0
+        self._since = (state.step, state.trained_samples)  # the loop state at the last report
+        self.data_seconds = self.checkpoint_seconds = 0.0
         self.comm_seconds = 0.0  # per step, estimated by distributed training (it happens inside the step)
         #: Per step, reported with time_comm where distributed training counts them: ``comm_collectives``
         #: (collective calls) and ``comm_bytes`` (bytes given to them by each rank).
         self.comm_counts: dict[str, float] = {}
-        self._fetched = self.start
         self._pause_start = self.start
         reset_peak()
 
@@ -65,18 +65,18 @@ class Meter:
             except StopIteration:
                 self.data_seconds += clock() - start
                 return
-            fetched = self._fetched = clock()
-            self.data_seconds += fetched - start
+            self.data_seconds += clock() - start
             yield batch
             start = clock()
 
     def count(self, batch: Any) -> int:
-        """One optimizer step on ``batch`` has been dispatched; returns its samples over all ranks."""
-        self.step_seconds += self.clock() - self._fetched
-        samples = len(batch[0]) if type(batch) is tuple else batch_size_of(batch)  # (len: the cheap first axis)
-        self.pending_samples += samples
-        self.pending_steps += 1
-        return samples * self.world_size
+        """The samples of ``batch`` over all ranks (one optimizer step on it was dispatched)."""
+        return (len(batch[0]) if type(batch) is tuple else batch_size_of(batch)) * self.world_size
+
+    @property
+    def pending_steps(self) -> int:
+        """Steps since the last report."""
+        return int(self.state.step - self._since[0])
 
     def pause(self) -> None:
         self._pause_start = self.clock()
@@ -89,7 +89,7 @@ class Meter:
 
     @property
     def pending(self) -> bool:
-        """Steps were counted since the last report."""
+        """Steps ran since the last report."""
         return self.pending_steps > 0
 
     def report(self, window: dict[str, float], learning_rate: float,
@@ -100,14 +100,14 @@ class Meter:
         state, now = self.state, self.clock()
         seconds = max(now - self.start - self.paused, 1e-9)
         d_items = window["items"]
-        samples = self.pending_samples * self.world_size
+        steps, samples = state.step - self._since[0], state.trained_samples - self._since[1]
         logs = {
             "step": state.step,
             "epoch": state.epoch,
             "loss": window["loss_sum"] / max(d_items, 1e-9),
             "learning_rate": learning_rate,
             "samples_per_second": samples / seconds,
-            "steps_per_second": self.pending_steps / seconds,
+            "steps_per_second": steps / seconds,
             "trained_samples": state.trained_samples,
             "peak_memory_gb": self.peak_memory() / 1e9,
         }
@@ -118,17 +118,18 @@ class Meter:
             logs["trained_tokens"] = state.trained_items + d_items
         if grad_norm is not None:
             logs["grad_norm"] = grad_norm
-        self._add_step_times(logs, seconds)
-        self.pending_samples = self.pending_steps = 0
+        self._add_step_times(logs, seconds, steps)
+        self._since = (state.step, state.trained_samples)
         self.start, self.paused = now, 0.0
-        self.data_seconds = self.step_seconds = self.checkpoint_seconds = 0.0
+        self.data_seconds = self.checkpoint_seconds = 0.0
         self.reset_peak()
         return logs
 
-    def _add_step_times(self, logs: dict[str, Any], train_seconds: float) -> None:
-        """Add the seconds per optimizer step since the last report to ``logs``: the wall time and where it went."""
-        steps = max(self.pending_steps, 1)
-        step = self.step_seconds / steps
+    def _add_step_times(self, logs: dict[str, Any], train_seconds: float, steps: int) -> None:
+        """Add the seconds per optimizer step since the last report to ``logs``: the wall time and where it went
+        (what is not waiting for data, saving or, estimated, communicating is the step's compute)."""
+        steps = max(steps, 1)
+        step = max(train_seconds - self.data_seconds, 0.0) / steps
         comm = min(max(self.comm_seconds, 0.0), step)
         logs["step_time"] = (train_seconds + self.checkpoint_seconds) / steps
         logs["time_data"] = self.data_seconds / steps

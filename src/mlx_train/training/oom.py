@@ -207,8 +207,8 @@ class MemoryGuard:
         # that used over half the memory there is, and every step once memory has proved tight.
         if not self.planned and (self.policy.budget is not None or self.group is not None):
             self._plan(state, batch)
-        shape = _shape(batch)
-        if self._runs.get(shape, 0) >= WARMUP and not (self._always or self._tight or self.events):
+        shape = batch[0].shape if type(batch) is tuple else _shape(batch)
+        if self._runs.get(shape, 0) >= WARMUP and not (self._tight or self._always or self.events):
             try:  # the common case: a known shape well within memory, no budget, no group to vote with
                 result = self.step(state, batch)
             except MLXTrainError:
