@@ -3,14 +3,17 @@
 All sides train the same model on the same data with the same batch size, in this process,
 alternating rounds so machine noise hits each. The hand-written loop is written the way mlx-lm's
 trainer is: one ``mx.compile``d step with model/optimizer/RNG state captured, lazily summed losses,
-``mx.eval`` once per step, a report every 10 steps. It runs two ways:
+``mx.eval`` once per step, a report every 10 steps. It runs three ways:
 
 - ``hand``: what mlx-lm's report does, as plain Python: each step's time is taken (``perf_counter``
   before and after), and every 10 steps the loss, the item count and the learning rate are read and one
   line with loss, learning rate, steps/s, items/s, items trained and peak memory is printed (to the same
   redirected stdout as the Trainer's report line; mlx-lm prints it through rich, which costs more);
 - ``bare``: the loop alone, reading only the loss at a report and printing nothing. The Trainer prints
-  its report line by default (``ProgressBar``), so this side does less than a user of either gets.
+  its report line by default (``ProgressBar``), so this side does less than a user of either gets;
+- ``bare-mx``: the bare loop with its batches gathered by MLX from MLX arrays made once (the Trainer's
+  DataLoader does so for arrays up to 256 MB; mlx-lm's batches go through NumPy like ``hand``'s): the
+  Trainer against it is the cost of the Trainer's own loop with the same data path.
 
 Both clocks start at the report of step 10 (compilation and warm-up left out) and stop after the last
 step; the Trainer is timed from its ``on_report`` and ``on_fit_end`` events, so no per-batch callback is
@@ -68,9 +71,9 @@ def _loss(model, *batch):
     return nn.losses.cross_entropy(logits.astype(mx.float32), tokens[:, 1:]).mean(), mx.array(tokens[:, 1:].size)
 
 
-def hand_written(data, info, name, options, batch_size, epochs, max_steps, report_line=True):
-    """The baseline: a compiled step and a plain loop, mlx-lm style; ``report_line=False`` is the bare loop
-    (see the module docstring). Returns ``_rates``."""
+def hand_written(data, info, name, options, batch_size, epochs, max_steps, report_line=True, on_device=False):
+    """The baseline: a compiled step and a plain loop, mlx-lm style; ``report_line=False`` is the bare loop,
+    ``on_device=True`` gathers its batches from MLX arrays (see the module docstring). Returns ``_rates``."""
     mx.random.seed(0)
     model = build_model(name, info, **options)
     optimizer = optim.AdamW(learning_rate=1e-3)
@@ -85,15 +88,18 @@ def hand_written(data, info, name, options, batch_size, epochs, max_steps, repor
 
     arrays = _arrays(data)
     n = len(arrays[0])
+    held = [mx.array(a) for a in arrays] if on_device else None
     steps, losses, items = 0, mx.array(0.0), mx.array(0.0)
     train_time, trained = 0.0, 0.0
     start = None
     for epoch in range(epochs):
         order = np.random.default_rng([0, epoch]).permutation(n)
+        if held is not None:
+            order = mx.array(order, dtype=mx.int32)
         for i in range(0, n - batch_size + 1, batch_size):
             tic = time.perf_counter()
             idx = order[i:i + batch_size]
-            batch = [mx.array(a[idx]) for a in arrays]
+            batch = [a[idx] for a in held] if held is not None else [mx.array(a[idx]) for a in arrays]
             loss, count = step(*batch)
             losses, items = losses + loss * count, items + count
             mx.eval(state, losses, items)
@@ -168,6 +174,10 @@ def _bare(*args):
     return hand_written(*args, report_line=False)
 
 
+def _bare_on_device(*args):
+    return hand_written(*args, report_line=False, on_device=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
@@ -183,14 +193,15 @@ def main() -> None:
         dataset, name, options, batch_size, epochs, max_steps = WORKLOADS[workload]
         max_steps = args.steps or max_steps
         splits = load_dataset(dataset, seed=0)
-        results = {"hand": [], "bare": [], "Trainer": []}
-        sides = [(results["hand"], _hand), (results["bare"], _bare), (results["Trainer"], with_trainer)]
+        results = {"hand": [], "bare": [], "bare-mx": [], "Trainer": []}
+        sides = [(results["hand"], _hand), (results["bare"], _bare), (results["bare-mx"], _bare_on_device),
+                 (results["Trainer"], with_trainer)]
         for i in range(args.rounds):  # the order alternates too: no order effect favours one side
             for out, run in sides if i % 2 == 0 else sides[::-1]:
                 out.append(run(splits["train"], splits["info"], name, options, batch_size, epochs, max_steps))
         ours = results["Trainer"]
         ratios = {}
-        for base in ("hand", "bare"):
+        for base in BASELINES:
             wall = [o[0] / h[0] for h, o in zip(results[base], ours, strict=True)]
             cpu = [o[1] / h[1] for h, o in zip(results[base], ours, strict=True)]
             print(f"{workload}, Trainer / {base}: per-round ratios, wall " + " ".join(f"{r:.3f}" for r in wall) +
@@ -200,12 +211,17 @@ def main() -> None:
         host = {side: statistics.median(r[2] for r in runs) for side, runs in results.items()}
         rows.append((workload, batch_size, rates, ratios, host))
     print(f"\n(medians of {args.rounds} rounds; ratios: Trainer / hand-written, over 1 the Trainer is faster)")
-    print(f"{'workload':<12} {'steps/s hand, bare, Trainer':>28} {'wall ratio vs hand':>19} {'vs bare':>8} "
-          f"{'CPU ratio vs hand':>18} {'vs bare':>8} {'main-thread us/step hand, bare, Trainer':>40}")
+    names = ", ".join((*BASELINES, "Trainer"))
+    print(f"{'workload':<12} {'steps/s ' + names:>38} {'wall ratio vs hand':>19} {'vs bare':>8} {'vs bare-mx':>11} "
+          f"{'CPU ratio vs hand':>18} {'vs bare':>8} {'vs bare-mx':>11} {'main-thread us/step ' + names:>50}")
     for workload, _, rates, ratios, host in rows:
-        print(f"{workload:<12} {rates['hand']:>10.1f},{rates['bare']:>8.1f},{rates['Trainer']:>8.1f} "
-              f"{ratios['hand'][0]:>19.3f} {ratios['bare'][0]:>8.3f} {ratios['hand'][3]:>18.3f} "
-              f"{ratios['bare'][3]:>8.3f} {host['hand']:>22.1f},{host['bare']:>8.1f},{host['Trainer']:>8.1f}")
+        print(f"{workload:<12} " + ",".join(f"{rates[s]:>9.1f}" for s in (*BASELINES, "Trainer")) +
+              f" {ratios['hand'][0]:>19.3f} {ratios['bare'][0]:>8.3f} {ratios['bare-mx'][0]:>11.3f}"
+              f" {ratios['hand'][3]:>18.3f} {ratios['bare'][3]:>8.3f} {ratios['bare-mx'][3]:>11.3f} " +
+              ",".join(f"{host[s]:>9.1f}" for s in (*BASELINES, "Trainer")))
+
+
+BASELINES = ("hand", "bare", "bare-mx")
 
 
 if __name__ == "__main__":
