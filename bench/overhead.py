@@ -25,8 +25,8 @@ their load, which mostly makes wall time wait.
 Workloads: ``mlp`` (the digits MLP) and ``transformer`` (the character-level transformer on the
 built-in text corpus).
 
-    python bench/overhead.py            # both workloads, 5 rounds each
-    python bench/overhead.py --rounds 7 --workload mlp
+    python bench/overhead.py            # both workloads: the MLP 41 rounds, the transformer 5
+    python bench/overhead.py --rounds 15 --workload mlp
     python bench/overhead.py --rounds 31 --steps 400 --workload mlp     # a busy machine: short rounds
 """
 
@@ -56,6 +56,9 @@ WORKLOADS = {
     "mlp": ("digits", "mlp", {}, 32, 60, 2000),
     "transformer": ("text", "transformer", {}, 32, 1, 70),
 }
+# Rounds when --rounds is not given: an MLP round is under a second and single rounds range 0.8-1.3 on a
+# 2-core box, so its median needs many (41: two minutes); a transformer round is ~45 s.
+DEFAULT_ROUNDS = {"mlp": 41, "transformer": 5}
 
 
 def _arrays(split):
@@ -180,7 +183,8 @@ def _bare_on_device(*args):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, help="alternating rounds (default: 41 for the MLP, 5 for the "
+                        "transformer)")
     parser.add_argument("--workload", choices=sorted(WORKLOADS), action="append")
     parser.add_argument("--steps", type=int, help="steps per round (default: the workload's); on a busy machine "
                         "many short rounds give steadier medians than a few long ones")
@@ -196,7 +200,8 @@ def main() -> None:
         results = {"hand": [], "bare": [], "bare-mx": [], "Trainer": []}
         sides = [(results["hand"], _hand), (results["bare"], _bare), (results["bare-mx"], _bare_on_device),
                  (results["Trainer"], with_trainer)]
-        for i in range(args.rounds):  # the order alternates too: no order effect favours one side
+        rounds = args.rounds or DEFAULT_ROUNDS[workload]
+        for i in range(rounds):  # the order alternates too: no order effect favours one side
             for out, run in sides if i % 2 == 0 else sides[::-1]:
                 out.append(run(splits["train"], splits["info"], name, options, batch_size, epochs, max_steps))
         ours = results["Trainer"]
@@ -209,13 +214,14 @@ def main() -> None:
             ratios[base] = (statistics.median(wall), min(wall), max(wall), statistics.median(cpu))
         rates = {side: statistics.median(r[0] for r in runs) for side, runs in results.items()}
         host = {side: statistics.median(r[2] for r in runs) for side, runs in results.items()}
-        rows.append((workload, batch_size, rates, ratios, host))
-    print(f"\n(medians of {args.rounds} rounds; ratios: Trainer / hand-written, over 1 the Trainer is faster)")
+        rows.append((workload, rounds, rates, ratios, host))
+    print("\n(medians of the rounds; ratios: Trainer / hand-written, over 1 the Trainer is faster)")
     names = ", ".join((*BASELINES, "Trainer"))
-    print(f"{'workload':<12} {'steps/s ' + names:>38} {'wall ratio vs hand':>19} {'vs bare':>8} {'vs bare-mx':>11} "
-          f"{'CPU ratio vs hand':>18} {'vs bare':>8} {'vs bare-mx':>11} {'main-thread us/step ' + names:>50}")
-    for workload, _, rates, ratios, host in rows:
-        print(f"{workload:<12} " + ",".join(f"{rates[s]:>9.1f}" for s in (*BASELINES, "Trainer")) +
+    print(f"{'workload':<12} {'rounds':>6} {'steps/s ' + names:>38} {'wall ratio vs hand':>19} {'vs bare':>8} "
+          f"{'vs bare-mx':>11} {'CPU ratio vs hand':>18} {'vs bare':>8} {'vs bare-mx':>11} "
+          f"{'main-thread us/step ' + names:>50}")
+    for workload, rounds, rates, ratios, host in rows:
+        print(f"{workload:<12} {rounds:>6} " + ",".join(f"{rates[s]:>9.1f}" for s in (*BASELINES, "Trainer")) +
               f" {ratios['hand'][0]:>19.3f} {ratios['bare'][0]:>8.3f} {ratios['bare-mx'][0]:>11.3f}"
               f" {ratios['hand'][3]:>18.3f} {ratios['bare'][3]:>8.3f} {ratios['bare-mx'][3]:>11.3f} " +
               ",".join(f"{host[s]:>9.1f}" for s in (*BASELINES, "Trainer")))
