@@ -168,7 +168,8 @@ def rate(fn, seconds: float) -> tuple[float, int]:
 def loader_rate(loader: DataLoader, seconds: float) -> float:
     def epoch() -> int:
         n = 0
-        for _batch in loader:
+        for batch in loader:
+            mx.eval(batch)  # a batch gathered from arrays MLX holds is computed when evaluated
             n += 1
         return n
 
