@@ -342,13 +342,9 @@ class DataLoader:
             batch: Batch
             for k in range(start, stop):
                 index = order[starts[k]:stops[k]] if order is not None else slice(starts[k], stops[k])
-                if arrays is not None:
-                    batch = (tuple([a[index] for a in arrays]) if keys is None else
-                             dict(zip(keys, [a[index] for a in arrays], strict=True)))
-                elif keys is None:
-                    batch = tuple([mx.array(a[index]) for a in source.arrays])
-                else:
-                    batch = {key: mx.array(a[index]) for key, a in zip(keys, source.arrays, strict=False)}
+                parts = ([a[index] for a in arrays] if arrays is not None else
+                         [mx.array(a[index]) for a in source.arrays])
+                batch = tuple(parts) if keys is None else dict(zip(keys, parts, strict=True))
                 self._position = k + 1  # advances when a batch is yielded, not when it is prefetched
                 yield batch
         else:

@@ -99,7 +99,7 @@ class ArraySource:
         self.dataset = arrays
         self.num_samples = len(self.arrays[0])
         self.lengths_cache: dict[Any, np.ndarray] = {}
-        self._resident: list[mx.array] | None = None
+        self._resident: list[mx.array] | None = None  # None: not decided yet; []: not held
 
     def resident(self) -> list[mx.array] | None:
         """The arrays as MLX arrays (made once, at the first call), or None when they are larger than

@@ -252,7 +252,7 @@ class StepCommunication:
             return original(batch, grads, running, update, weighted)
 
         micro.counted_by = self  # type: ignore[attr-defined]
-        step.micro = micro
+        step.intercept(micro)
 
     def record(self, step: Any, batch: Any, update: bool, weighted: bool) -> list[Collective]:
         """The collectives one ``step.micro(batch, ..., update, weighted)`` makes: its objective's value and

@@ -100,7 +100,7 @@ class Meter:
         state, now = self.state, self.clock()
         seconds = max(now - self.start - self.paused, 1e-9)
         d_items = window["items"]
-        steps, samples = state.step - self._since[0], state.trained_samples - self._since[1]
+        steps, samples = self.pending_steps, state.trained_samples - self._since[1]
         logs = {
             "step": state.step,
             "epoch": state.epoch,

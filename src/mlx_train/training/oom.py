@@ -522,4 +522,4 @@ class SimulatedOutOfMemory:
                 raise RuntimeError(self.message)
             return result
 
-        steps.micro = micro
+        steps.intercept(micro)

@@ -132,7 +132,8 @@ class TrainStep:
         # One micro-batch on one process: the gradient of the mean is used as is (fewer operations).
         self._single = options.accumulation == 1 and reduction is None
         self._zero: dict[str, mx.array] | None = None  # zero_running(), made once
-        self._whole = self._compiled[True, False]  # the single micro-batch's function
+        # One micro-batch on one process: the step calls this compiled function directly (see ``intercept``).
+        self._fast: Callable[..., Any] | None = self._compiled[True, False] if self._single else None
 
     def zero_running(self) -> dict[str, mx.array]:
         """Fresh on-device sums for an epoch's reported training metrics, and the same sums for the report
@@ -149,11 +150,9 @@ class TrainStep:
         return dict(self._zero)
 
     def __call__(self, state: Any, batch: Any) -> dict[str, mx.array]:
-        # One micro-batch, one process: the shortest path, micro's call inlined (unless a fault injector or
-        # a collective counter replaced micro on this step).
-        if self._single and "micro" not in self.__dict__:
+        if self._fast is not None:  # one micro-batch, one process: micro's call inlined
             try:
-                running = self._whole(batch, None, state.running)[1]
+                running = self._fast(batch, None, state.running)[1]
             except DataError:
                 raise
             except ValueError as error:
@@ -169,6 +168,12 @@ class TrainStep:
             grads, running = self.micro(part, grads, running, i == last, not self._single)
             mx.eval(self.state, grads, running)
         return cast("dict[str, mx.array]", running)
+
+    def intercept(self, micro: Callable[..., Any]) -> None:
+        """Run every micro-batch through ``micro`` (the signature of :meth:`micro`, which it usually wraps),
+        the single micro-batch's too: fault injection, counting collectives."""
+        self.micro = micro  # type: ignore[method-assign]
+        self._fast = None
 
     def micro(self, batch: Any, grads: Any, running: dict[str, Any], update: bool,
               weighted: bool) -> tuple[Any, dict[str, Any]]:
