@@ -71,3 +71,50 @@ def test_the_builtin_catalog_names_what_the_registries_hold():
 
     assert list(builtin.MODELS) == models.available_models()
     assert list(builtin.DATASETS) == datasets.available_datasets()
+
+
+def test_status_does_not_import_the_training_stack(tmp_path):
+    # `status` describes the devices (that needs MLX) and the runs: nothing of the training stack.
+    loaded = _loaded_after(f"""
+        import contextlib, io
+        from mlx_train.cli.main import main
+        with contextlib.redirect_stdout(io.StringIO()):
+            assert main(["status", "--runs", {str(tmp_path)!r}]) == 0
+    """)
+    assert [m for m in loaded if m != "mlx.core"] == []
+
+
+def test_the_supervisor_imports_neither_the_training_stack_nor_mlx():
+    loaded = _loaded_after("""
+        from mlx_train.launch import RecoveryPolicy, Supervisor, supervise
+        from mlx_train.launch.supervisor import Supervisor as same
+        assert Supervisor is same and callable(supervise) and RecoveryPolicy
+    """)
+    assert loaded == []
+
+
+@pytest.mark.parametrize("package", ["mlx_train", "mlx_train.training", "mlx_train.data", "mlx_train.checkpointing",
+                                     "mlx_train.config", "mlx_train.memory", "mlx_train.monitor",
+                                     "mlx_train.distributed", "mlx_train.launch"])
+def test_a_package_loads_its_names_on_first_use(package):
+    # Importing a package loads no module of it and not MLX; each exported name then resolves to the
+    # object of the module it lives in.
+    _loaded_after(f"""
+        import importlib, sys
+        before = set(sys.modules)
+        package = importlib.import_module({package!r})
+        new = sorted(m for m in set(sys.modules) - before if m.startswith({package!r} + "."))
+        assert "mlx.core" not in sys.modules
+        assert set(package.__all__) <= set(dir(package))
+        assert set(package._LAZY) <= set(package.__all__)
+        if {package!r} != "mlx_train":
+            assert new == [], new
+    """)
+    _loaded_after(f"""
+        import importlib
+        package = importlib.import_module({package!r})
+        for name, module in package._LAZY.items():
+            value = getattr(package, name)
+            if module.startswith("mlx_train.") and module.count(".") > 1:
+                assert value is getattr(importlib.import_module(module), name), name
+    """)

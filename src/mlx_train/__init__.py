@@ -9,13 +9,14 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 # The optimized BLAS must be loaded before anything imports mlx.core (Linux CPU; see _blas.py).
 from mlx_train import _blas
 
 _blas.preload()
 
+from mlx_train._lazy import lazy_exports  # noqa: E402
 from mlx_train.errors import (  # noqa: E402
     CheckpointError,
     ConfigError,
@@ -27,6 +28,30 @@ from mlx_train.errors import (  # noqa: E402
     OutOfMemoryError,
     TrainingInterrupted,
 )
+
+if TYPE_CHECKING:
+    from mlx_train.config import TrainConfig
+    from mlx_train.device import DeviceConfig
+    from mlx_train.distributed import DistributedConfig
+    from mlx_train.memory import MemoryOptimizer
+    from mlx_train.training import (
+        EMA,
+        Callback,
+        CrossEntropyLoss,
+        DataLoader,
+        DistributedTrainer,
+        EarlyStopping,
+        Heartbeat,
+        MetricsLogger,
+        MLflowLogger,
+        ModelCheckpoint,
+        ProgressBar,
+        Pruning,
+        ReduceLROnPlateau,
+        TensorBoardLogger,
+        Trainer,
+        WandbLogger,
+    )
 
 __version__ = "0.1.0"
 
@@ -44,16 +69,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'mlx_train' has no attribute '{name}'")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
 
 
 __all__ = [
@@ -70,6 +86,21 @@ __all__ = [
     "DeviceConfig",
     "DistributedConfig",
     "MemoryOptimizer",
-    *_TRAINING,
+    "Trainer",
+    "DataLoader",
+    "ModelCheckpoint",
+    "EarlyStopping",
+    "DistributedTrainer",
+    "Callback",
+    "CrossEntropyLoss",
+    "EMA",
+    "Heartbeat",
+    "MetricsLogger",
+    "ProgressBar",
+    "Pruning",
+    "ReduceLROnPlateau",
+    "TensorBoardLogger",
+    "MLflowLogger",
+    "WandbLogger",
     "__version__",
 ]

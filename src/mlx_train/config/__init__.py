@@ -41,18 +41,45 @@ A hyper-parameter the chosen optimizer does not use (``beta1`` with ``sgd``) is 
 is written under a section or differs from its default.
 """
 
-from mlx_train.config.options import Every, Option, option, parse_bytes, parse_every, same_as
-from mlx_train.config.train import (
-                                    BACKEND_CHOICES,
-                                    BACKENDS,
-                                    HYPER_PARAMETERS,
-                                    OPTIMIZERS,
-                                    SCHEDULES,
-                                    SECTIONS,
-                                    FieldHelp,
-                                    TrainConfig,
-                                    metric_direction,
-)
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from mlx_train._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from mlx_train.config.options import Every, Option, option, parse_bytes, parse_every, same_as
+    from mlx_train.config.train import (
+        BACKEND_CHOICES,
+        BACKENDS,
+        HYPER_PARAMETERS,
+        OPTIMIZERS,
+        SCHEDULES,
+        SECTIONS,
+        FieldHelp,
+        TrainConfig,
+        metric_direction,
+    )
+
+_LAZY = {
+    "Every": "mlx_train.config.options",
+    "Option": "mlx_train.config.options",
+    "option": "mlx_train.config.options",
+    "parse_bytes": "mlx_train.config.options",
+    "parse_every": "mlx_train.config.options",
+    "same_as": "mlx_train.config.options",
+    "BACKEND_CHOICES": "mlx_train.config.train",
+    "BACKENDS": "mlx_train.config.train",
+    "HYPER_PARAMETERS": "mlx_train.config.train",
+    "OPTIMIZERS": "mlx_train.config.train",
+    "SCHEDULES": "mlx_train.config.train",
+    "SECTIONS": "mlx_train.config.train",
+    "FieldHelp": "mlx_train.config.train",
+    "TrainConfig": "mlx_train.config.train",
+    "metric_direction": "mlx_train.config.train",
+}
+
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
 
 __all__ = ["BACKENDS", "BACKEND_CHOICES", "Every", "FieldHelp", "HYPER_PARAMETERS", "OPTIMIZERS", "Option",
            "SCHEDULES", "SECTIONS", "TrainConfig", "metric_direction", "option", "parse_bytes", "parse_every",

@@ -19,9 +19,19 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+from mlx_train._lazy import lazy_exports
 
 # Loaded on first use, so that importing one part does not pull in the others.
+if TYPE_CHECKING:
+    from mlx_train.distributed.backends import available_backends, check_strategy, choose_backend
+    from mlx_train.distributed.checksum import ParameterChecksum
+    from mlx_train.distributed.config import DistributedConfig, cluster_path, load_cluster
+    from mlx_train.distributed.hostfile import Host, Hostfile
+    from mlx_train.distributed.rank import RankMonitor
+    from mlx_train.distributed.tensor_parallel import save_gathered_adapters, shard_for_finetune, shard_model
+
 _LAZY = {
     "DistributedConfig": "mlx_train.distributed.config",
     "cluster_path": "mlx_train.distributed.config",
@@ -38,12 +48,9 @@ _LAZY = {
     "save_gathered_adapters": "mlx_train.distributed.tensor_parallel",
 }
 
-__all__ = sorted(_LAZY)
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
 
+__all__ = ["DistributedConfig", "Host", "Hostfile", "ParameterChecksum", "RankMonitor", "available_backends",
+           "check_strategy", "choose_backend", "cluster_path", "load_cluster", "save_gathered_adapters",
+           "shard_for_finetune", "shard_model"]
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'mlx_train.distributed' has no attribute '{name}'")

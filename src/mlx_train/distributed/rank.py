@@ -12,10 +12,8 @@ A blocked collective cannot be interrupted from Python (MLX waits in C++ with th
 released), so the watchdog thread ends the process: it records and prints the
 ``DistributedError`` and exits with code 7. The launcher then stops the other ranks.
 
-Environment set by the supervisor for its ranks: ``MLX_TRAIN_RUN_ID``, ``MLX_TRAIN_STATE_DIR``
-(the run's ``distributed/`` folder, inside the run directory that holds the heartbeats),
-``MLX_TRAIN_RUN_DIR`` (per-rank logs go to ``logs/rank-<r>.log``), ``MLX_TRAIN_ATTEMPT``
-(0, 1, ... one per restart) and, on restarts, ``MLX_TRAIN_RESUME=auto``.
+The environment the supervisor sets for its ranks is read in ``mlx_train.distributed.environment``
+(re-exported here).
 
 Example::
 
@@ -37,6 +35,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from mlx_train import rundir
+from mlx_train.distributed.environment import ENV_ATTEMPT as ENV_ATTEMPT
+from mlx_train.distributed.environment import ENV_BACKEND as ENV_BACKEND
+from mlx_train.distributed.environment import ENV_RESUME as ENV_RESUME
+from mlx_train.distributed.environment import ENV_RUN_DIR as ENV_RUN_DIR
+from mlx_train.distributed.environment import ENV_RUN_ID as ENV_RUN_ID
+from mlx_train.distributed.environment import ENV_STATE_DIR as ENV_STATE_DIR
+from mlx_train.distributed.environment import in_group as in_group
+from mlx_train.distributed.environment import is_main_process as is_main_process
+from mlx_train.distributed.environment import launched_rank as launched_rank
+from mlx_train.distributed.environment import restart_resume as restart_resume
+from mlx_train.distributed.environment import supervised as supervised
 from mlx_train.errors import DistributedError, TrainingInterrupted
 from mlx_train.rundir import HeartbeatRecord
 from mlx_train.training.callbacks import Callback
@@ -44,43 +53,7 @@ from mlx_train.training.callbacks import Callback
 if TYPE_CHECKING:
     from mlx_train.training.trainer import Trainer
 
-ENV_RUN_ID = "MLX_TRAIN_RUN_ID"
-ENV_STATE_DIR = "MLX_TRAIN_STATE_DIR"
-ENV_RUN_DIR = "MLX_TRAIN_RUN_DIR"
-ENV_ATTEMPT = "MLX_TRAIN_ATTEMPT"
-ENV_RESUME = "MLX_TRAIN_RESUME"
-ENV_BACKEND = "MLX_TRAIN_BACKEND"
-
 STALE_AFTER = 3.0  # seconds without a heartbeat after which a peer counts as not responding (at most)
-
-
-def supervised() -> bool:
-    """True inside a rank started by the mlx-train supervisor."""
-    return bool(os.environ.get(ENV_STATE_DIR))
-
-
-def restart_resume() -> str | None:
-    """``"auto"`` when the supervisor restarted this group (resume from the last checkpoint)."""
-    return os.environ.get(ENV_RESUME) or None
-
-
-def launched_rank() -> int | None:
-    """This process's rank when a launcher started it (``MLX_RANK``, or MPI's), else None."""
-    for name in ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
-        value = os.environ.get(name)
-        if value is not None and value.isdigit():
-            return int(value)
-    return None
-
-
-def is_main_process() -> bool:
-    """False on the ranks other than 0 of a launched group (they print nothing and write no files)."""
-    return (launched_rank() or 0) == 0
-
-
-def in_group() -> bool:
-    """True inside a launched or supervised group (the CLI then trains with a ``DistributedTrainer``)."""
-    return launched_rank() is not None or supervised()
 
 
 def describe_peer(rank: int, info: HeartbeatRecord | None, now: float, my_step: int,

@@ -14,7 +14,15 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+from mlx_train._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from mlx_train.launch.network import check_hosts, check_network
+    from mlx_train.launch.reset import reset_distributed
+    from mlx_train.launch.status import describe_cluster
+    from mlx_train.launch.supervisor import RecoveryPolicy, Supervisor, supervise
 
 _LAZY = {
     "Supervisor": "mlx_train.launch.supervisor",
@@ -26,12 +34,8 @@ _LAZY = {
     "reset_distributed": "mlx_train.launch.reset",
 }
 
-__all__ = sorted(_LAZY)
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
 
+__all__ = ["RecoveryPolicy", "Supervisor", "check_hosts", "check_network", "describe_cluster",
+           "reset_distributed", "supervise"]
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'mlx_train.launch' has no attribute '{name}'")

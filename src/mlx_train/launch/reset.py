@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from mlx_train import processes, rundir
-from mlx_train.distributed import rank as rank_runtime
+from mlx_train.distributed import environment as rank_env
 from mlx_train.distributed import registry
 from mlx_train.distributed.config import cluster_path
 
@@ -61,10 +61,10 @@ def _candidates() -> dict[int, dict[str, Any]]:
         if pid in found or pid == os.getpid():
             continue
         env = processes.environ(pid)
-        if rank_runtime.ENV_RUN_ID in env:
+        if rank_env.ENV_RUN_ID in env:
             found[pid] = {"pid": pid, "kind": "rank" if "MLX_RANK" in env else "launcher",
-                          "run_id": env[rank_runtime.ENV_RUN_ID], "rank": env.get("MLX_RANK"),
-                          "start_time": processes.start_time(pid), "run_dir": env.get(rank_runtime.ENV_RUN_DIR)}
+                          "run_id": env[rank_env.ENV_RUN_ID], "rank": env.get("MLX_RANK"),
+                          "start_time": processes.start_time(pid), "run_dir": env.get(rank_env.ENV_RUN_DIR)}
     for pid, info in found.items():  # processes a rank started (a compiler, a data worker) inherit its marks
         parent = processes.parent(pid)
         if info.get("kind") == "rank" and parent in found and found[parent].get("kind") in ("rank", "child"):

@@ -14,8 +14,29 @@ Example::
     print(MemoryOptimizer.suggest_config(model_size=1e9, num_devices=2))
 """
 
-from mlx_train.memory.model import MemoryBreakdown, MemoryModel, TensorSplit, optimizer_slots
-from mlx_train.memory.plan import HEADROOM, MemoryOptimizer, MemoryPlan, for_strategy, plan_memory
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from mlx_train._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from mlx_train.memory.model import MemoryBreakdown, MemoryModel, TensorSplit, optimizer_slots
+    from mlx_train.memory.plan import HEADROOM, MemoryOptimizer, MemoryPlan, for_strategy, plan_memory
+
+_LAZY = {
+    "MemoryBreakdown": "mlx_train.memory.model",
+    "MemoryModel": "mlx_train.memory.model",
+    "TensorSplit": "mlx_train.memory.model",
+    "optimizer_slots": "mlx_train.memory.model",
+    "HEADROOM": "mlx_train.memory.plan",
+    "MemoryOptimizer": "mlx_train.memory.plan",
+    "MemoryPlan": "mlx_train.memory.plan",
+    "for_strategy": "mlx_train.memory.plan",
+    "plan_memory": "mlx_train.memory.plan",
+}
+
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
 
 __all__ = ["HEADROOM", "MemoryBreakdown", "MemoryModel", "MemoryOptimizer", "MemoryPlan", "TensorSplit",
            "for_strategy", "optimizer_slots", "plan_memory"]
