@@ -219,3 +219,70 @@ def test_move_aside_picks_a_free_name_and_keeps_everything(tmp_path):
     second = rundir.move_aside(tmp_path / "a")
     assert first != second and first.name.startswith("a.old-") and second.name.startswith("a.old-")
     assert (first / "metrics.jsonl").read_text() == "{}\n" and not (tmp_path / "a").exists()
+
+
+# ---------------------------------------------------------------------------------- the run-directory policy
+def test_checkpoints_go_to_checkpoint_dir_else_run_dir_checkpoints():
+    from mlx_train.run_directory import RunDirectory
+
+    assert rundir.checkpoints_path("runs/a") == os.path.join("runs/a", "checkpoints")
+    assert rundir.checkpoints_path("runs/a", "elsewhere") == "elsewhere"
+    assert rundir.checkpoints_path(None) is None
+    assert RunDirectory.of("runs/a").checkpoint_dir == os.path.join("runs/a", "checkpoints")
+    assert RunDirectory.of("runs/a", "s3://b/c").checkpoint_dir == "s3://b/c"
+    assert RunDirectory("runs/a").checkpoint_dir is None and RunDirectory("runs/a").checkpoints is None
+
+
+def test_the_policy_refuses_a_new_run_over_a_run_and_moves_it_aside_with_overwrite(tmp_path):
+    from mlx_train.run_directory import RunDirectory
+
+    run_dir = tmp_path / "a"
+    (run_dir / "checkpoints" / "step-00000002").mkdir(parents=True)
+    (run_dir / "checkpoints" / "step-00000002" / "manifest.json").write_text("{}")  # committed, damaged
+    (run_dir / "metrics.jsonl").write_text("{}\n")
+    run = RunDirectory.of(run_dir)
+    assert run.previous_runs() == [(str(run_dir), ["metrics.jsonl", "checkpoints"])]
+    with pytest.raises(ConfigError, match=r"already holds a run \(metrics.jsonl, checkpoints\).*Nothing was changed"):
+        run.make_room(overwrite=False, log=print)
+    with pytest.raises(ConfigError, match="already holds a run"):
+        run.refuse_fresh_start()
+    assert (run_dir / "metrics.jsonl").is_file()
+    said: list[str] = []
+    RunDirectory.of(run_dir).make_room(overwrite=True, log=said.append)
+    assert not run_dir.exists() and said and said[0].startswith(f"moved the previous run in {run_dir} aside to ")
+    RunDirectory.of(run_dir).refuse_fresh_start()  # nothing there now
+
+
+def test_the_policy_resolves_resumes(tmp_path):
+    from mlx_train.errors import CheckpointError
+    from mlx_train.run_directory import RunDirectory
+
+    said: list[str] = []
+    run = RunDirectory.of(tmp_path / "a")
+    assert run.resume_candidates("auto", said.append) == [] and run.resolve("auto") is None
+    assert said == [f"no checkpoint in {tmp_path / 'a' / 'checkpoints'} yet; starting from scratch"]
+    assert run.resume_candidates(None, said.append) == []
+    with pytest.raises(ConfigError, match="resume 'auto' looks in RUN_DIR/checkpoints: pass a run directory"):
+        RunDirectory(None).resolve("auto")
+    with pytest.raises(ConfigError, match="resume='auto' needs a checkpoint_dir"):
+        RunDirectory(None).resume_candidates("auto", said.append)
+    (tmp_path / "a" / "checkpoints" / "step-00000003").mkdir(parents=True)
+    (tmp_path / "a" / "checkpoints" / "step-00000003" / "manifest.json").write_text("{}")  # committed, damaged
+    with pytest.warns(UserWarning), pytest.raises(CheckpointError, match="every checkpoint in .* is incomplete"):
+        RunDirectory.of(tmp_path / "a").resume_candidates("auto", said.append)
+    assert not RunDirectory.of(tmp_path / "b").has_checkpoint_or_config()
+    assert RunDirectory.of(tmp_path / "a").has_checkpoint_or_config()
+
+
+def test_one_run_per_directory(tmp_path):
+    from mlx_train.errors import CheckpointError
+    from mlx_train.run_directory import RunDirectory
+
+    run = RunDirectory.of(tmp_path / "a")
+    with run.locks(main=True):
+        with pytest.raises(CheckpointError), RunDirectory.of(tmp_path / "a").locks(main=True):
+            pass
+        with RunDirectory.of(tmp_path / "a").locks(main=False):  # the other ranks take no lock
+            pass
+    with RunDirectory.of(tmp_path / "a").locks(main=True):
+        pass

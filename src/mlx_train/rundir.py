@@ -112,6 +112,18 @@ def choose_run_dir(config: Any, resume: str | None, runs_root: str = "runs") -> 
     return run_dir
 
 
+def checkpoints_path(run_dir: str | os.PathLike[str] | None,
+                     checkpoint_dir: str | os.PathLike[str] | None = None) -> str | None:
+    """Where a run's checkpoints go: ``checkpoint_dir`` when given, else ``RUN_DIR/checkpoints`` (the one place
+    that derives it), else None (no run directory: no checkpoints).
+
+    Example: ``checkpoints_path("runs/a") == "runs/a/checkpoints"``
+    """
+    if checkpoint_dir:
+        return str(checkpoint_dir)
+    return str(Path(run_dir) / CHECKPOINTS_DIR) if run_dir else None
+
+
 def run_contents(run_dir: str | os.PathLike[str] | None, has_checkpoints: bool = False) -> list[str]:
     """What of a run ``run_dir`` already holds: its ``metrics.jsonl``/``config.yaml``, plus ``"checkpoints"``
     when ``has_checkpoints`` (the caller looked in the checkpoint directory). Empty: a place for a new run.

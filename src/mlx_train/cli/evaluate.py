@@ -48,9 +48,9 @@ def resolve_checkpoint(path: str) -> str:
 
         resolve_checkpoint("runs/a")     # "runs/a/checkpoints/step-00000390"
     """
-    from mlx_train.checkpointing import CheckpointManager
     from mlx_train.checkpointing.format import STEP_DIR
     from mlx_train.checkpointing.storage import MANIFEST, open_store, split_location
+    from mlx_train.run_directory import RunDirectory
 
     how = "pass a checkpoint (RUN_DIR/checkpoints/step-NNNNNNNN) or a run directory"
     if "://" in path:
@@ -67,7 +67,7 @@ def resolve_checkpoint(path: str) -> str:
         if "://" not in directory and (not Path(directory).is_dir() or not any(Path(directory).glob("step-*"))):
             raise CheckpointError(f"{path} is neither a checkpoint (no manifest.json) nor a directory of "
                                   f"step-* checkpoints; {how}")
-    latest = CheckpointManager(directory, keep_last=None, async_save=False).resolve("auto")
+    latest = RunDirectory(None, directory).resolve("auto")
     if latest is None:
         raise CheckpointError(f"no complete checkpoint in {directory} (none there, or every one is torn or corrupt)")
     return str(latest)

@@ -202,14 +202,12 @@ def tensor_parallel_split(config: Any) -> Any:
 def _launch(args: argparse.Namespace, config: Any) -> int:
     """``finetune --distributed``: make room in the run directory (or continue it), then run the ranks under
     train's supervisor; each rank runs ``mlx-train finetune --config <the resolved config>``."""
-    from mlx_train.checkpointing import CheckpointManager
     from mlx_train.launch.train import train_distributed
     from mlx_train.llm.finetune import check_before_loading, check_tensor_parallel
-    from mlx_train.training.resume import make_room
+    from mlx_train.run_directory import RunDirectory
 
     check_before_loading(config, args.resume, args.overwrite, launched=True)
     check_tensor_parallel(config.replace(distributed_strategy=args.strategy or config.distributed_strategy))
     if not args.resume:
-        checkpoints = CheckpointManager(f"{config.run_dir}/checkpoints", keep_last=None, async_save=False)
-        make_room(checkpoints, config.run_dir, args.overwrite, print)
+        RunDirectory.of(config.run_dir, config.checkpoint_dir).make_room(args.overwrite, print)
     return train_distributed(args, config, command_name="finetune")

@@ -252,12 +252,12 @@ def resume_config(args: argparse.Namespace, saved: Any, saved_path: str,
     """
     from pathlib import Path
 
-    from mlx_train.rundir import CHECKPOINTS_DIR
+    from mlx_train.rundir import checkpoints_path
 
     def derived(config_run_dir: Any, checkpoint_dir: Any) -> bool:  # RUN_DIR/checkpoints, the CLI's default
         if not (config_run_dir and checkpoint_dir):
             return False
-        return Path(checkpoint_dir) == Path(config_run_dir) / CHECKPOINTS_DIR
+        return Path(checkpoint_dir) == Path(str(checkpoints_path(config_run_dir)))
 
     # A run directory that was moved or copied resumes from its own checkpoints, not from the old place's.
     if derived(saved.run_dir, saved.checkpoint_dir):

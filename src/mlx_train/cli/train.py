@@ -166,15 +166,16 @@ def run(config: Any, resume: str | None = None, log: Callable[[str], None] = pri
 
     from mlx_train.builtin.datasets import load_dataset
     from mlx_train.builtin.models import build_model
-    from mlx_train.distributed.rank import in_group, is_main_process
+    from mlx_train.distributed.environment import in_group, is_main_process
     from mlx_train.optim import build_optimizer
-    from mlx_train.training import DistributedTrainer, Trainer
 
     if not is_main_process():  # a rank of a distributed run: rank 0 speaks for the group
         log = lambda message: None  # noqa: E731
-    run_dir = choose_run_dir(config, resume)
-    checkpoint_dir = config.checkpoint_dir or str(run_dir / rundir.CHECKPOINTS_DIR)
-    config = config.replace(run_dir=str(run_dir), checkpoint_dir=checkpoint_dir)
+    from mlx_train.run_directory import RunDirectory
+
+    run_directory = RunDirectory.choose(config, resume)
+    run_dir, checkpoint_dir = Path(str(run_directory.path)), run_directory.checkpoint_dir
+    config = run_directory.configure(config)
     data = load_dataset(config.dataset, seed=config.seed, **config.dataset_options)
     mx.random.seed(config.seed)  # the model's initial weights follow the seed too
     model = build_model(config.model, data["info"], **config.model_options)
@@ -184,7 +185,10 @@ def run(config: Any, resume: str | None = None, log: Callable[[str], None] = pri
     callbacks: list[Any] = [_ResumeSucceeded(config)] if resume else []
     log(f"model {config.model} on dataset {config.dataset}; run directory {run_dir}")
 
-    trainer_class = DistributedTrainer if in_group() else Trainer  # a rank of a launched group
+    if in_group():  # a rank of a launched group
+        from mlx_train.distributed.trainer import DistributedTrainer as trainer_class
+    else:
+        from mlx_train.training.trainer import Trainer as trainer_class
     trainer = trainer_class(model, build_optimizer(config), config=config)
     history = trainer.train(data["train"], data["val"], epochs=config.epochs, checkpoint_dir=checkpoint_dir,
                             resume=resume, callbacks=callbacks)
@@ -218,7 +222,7 @@ def resolve_config(args: argparse.Namespace, log: Callable[[str], None] = print)
             raise ConfigError("--optimize-memory cannot go with --resume: its plan changes batch_size and "
                               "gradient_accumulation, which a resumed run keeps (out of memory, the Trainer "
                               "halves the micro-batch itself); resume without it, or start a new run with it")
-        from mlx_train.distributed.rank import supervised
+        from mlx_train.distributed.environment import supervised
 
         run_dir = choose_run_dir(config, args.resume)
         found = saved_config(run_dir, config.checkpoint_dir, args.resume, required=not supervised())
@@ -242,12 +246,14 @@ def saved_config(run_dir: Path, checkpoint_dir: str | None, resume: str,
     Example: ``saved_config(Path("runs/a"), None, "auto")`` is
     ``(TrainConfig(...), "runs/a/checkpoints/step-00000400")``.
     """
-    from mlx_train.checkpointing import CheckpointManager, load_checkpoint
+    from mlx_train.checkpointing import load_checkpoint
     from mlx_train.config import TrainConfig
     from mlx_train.errors import CheckpointError
+    from mlx_train.run_directory import RunDirectory
 
-    checkpoint_dir = checkpoint_dir or str(run_dir / rundir.CHECKPOINTS_DIR)
-    path = CheckpointManager(checkpoint_dir, keep_last=None, async_save=False).resolve(resume)
+    run = RunDirectory.of(run_dir, checkpoint_dir)
+    checkpoint_dir = run.checkpoint_dir
+    path = run.resolve(resume)
     if path is not None:
         _, state = load_checkpoint(path, groups=[])
         if isinstance(state.get("config"), dict):
@@ -267,28 +273,25 @@ def saved_config(run_dir: Path, checkpoint_dir: str | None, resume: str,
 
 def _make_room(config: Any, args: argparse.Namespace) -> None:
     """A new run (no --resume) into a run directory that holds one: refused, or with --overwrite moved aside."""
-    from mlx_train.distributed.rank import is_main_process
+    from mlx_train.distributed.environment import is_main_process
 
     if args.resume or not is_main_process():  # a launched rank: the launcher made room before starting it
         return
-    from mlx_train.checkpointing import CheckpointManager
-    from mlx_train.training.resume import make_room
+    from mlx_train.run_directory import RunDirectory
 
-    checkpoint_dir = config.checkpoint_dir or str(Path(config.run_dir) / rundir.CHECKPOINTS_DIR)
-    make_room(CheckpointManager(checkpoint_dir, keep_last=None, async_save=False), config.run_dir, args.overwrite,
-              print)
+    RunDirectory.of(config.run_dir, config.checkpoint_dir).make_room(args.overwrite, print)
 
 
 def _how_to_continue(config: Any) -> str:
     """The command that continues an interrupted run, only when it would: a checkpoint or config.yaml exists.
     A rank of a launched group says nothing: its supervisor prints the command with --distributed."""
-    from mlx_train.distributed.rank import in_group
+    from mlx_train.distributed.environment import in_group
 
     if in_group():
         return ""
-    run_dir = Path(config.run_dir)
-    checkpoint_dir = Path(config.checkpoint_dir or run_dir / rundir.CHECKPOINTS_DIR)
-    if (run_dir / rundir.CONFIG_FILE).is_file() or any(checkpoint_dir.glob("step-*")):
+    from mlx_train.run_directory import RunDirectory
+
+    if RunDirectory.of(config.run_dir, config.checkpoint_dir).has_checkpoint_or_config():
         return f"to continue: mlx-train train --run-dir {config.run_dir} --resume"
     return ("nothing of this run was saved yet (no checkpoint, no config.yaml): to start it, run the same "
             "command again")

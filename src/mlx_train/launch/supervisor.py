@@ -44,7 +44,7 @@ from types import FrameType
 from typing import IO, Any, TextIO
 
 from mlx_train import processes, rundir
-from mlx_train.distributed import rank as rank_runtime
+from mlx_train.distributed import environment as rank_env
 from mlx_train.distributed import registry
 from mlx_train.distributed.backends import choose_backend, passthrough_env
 from mlx_train.distributed.hostfile import Hostfile
@@ -248,7 +248,7 @@ class Supervisor:
         """``{rank: pid}`` of this attempt's live ranks on this host (found by their heartbeats)."""
         return {rank: info.pid for rank, info in rundir.read_heartbeats(self.run_dir).items()
                 if info.host == socket.gethostname() and processes.alive(info.pid)
-                and processes.environ(info.pid).get(rank_runtime.ENV_RUN_ID) == self.run_id}
+                and processes.environ(info.pid).get(rank_env.ENV_RUN_ID) == self.run_id}
 
     def _interrupted(self, signum: int) -> TrainingInterrupted:
         """The ``TrainingInterrupted`` of a group stopped by ``signum``, naming its newest checkpoint."""
@@ -466,10 +466,10 @@ class Supervisor:
         """(path, step) of the newest complete checkpoint in ``checkpoint_dir`` (None without one)."""
         if not self.checkpoint_dir:
             return None
-        from mlx_train.checkpointing import CheckpointManager
+        from mlx_train.run_directory import RunDirectory
 
         try:
-            latest = CheckpointManager(self.checkpoint_dir, keep_last=None, async_save=False).latest()
+            latest = RunDirectory(self.run_dir, self.checkpoint_dir).checkpoints.latest()  # type: ignore[union-attr]
         except Exception:  # noqa: BLE001 - only used for messages
             return None
         return (latest.path, latest.step) if latest else None
@@ -501,15 +501,15 @@ class Supervisor:
         return argv + ["--"] + command
 
     def _run_env(self, attempt: int) -> dict[str, str]:
-        env = {rank_runtime.ENV_RUN_ID: self.run_id, rank_runtime.ENV_STATE_DIR: str(self.state_dir.resolve()),
-               rank_runtime.ENV_RUN_DIR: str(self.run_dir.resolve()), rank_runtime.ENV_ATTEMPT: str(attempt),
-               rank_runtime.ENV_BACKEND: self.backend.name}
+        env = {rank_env.ENV_RUN_ID: self.run_id, rank_env.ENV_STATE_DIR: str(self.state_dir.resolve()),
+               rank_env.ENV_RUN_DIR: str(self.run_dir.resolve()), rank_env.ENV_ATTEMPT: str(attempt),
+               rank_env.ENV_BACKEND: self.backend.name}
         if attempt > 0:
-            env[rank_runtime.ENV_RESUME] = "auto"
+            env[rank_env.ENV_RESUME] = "auto"
         return env
 
     def _env(self, attempt: int) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if k != rank_runtime.ENV_RESUME}
+        env = {k: v for k, v in os.environ.items() if k != rank_env.ENV_RESUME}
         env.update(self._run_env(attempt))
         return env
 

@@ -100,7 +100,7 @@ def train_distributed(args: argparse.Namespace, config: Any, log: Callable[[str]
     hosts = cluster_for(args.num_processes, args.hostfile, config.distributed_backend)
     run_dir = rundir.choose_run_dir(config, args.resume)
     config = config.replace(run_dir=str(run_dir),
-                            checkpoint_dir=config.checkpoint_dir or str(run_dir / rundir.CHECKPOINTS_DIR))
+                            checkpoint_dir=rundir.checkpoints_path(run_dir, config.checkpoint_dir))
     state_dir = rundir.distributed_dir(run_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
     config_path = state_dir / rundir.LAUNCH_CONFIG_FILE

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 import mlx.core as mx
 
+from mlx_train import rundir
 from mlx_train.config import TrainConfig
 from mlx_train.errors import ConfigError
 from mlx_train.training.callbacks import Callback
@@ -53,7 +54,7 @@ def _for_trainer(config: TrainConfig) -> TrainConfig:
     from mlx_train.config import parse_every
 
     if config.run_dir and not config.checkpoint_dir:
-        config = config.replace(checkpoint_dir=os.path.join(config.run_dir, "checkpoints"))
+        config = config.replace(checkpoint_dir=rundir.checkpoints_path(config.run_dir))
     report = parse_every(config.report_every)
     if config.max_steps and report.unit == "step" and report.n > config.max_steps:
         config = config.replace(report_every=f"{config.max_steps} steps")
@@ -140,8 +141,7 @@ def check_before_loading(config: TrainConfig, resume: str | None = None, overwri
 
     Example: ``check_before_loading(FineTuneConfig(data="data"))`` raises ConfigError (no base model).
     """
-    from mlx_train.checkpointing import CheckpointManager
-    from mlx_train.training.resume import make_room
+    from mlx_train.run_directory import RunDirectory
 
     if not config.model or not config.dataset:
         raise ConfigError("fine-tuning needs a base model and data: pass --model PATH and --data DIR")
@@ -157,8 +157,7 @@ def check_before_loading(config: TrainConfig, resume: str | None = None, overwri
     if resume:
         _check_resume(config, resume)
     elif config.run_dir and not launched:
-        checkpoint_dir = str(_for_trainer(config).checkpoint_dir)  # RUN_DIR/checkpoints at least
-        make_room(CheckpointManager(checkpoint_dir, keep_last=None, async_save=False), config.run_dir, overwrite, log)
+        RunDirectory.of(config.run_dir, config.checkpoint_dir).make_room(overwrite, log)
 
 
 def resume_checkpoint(config: TrainConfig, resume: str) -> str | None:
@@ -167,15 +166,11 @@ def resume_checkpoint(config: TrainConfig, resume: str) -> str | None:
 
     Example: ``resume_checkpoint(TrainConfig(run_dir="runs/a"), "auto")`` -> ``"runs/a/checkpoints/step-..."``
     """
-    from mlx_train.checkpointing import CheckpointManager
+    from mlx_train.run_directory import RunDirectory
 
-    if config.checkpoint_dir or config.run_dir:
-        directory = str(_for_trainer(config).checkpoint_dir)
-    elif resume == "auto":
+    if resume == "auto" and not (config.checkpoint_dir or config.run_dir):
         raise ConfigError("--resume auto looks in RUN_DIR/checkpoints: pass --run-dir, or a checkpoint path")
-    else:
-        directory = os.path.dirname(str(resume)) or "."
-    return CheckpointManager(directory, keep_last=None, async_save=False).resolve(resume)
+    return RunDirectory.of(config.run_dir, config.checkpoint_dir).resolve(resume)
 
 
 def _check_resume(config: TrainConfig, resume: str) -> None:

@@ -374,7 +374,7 @@ class RunReader:
         return beats
 
     def _read_checkpoints(self, config: Row) -> list[CheckpointSummary]:
-        directory = str(config.get("checkpoint_dir") or self.run_dir / "checkpoints")
+        directory = str(rundir.checkpoints_path(self.run_dir, config.get("checkpoint_dir")))
         if directory.startswith("file://"):
             directory = directory[len("file://"):]
         if "://" in directory or not os.path.isdir(directory):

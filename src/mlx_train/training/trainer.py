@@ -27,6 +27,7 @@ from mlx_train.errors import (
     NonFiniteError,
     TrainingInterrupted,
 )
+from mlx_train.run_directory import RunDirectory
 from mlx_train.training.callbacks import CallbackList, EarlyStopping, ModelCheckpoint
 from mlx_train.training.evaluation import Evaluator
 from mlx_train.training.extensions import StepExtension
@@ -38,7 +39,7 @@ from mlx_train.training.loggers import MetricsLogger, ProgressBar
 from mlx_train.training.losses import Loss, metric_means
 from mlx_train.training.meter import Meter, report_window
 from mlx_train.training.oom import MemoryGuard, MemoryPolicy, any_rank
-from mlx_train.training.resume import keep_global_batch, make_room, refuse_fresh_start, resume_candidates, run_locks
+from mlx_train.training.resume import keep_global_batch
 from mlx_train.training.schedule import Cadences, at_epoch_end, length_of, nonfinite_inputs, total_steps
 from mlx_train.training.state import LoopState, summed_over_ranks
 from mlx_train.training.step import Reduction, StepOptions, TrainStep, build_step
@@ -225,18 +226,19 @@ class Trainer:
         state.request_stop(False)
         callbacks = CallbackList(self._default_callbacks() + list(callbacks))
         checkpoints = self._checkpoints(checkpoint_dir or cfg.checkpoint_dir)
+        run = RunDirectory(cfg.run_dir, checkpoints=checkpoints)
         if overwrite and resume:
             raise ConfigError(f"overwrite=True starts over and resume={resume!r} continues: pass one of them")
         fresh = not resume and state.step == 0  # a new run, not this trainer's next train() call
         if fresh and overwrite and self.is_main:
-            make_room(checkpoints, cfg.run_dir, True, self.log)
-        with run_locks(checkpoints, cfg.run_dir, self.is_main), StopSignals(self.log, lambda: state.step) as signals:
+            run.make_room(True, self.log)
+        with run.locks(self.is_main), StopSignals(self.log, lambda: state.step) as signals:
             if fresh and self.is_main:  # the other ranks may already see the files rank 0 writes
-                refuse_fresh_start(checkpoints, cfg.run_dir)
+                run.refuse_fresh_start()
             self._signals, self._voted_stop = signals, False
             if self.gradient_reduction is not None and self.gradient_reduction.state is not None:
                 self.gradient_reduction.state["stop"] = mx.array(0.0)  # not the sum that ended a previous run
-            loader = self._start(checkpoints, resume, loader, callbacks)  # resized to keep a global batch
+            loader = self._start(run, resume, loader, callbacks)  # resized to keep a global batch
             step = self.memory_guard = self._guard(callbacks)
             every = Cadences(cfg)
             periods = _step_periods(every)
@@ -412,7 +414,7 @@ class Trainer:
 
     # -- pieces -------------------------------------------------------------------------
 
-    def _start(self, checkpoints: CheckpointManager | None, resume: str | None, loader: Iterable[Any],
+    def _start(self, run: RunDirectory, resume: str | None, loader: Iterable[Any],
                callbacks: CallbackList) -> Iterable[Any]:
         """Make the optimizer state, then restore a checkpoint into it or seed a fresh run.
 
@@ -422,7 +424,7 @@ class Trainer:
         if not self._optimizer_ready:
             self.optimizer.init(self.model.trainable_parameters())
             self._optimizer_ready = True
-        candidates = resume_candidates(checkpoints, resume, self.log)
+        candidates = run.resume_candidates(resume, self.log)
         for i, path in enumerate(candidates):
             try:
                 restored = self._restore(path, loader, callbacks)
@@ -682,8 +684,6 @@ class Trainer:
     def _checkpoints(self, directory: str | None) -> CheckpointManager | None:
         if not directory:
             return None
-        from mlx_train.checkpointing import CheckpointManager
-
         cfg = self.config
         return CheckpointManager(directory, keep_last=cfg.keep_last, keep_best=cfg.keep_best,
                                  monitor=cfg.monitor, mode=cfg.monitor_direction())
