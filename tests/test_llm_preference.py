@@ -34,8 +34,8 @@ from mlx_train.llm.preference import (  # noqa: E402
     reference_logps,
     sequence_logps,
 )
+from mlx_train.testing import SimulatedOutOfMemory  # noqa: E402
 from mlx_train.training import Trainer  # noqa: E402
-from mlx_train.training.oom import SimulatedOutOfMemory  # noqa: E402
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "llm_resume_run.py")
 WORDS = ["cat", "dog", "sea", "sun", "tree", "rain", "gold", "road"]

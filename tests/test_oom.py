@@ -18,12 +18,12 @@ from mlx.utils import tree_flatten
 from mlx_train import DeviceConfig, OutOfMemoryError
 from mlx_train.builtin.datasets import load_dataset
 from mlx_train.builtin.models import build_model
+from mlx_train.testing import SimulatedOutOfMemory
 from mlx_train.training import Trainer
 from mlx_train.training.oom import (
     CPU_MESSAGE,
     CUDA_MESSAGE,
     METAL_MESSAGE,
-    SimulatedOutOfMemory,
     any_rank,
     is_out_of_memory,
     out_of_memory,

@@ -151,3 +151,55 @@ def test_each_epoch_starts_from_fresh_zero_sums_whatever_the_last_one_summed():
     assert second is not first and set(second) == set(first)
     assert all(v.item() == 0.0 for v in second.values())
     assert state.running["loss_sum"].item() > 0  # what the first epoch summed is not zero
+
+
+class _Recorder:
+    """A StepObserver that records what it is shown (and can fail a chosen micro-batch)."""
+
+    def __init__(self, fail_at=None):
+        self.seen, self.fail_at = [], fail_at
+
+    def before_micro_batch(self, step, batch, update, weighted):
+        self.seen.append(("before", int(batch[0].shape[0]), update, weighted))
+
+    def after_micro_batch(self, step, batch, result, update, weighted):
+        grads, running = result
+        self.seen.append(("after", int(batch[0].shape[0]), update, "loss_sum" in running))
+        if len(self.seen) // 2 == self.fail_at:
+            raise RuntimeError("injected")
+
+
+def _observed(accumulation, observer, batch):
+    model = _model()
+    optimizer = optim.SGD(0.1)
+    optimizer.init(model.trainable_parameters())
+    state = LoopState()
+    step = build_step(model, optimizer, Loss(_squared), StepOptions(accumulation=accumulation), state.loss_scale)
+    step.observe(observer)
+    step.observe(observer)  # once is enough: shown each micro-batch once
+    state.running = step.zero_running()
+    state.running = step(state, batch)
+    return model, state
+
+
+@pytest.mark.parametrize("accumulation", [1, 4])
+def test_an_observer_sees_every_micro_batch_and_changes_nothing(accumulation):
+    x, y, mask = _batch()
+    batch = (x, y, mx.ones_like(mask))  # every micro-batch has items
+    recorder = _Recorder()
+    observed, observed_state = _observed(accumulation, recorder, batch)
+    plain, plain_state = _run(accumulation, batch)
+    size = 8 // accumulation
+    expected = []
+    for i in range(accumulation):
+        update = i == accumulation - 1
+        expected += [("before", size, update, accumulation > 1), ("after", size, update, True)]
+    assert recorder.seen == expected
+    for (_, a), (_, b) in zip(tree_flatten(observed.parameters()), tree_flatten(plain.parameters()), strict=True):
+        assert np.array_equal(np.array(a), np.array(b))
+    assert float(observed_state.running["loss_sum"].item()) == float(plain_state.running["loss_sum"].item())
+
+
+def test_an_observer_error_is_the_micro_batch_error():
+    with pytest.raises(RuntimeError, match="injected"):
+        _observed(4, _Recorder(fail_at=2), _batch())

@@ -23,8 +23,8 @@ from mlx.utils import tree_flatten
 
 from mlx_train.builtin.datasets import load_dataset
 from mlx_train.builtin.models import build_model
+from mlx_train.testing import SimulatedOutOfMemory
 from mlx_train.training import DistributedTrainer
-from mlx_train.training.oom import SimulatedOutOfMemory
 
 
 def main():

@@ -206,7 +206,7 @@ def _shapes(batch: Any) -> tuple[tuple[int, ...], ...]:
 class StepCommunication:
     """The collectives of a tensor-parallel run's steps, counted per micro-batch shape and timed on the group.
 
-    ``install(step)`` wraps a ``TrainStep``'s ``micro``: the first call with a new (micro-batch shape,
+    ``install(step)`` observes a ``TrainStep``'s micro-batches: the first with a new (micro-batch shape,
     update, weighted) traces the step's objective and gradient once more with the collectives recorded
     (nothing evaluated; the step's state and random key are put back), and every call adds one to that
     shape's tally. ``per_step`` lists collectives made once per step outside the ``TrainStep`` (the memory
@@ -217,7 +217,7 @@ class StepCommunication:
     Example::
 
         comm = StepCommunication(group)
-        guard.hooks.append(comm.install); comm.install(guard.step)
+        guard.observe(comm)
         ...                                   # steps
         comm.window(steps=10).seconds         # time_comm
     """
@@ -238,21 +238,19 @@ class StepCommunication:
             self.per_step_seconds = None
 
     def install(self, step: Any) -> None:
-        """Count the collectives of ``step``'s micro-batches (again after the memory guard rebuilds it)."""
-        original = step.micro
-        if getattr(original, "counted_by", None) is self:
-            return
-        calls = self.calls
+        """Count the collectives of ``step``'s micro-batches (``step.observe``; the memory guard's ``observe``
+        shows it the steps it rebuilds too)."""
+        step.observe(self)
 
-        def micro(batch: Any, grads: Any, running: dict[str, Any], update: bool, weighted: bool) -> Any:
-            key = (_shapes(batch), update, weighted)
-            if key not in calls:
-                calls[key] = self.record(step, batch, update, weighted)
-            self.tally[key] = self.tally.get(key, 0) + 1
-            return original(batch, grads, running, update, weighted)
+    def before_micro_batch(self, step: Any, batch: Any, update: bool, weighted: bool) -> None:
+        """Trace a new (micro-batch shape, update, weighted) once; count every call."""
+        key = (_shapes(batch), update, weighted)
+        if key not in self.calls:
+            self.calls[key] = self.record(step, batch, update, weighted)
+        self.tally[key] = self.tally.get(key, 0) + 1
 
-        micro.counted_by = self  # type: ignore[attr-defined]
-        step.intercept(micro)
+    def after_micro_batch(self, step: Any, batch: Any, result: Any, update: bool, weighted: bool) -> None:
+        """Nothing: counted before."""
 
     def record(self, step: Any, batch: Any, update: bool, weighted: bool) -> list[Collective]:
         """The collectives one ``step.micro(batch, ..., update, weighted)`` makes: its objective's value and

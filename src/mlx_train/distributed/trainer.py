@@ -199,9 +199,7 @@ class DistributedTrainer(Trainer):
         if counting is not None and self._tensor_parallel:
             # MemoryGuard._vote: (over budget, out of memory) as two int32, summed after each step
             counting.set_per_step([GUARD_VOTE] if guard.group is not None else [])
-            if counting.install not in guard.hooks:
-                guard.hooks.append(counting.install)
-            counting.install(guard.step)
+            guard.observe(counting)
         return guard
 
     def _report(self, loader: Iterable[Any], callbacks: CallbackList, meter: Meter) -> None:

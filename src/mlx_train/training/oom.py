@@ -42,9 +42,9 @@ from __future__ import annotations
 import contextlib
 import math
 import types
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
 
@@ -53,10 +53,13 @@ from mlx_train.errors import MLXTrainError, OutOfMemoryError
 from mlx_train.training.losses import batch_size_of
 from mlx_train.training.state import set_rng_key
 
-__all__ = ["is_out_of_memory", "out_of_memory", "any_rank", "MemoryGuard", "SimulatedOutOfMemory",
-           "MemoryPolicy", "CPU_MESSAGE", "METAL_MESSAGE", "CUDA_MESSAGE"]
+if TYPE_CHECKING:
+    from mlx_train.training.step import StepObserver
 
-#: What MLX's allocators say when an allocation fails (examples, used by tests and simulations).
+__all__ = ["is_out_of_memory", "out_of_memory", "any_rank", "MemoryGuard", "MemoryPolicy", "CPU_MESSAGE",
+           "METAL_MESSAGE", "CUDA_MESSAGE"]
+
+#: What MLX's allocators say when an allocation fails (examples; ``mlx_train.testing`` raises them).
 CPU_MESSAGE = "[malloc] Unable to allocate 17179869184 bytes."
 METAL_MESSAGE = ("[metal::malloc] Attempting to allocate 68719476736 bytes which is greater than the maximum "
                  "allowed buffer size of 34359738368 bytes.")
@@ -161,7 +164,8 @@ class MemoryGuard:
     memory the guard puts the step's state back, builds a step with twice the accumulation (or
     gradient checkpointing) and retries the same batch. The settings it runs with are ``settings()``
     (the loop's owner records them in the loop state for a checkpoint; the guard only reads that state);
-    ``events`` lists every change and why.
+    ``events`` lists every change and why. ``observe(observer)`` shows every micro-batch of its steps,
+    rebuilt ones included, to a ``StepObserver``.
 
     Example::
 
@@ -188,7 +192,7 @@ class MemoryGuard:
         self.checked: list[str] = list(settings.get("checked", []))
         voting = group is not None and group.size() > 1 and (policy.recover or policy.budget is not None)
         self.group = group if voting else None
-        self.hooks: list[Callable[[Any], None]] = []  # called with each new step function
+        self.observers: list[StepObserver] = []  # shown every micro-batch of every step it builds
         memory = policy.budget or policy.device_memory
         self._tight_above = memory / 2 if memory else 0
         self._tight = False
@@ -304,8 +308,14 @@ class MemoryGuard:
         self.step = self.build(self.accumulation, self.checkpointing)
         self._slots = array_slots(self.step.state, [])
         self._runs: dict[tuple[Any, ...], int] = {}  # completed steps per batch shape, with these settings
-        for hook in self.hooks:
-            hook(self.step)
+        for observer in self.observers:
+            self.step.observe(observer)
+
+    def observe(self, observer: StepObserver) -> None:
+        """Show every micro-batch of the steps it runs (and of those it rebuilds later) to ``observer``."""
+        if observer not in self.observers:
+            self.observers.append(observer)
+        self.step.observe(observer)
 
     # -- the budget ---------------------------------------------------------------------
 
@@ -477,49 +487,3 @@ def _advice(step: Any, budget: int | None) -> list[str]:
     tips.append("print(MemoryOptimizer.suggest_config(...)) or 'mlx-train optimize' for a plan that fits")
     return tips
 
-
-class SimulatedOutOfMemory:
-    """A callback that makes chosen steps fail with MLX's out-of-memory error, to test recovery.
-
-    The error is raised inside the step, after its ``micro_batch``-th micro-batch was dispatched
-    (default -1: the last one, whose compiled update is then already in flight), on the first
-    ``times`` attempts of each step in ``steps``. With ``evaluated=True`` that micro-batch is
-    evaluated first: the update (and, distributed, the gradient exchange) has then happened, as
-    when an allocation fails at the very end of a step.
-
-    Example::
-
-        trainer.train(data, callbacks=[SimulatedOutOfMemory(steps=[3])])   # step 3 retries with half
-    """
-
-    def __init__(self, steps: Sequence[int], message: str = METAL_MESSAGE, times: int = 1,
-                 micro_batch: int = -1, evaluated: bool = False) -> None:
-        self.steps, self.message, self.times, self.micro_batch = set(steps), message, times, micro_batch
-        self.evaluated = evaluated
-        self.failures: list[int] = []  # the step of every failure raised
-        self._trainer: Any = None
-        self._index = 0
-
-    def on_fit_start(self, trainer: Any) -> None:
-        self._trainer = trainer
-        trainer.memory_guard.hooks.append(self.install)
-        self.install(trainer.memory_guard.step)
-
-    def install(self, steps: Any) -> None:
-        """Make ``steps.micro`` fail as configured (again after the step is rebuilt)."""
-        original = steps.micro
-
-        def micro(batch: Any, grads: Any, running: dict[str, Any], update: bool, weighted: bool) -> Any:
-            result = original(batch, grads, running, update, weighted)
-            index, self._index = self._index, 0 if update else self._index + 1
-            step = self._trainer.step + 1
-            chosen = update if self.micro_batch == -1 else index == self.micro_batch
-            if chosen and step in self.steps and self.failures.count(step) < self.times:
-                if self.evaluated:
-                    mx.eval(steps.state, result)
-                self.failures.append(step)
-                self._index = 0
-                raise RuntimeError(self.message)
-            return result
-
-        steps.intercept(micro)

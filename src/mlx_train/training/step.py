@@ -7,7 +7,8 @@ a function compiled once with the model, optimizer and RNG state captured
 Gradients are weighted by the number of items each micro-batch averages over, so
 ``batch 8 x accumulation 4`` equals ``batch 32``. Distributed training passes its gradient
 reduction in (``Reduction``); extensions (pruning masks, weight averages) run inside the compiled
-update after the optimizer.
+update after the optimizer. Whoever needs to see each micro-batch (counting collectives, injecting
+faults: ``mlx_train.testing``) registers a ``StepObserver`` with ``step.observe(observer)``.
 
 Example::
 
@@ -21,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -63,6 +64,38 @@ class Reduction:
     clip: Callable[[Any, float | None], tuple[Any, mx.array | None]] | None = None
     before_update: Callable[[], None] | None = None
     state: dict[str, mx.array] | None = None
+
+
+class StepObserver(Protocol):
+    """Sees every micro-batch a ``TrainStep`` runs; registered with ``step.observe(observer)``.
+
+    Both methods run in Python around the dispatch of one micro-batch (nothing is evaluated for them).
+    ``update`` is True for the step's last micro-batch, which applies the optimizer update;
+    ``weighted`` says whether the gradient is weighted by the micro-batch's item count. An exception
+    raised by either method leaves the step as an exception of its micro-batch would (the memory guard
+    undoes the step, and retries it when the error is an allocation failure).
+
+    Example::
+
+        class CountMicroBatches:
+            def __init__(self) -> None:
+                self.seen = 0
+
+            def before_micro_batch(self, step, batch, update, weighted) -> None:
+                self.seen += 1
+
+            def after_micro_batch(self, step, batch, result, update, weighted) -> None:
+                pass
+
+        step.observe(CountMicroBatches())
+    """
+
+    def before_micro_batch(self, step: TrainStep, batch: Any, update: bool, weighted: bool) -> None:
+        """Called before the micro-batch is dispatched."""
+
+    def after_micro_batch(self, step: TrainStep, batch: Any, result: tuple[Any, dict[str, Any]], update: bool,
+                          weighted: bool) -> None:
+        """Called after it was dispatched, with its result ``(gradient sum, running sums)``, not evaluated."""
 
 
 def average_gradients(group: Any) -> Reduction:
@@ -108,7 +141,8 @@ class TrainStep:
     """One optimizer step: ``running = step(state, batch)`` (``state`` needs ``.running``).
 
     ``state`` (the list) is what the compiled functions capture: model, optimizer, RNG, and the
-    float16 loss scale and extension state when used. ``micro`` runs one micro-batch.
+    float16 loss scale and extension state when used. ``micro`` runs one micro-batch; ``observers``
+    (``observe``) see each one.
     """
 
     def __init__(self, model: nn.Module, optimizer: optim.Optimizer, loss: Loss, options: StepOptions,
@@ -132,7 +166,8 @@ class TrainStep:
         # One micro-batch on one process: the gradient of the mean is used as is (fewer operations).
         self._single = options.accumulation == 1 and reduction is None
         self._zero: dict[str, mx.array] | None = None  # zero_running(), made once
-        # One micro-batch on one process: the step calls this compiled function directly (see ``intercept``).
+        self.observers: list[StepObserver] = []
+        # One micro-batch on one process, nobody observing: the step calls this compiled function directly.
         self._fast: Callable[..., Any] | None = self._compiled[True, False] if self._single else None
 
     def zero_running(self) -> dict[str, mx.array]:
@@ -169,21 +204,26 @@ class TrainStep:
             mx.eval(self.state, grads, running)
         return cast("dict[str, mx.array]", running)
 
-    def intercept(self, micro: Callable[..., Any]) -> None:
-        """Run every micro-batch through ``micro`` (the signature of :meth:`micro`, which it usually wraps),
-        the single micro-batch's too: fault injection, counting collectives."""
-        self.micro = micro  # type: ignore[method-assign]
+    def observe(self, observer: StepObserver) -> None:
+        """Show every micro-batch to ``observer`` (see ``StepObserver``), the single micro-batch's too."""
+        if observer not in self.observers:
+            self.observers.append(observer)
         self._fast = None
 
     def micro(self, batch: Any, grads: Any, running: dict[str, Any], update: bool,
               weighted: bool) -> tuple[Any, dict[str, Any]]:
         """Run one micro-batch; apply the update when ``update``. Returns (gradient sum, running sums)."""
+        for observer in self.observers:
+            observer.before_micro_batch(self, batch, update, weighted)
         try:
-            return cast("tuple[Any, dict[str, Any]]", self._compiled[update, weighted](batch, grads, running))
+            result = cast("tuple[Any, dict[str, Any]]", self._compiled[update, weighted](batch, grads, running))
         except DataError:
             raise
         except ValueError as error:
             raise _model_failed(batch, error) from error
+        for observer in self.observers:
+            observer.after_micro_batch(self, batch, result, update, weighted)
+        return result
 
     # -- traced bodies ------------------------------------------------------------------
 
