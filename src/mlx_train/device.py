@@ -15,6 +15,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from mlx_train import _blas
 from mlx_train.config import TrainConfig, option, parse_bytes, same_as
 from mlx_train.config.options import byte_count, check_fields
 from mlx_train.errors import DeviceError
@@ -109,8 +110,6 @@ def device_info(backend: str, blas: bool = True) -> DeviceInfo:
         total, free = system_memory(), available_memory()
         library = None
         if blas and sys.platform.startswith("linux"):
-            from mlx_train import _blas
-
             library = _blas.describe()
         return DeviceInfo("cpu", name, total, free, library)
     if backend == "metal":

@@ -168,11 +168,11 @@ def run(config: Any, resume: str | None = None, log: Callable[[str], None] = pri
     from mlx_train.builtin.models import build_model
     from mlx_train.distributed.environment import in_group, is_main_process
     from mlx_train.optim import build_optimizer
+    from mlx_train.run_directory import RunDirectory
+    from mlx_train.training.trainer import Trainer
 
     if not is_main_process():  # a rank of a distributed run: rank 0 speaks for the group
         log = lambda message: None  # noqa: E731
-    from mlx_train.run_directory import RunDirectory
-
     run_directory = RunDirectory.choose(config, resume)
     run_dir, checkpoint_dir = Path(str(run_directory.path)), run_directory.checkpoint_dir
     config = run_directory.configure(config)
@@ -185,10 +185,11 @@ def run(config: Any, resume: str | None = None, log: Callable[[str], None] = pri
     callbacks: list[Any] = [_ResumeSucceeded(config)] if resume else []
     log(f"model {config.model} on dataset {config.dataset}; run directory {run_dir}")
 
+    trainer_class: type[Trainer] = Trainer
     if in_group():  # a rank of a launched group
-        from mlx_train.distributed.trainer import DistributedTrainer as trainer_class
-    else:
-        from mlx_train.training.trainer import Trainer as trainer_class
+        from mlx_train.distributed.trainer import DistributedTrainer
+
+        trainer_class = DistributedTrainer
     trainer = trainer_class(model, build_optimizer(config), config=config)
     history = trainer.train(data["train"], data["val"], epochs=config.epochs, checkpoint_dir=checkpoint_dir,
                             resume=resume, callbacks=callbacks)

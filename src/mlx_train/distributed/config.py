@@ -17,14 +17,12 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from mlx_train.config import TrainConfig, option, same_as
 from mlx_train.config.options import check_fields, options
-from mlx_train.errors import ConfigError
-
-if TYPE_CHECKING:
-    from mlx_train.distributed.hostfile import Hostfile
+from mlx_train.distributed.hostfile import Hostfile
+from mlx_train.errors import ConfigError, DistributedError
 
 CLUSTER_FILE = "cluster.json"
 
@@ -85,7 +83,6 @@ class DistributedConfig:
 
     def check_world_size(self, world_size: int) -> None:
         """Raise ``DistributedError`` when the launched group does not have ``num_devices`` ranks."""
-        from mlx_train.errors import DistributedError
 
         if self.num_devices is not None and self.num_devices != world_size:
             raise DistributedError(
@@ -111,7 +108,6 @@ class DistributedConfig:
 
     def resolve_hosts(self, num_processes: int | None = None) -> Hostfile:
         """The ``Hostfile`` to launch on: hosts, hostfile, the configured cluster, or 127.0.0.1 x N."""
-        from mlx_train.distributed.hostfile import Hostfile
 
         if self.hosts is not None:
             hostfile = Hostfile.from_hosts(self.hosts, self.backend, envs=_env_list(self.env))

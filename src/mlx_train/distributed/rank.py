@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from mlx_train import rundir
+from mlx_train.distributed import registry
 from mlx_train.distributed.environment import ENV_ATTEMPT as ENV_ATTEMPT
 from mlx_train.distributed.environment import ENV_BACKEND as ENV_BACKEND
 from mlx_train.distributed.environment import ENV_RESUME as ENV_RESUME
@@ -126,7 +127,6 @@ class RankMonitor(Callback):
             return self
         self.write()
         if self.world_size > 1 or supervised():
-            from mlx_train.distributed import registry
 
             registry.register("rank", rank=self.rank, world_size=self.world_size, run_id=os.environ.get(ENV_RUN_ID),
                               run_dir=str(self.directory) if self.directory else None)

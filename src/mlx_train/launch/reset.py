@@ -29,6 +29,8 @@ from mlx_train import processes, rundir
 from mlx_train.distributed import environment as rank_env
 from mlx_train.distributed import registry
 from mlx_train.distributed.config import cluster_path
+from mlx_train.distributed.hostfile import Hostfile
+from mlx_train.errors import MLXTrainError
 
 
 @dataclass
@@ -160,8 +162,6 @@ def reset_distributed(stop_running: bool = False, clear_config: bool = False, gr
 
 
 def _clear_config(clear: bool) -> list[str]:
-    from mlx_train.distributed.hostfile import Hostfile
-    from mlx_train.errors import MLXTrainError
 
     path = cluster_path()
     if not path.exists():

@@ -19,14 +19,15 @@ from mlx_train import rundir
 from mlx_train.distributed import registry
 from mlx_train.distributed.backends import available_backends, choose_backend, describe_backends
 from mlx_train.distributed.config import cluster_path
+from mlx_train.distributed.hostfile import Hostfile
 from mlx_train.errors import MLXTrainError
+from mlx_train.launch.reset import find_leftovers
 
 
 def describe_cluster() -> str:
     """Text for ``mlx-train status``: backends, the configured cluster, supervised runs, leftovers."""
     import mlx.core as mx
 
-    from mlx_train.distributed.hostfile import Hostfile
 
     available = available_backends()
     version = mx.__version__  # type: ignore[attr-defined]  # not in the stubs
@@ -65,7 +66,6 @@ def _runs() -> list[str]:
             doing = f", waiting in the {info.waiting['what']}" if info.waiting else ""
             lines.append(f"      rank {rank}: {info.state}, {info.step} steps, pid {info.pid} "
                          f"on {info.host}, heartbeat {now - info.time:.1f} s ago{doing}")
-    from mlx_train.launch.reset import find_leftovers
 
     leftovers = find_leftovers()
     if leftovers:

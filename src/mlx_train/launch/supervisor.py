@@ -50,6 +50,7 @@ from mlx_train.distributed.backends import choose_backend, passthrough_env
 from mlx_train.distributed.hostfile import Hostfile
 from mlx_train.errors import ConfigError, DistributedError, TrainingInterrupted
 from mlx_train.launch.launcher import free_port_base, launcher_path
+from mlx_train.launch.network import check_host
 
 # Errors that a restart would hit again: not worth restarting for.
 FINAL_ERRORS = {"ConfigError", "UsageError", "DataError", "CheckpointError", "DeviceError", "OutOfMemoryError"}
@@ -437,7 +438,6 @@ class Supervisor:
         """Why ssh to ``rank``'s host failed (``mlx.launch`` runs ssh with ``LogLevel=QUIET``, which
         hides ssh's error, so one ``ssh host true`` is tried here to get it). A host ssh cannot reach
         now would fail the restart the same way: final."""
-        from mlx_train.launch.network import check_host
 
         host = self.hostfile.hosts[rank]
         check = check_host(host, timeout=5.0)

@@ -8,6 +8,9 @@ Example::
     result = finetune(FineTuneConfig(model="SmolLM2-135M-Instruct.Q4_1.gguf", data="data/", iters=100))
 """
 
+# Imported eagerly, unlike the other packages: every module here needs MLX and mlx-lm anyway, and
+# ``finetune`` is both a module and a function of this package (a lazy name would lose to the
+# submodule once ``mlx_train.llm.finetune`` is imported).
 from mlx_train.llm.adapters import AdapterConfig, apply_adapters, fuse_adapters, load_adapters, save_adapters
 from mlx_train.llm.data import SequenceDataset, collate, load_records, make_loader, pack_documents, tokenize
 from mlx_train.llm.finetune import FineTuneConfig, finetune

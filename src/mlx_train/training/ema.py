@@ -22,6 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from mlx_train.checkpointing import load_checkpoint
 from mlx_train.errors import CheckpointError, ConfigError
 from mlx_train.training.callbacks import Callback
 from mlx_train.training.extensions import StepExtension
@@ -117,8 +118,6 @@ def checkpoint_ema_weights(path: str) -> dict[str, mx.array]:
 
         model.load_weights(list(checkpoint_ema_weights("runs/a/checkpoints/step-00000400").items()))
     """
-    from mlx_train.checkpointing import load_checkpoint
-
     try:
         arrays, _ = load_checkpoint(path, groups=["callbacks"])
     except CheckpointError as error:

@@ -11,6 +11,7 @@ import time
 from typing import TYPE_CHECKING, Any, TextIO
 
 from mlx_train import rundir
+from mlx_train.config import parse_every
 from mlx_train.training.callbacks import Callback
 
 if TYPE_CHECKING:
@@ -95,8 +96,6 @@ class ProgressBar(Callback):
             self.stream.flush()
 
     def on_validation_end(self, trainer: Trainer, logs: dict[str, Any]) -> None:
-        from mlx_train.config import parse_every
-
         if parse_every(trainer.config.eval_every).unit != "step":
             return  # validation at an epoch's end shows in the epoch line
         self._print(format_validation(logs))

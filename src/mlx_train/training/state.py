@@ -35,6 +35,7 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from mlx_train import __version__
 from mlx_train.checkpointing.format import read_history, write_history_chunk
 from mlx_train.checkpointing.storage import split_location
 from mlx_train.errors import CheckpointError
@@ -280,8 +281,6 @@ class LoopState:
         With the checkpoint ``directory`` the state holds only the newest history entries and names
         the chunk file there that holds the others (written first when due); without it, the whole history.
         """
-        from mlx_train import __version__
-
         head, history = self.history_chunks.split(self.history, directory) if directory else (None, self.history)
         cb_json, cb_arrays = callbacks.state()
         arrays = {

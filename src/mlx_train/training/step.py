@@ -32,7 +32,7 @@ from mlx.utils import tree_flatten, tree_map
 from mlx_train.errors import DataError
 from mlx_train.training.extensions import StepExtension
 from mlx_train.training.losses import METRIC_PREFIX, WINDOW_PREFIX, Loss, add_metrics, count_correct
-from mlx_train.training.state import zero
+from mlx_train.training.state import assign_leaves, zero
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
@@ -311,8 +311,6 @@ class TrainStep:
 
     def _update_if_finite(self, grads: Any, finite: mx.array) -> None:
         """A non-finite step keeps the old weights and optimizer state; with float16 the loss scale adapts."""
-        from mlx_train.training.state import assign_leaves
-
         old_params = self.model.trainable_parameters()
         old_state = tree_flatten(self.optimizer.state)
         self.optimizer.update(self.model, grads)

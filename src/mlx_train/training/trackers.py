@@ -30,7 +30,7 @@ import mlx.core as mx
 from mlx_train.errors import ConfigError, TrainingInterrupted
 from mlx_train.training.callbacks import Callback
 from mlx_train.training.state import saved_parameters
-from mlx_train.training.tensorboard import SKIPPED
+from mlx_train.training.tensorboard import SKIPPED, TensorBoardLogger
 
 if TYPE_CHECKING:
     from mlx_train.config import TrainConfig
@@ -326,7 +326,5 @@ def trackers_for(config: TrainConfig) -> list[Callback]:
 
     Example: ``trackers_for(TrainConfig(report_to=["mlflow"]))  # [MLflowLogger()]``
     """
-    from mlx_train.training.tensorboard import TensorBoardLogger
-
     made: dict[str, Any] = {"tensorboard": TensorBoardLogger, "wandb": WandbLogger, "mlflow": MLflowLogger}
     return [made[name]() for name in config.report_to]
