@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from mlx_train.device import DeviceConfig
     from mlx_train.distributed import DistributedConfig
     from mlx_train.memory import MemoryOptimizer
+    from mlx_train.run_directory import RunDirectory
     from mlx_train.training import (
         EMA,
         Callback,
@@ -65,6 +66,7 @@ _LAZY = {
     "DeviceConfig": "mlx_train.device",
     "DistributedConfig": "mlx_train.distributed",
     "MemoryOptimizer": "mlx_train.memory",
+    "RunDirectory": "mlx_train.run_directory",
     **{name: "mlx_train.training" for name in _TRAINING},
 }
 
@@ -86,6 +88,7 @@ __all__ = [
     "DeviceConfig",
     "DistributedConfig",
     "MemoryOptimizer",
+    "RunDirectory",
     "Trainer",
     "DataLoader",
     "ModelCheckpoint",

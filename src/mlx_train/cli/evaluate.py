@@ -88,8 +88,9 @@ def _checkpoints_of(local: Path) -> str:
             saved = None  # a damaged config.yaml: look for the usual folder instead
     if saved and "://" in saved:
         return saved
-    if (local / rundir.CHECKPOINTS_DIR).is_dir():
-        return str(local / rundir.CHECKPOINTS_DIR)
+    usual = str(rundir.checkpoints_path(local))
+    if Path(usual).is_dir():
+        return usual
     return saved if saved and Path(saved).is_dir() else str(local)
 
 
