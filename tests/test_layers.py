@@ -118,3 +118,22 @@ def test_a_package_loads_its_names_on_first_use(package):
             if module.startswith("mlx_train.") and module.count(".") > 1:
                 assert value is getattr(importlib.import_module(module), name), name
     """)
+
+
+@pytest.mark.slow
+def test_a_one_process_train_loads_neither_the_distributed_trainer_nor_the_supervisor(tmp_path):
+    argv = ["train", "--epochs", "1", "--set", "max_steps=2", "--run-dir", str(tmp_path / "a")]
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(f"""
+            import contextlib, io, json, sys
+            from mlx_train.cli.main import main
+            with contextlib.redirect_stdout(io.StringIO()):
+                assert main({argv!r}) == 0
+            print(json.dumps(sorted(m for m in sys.modules if m.startswith("mlx_train"))))
+        """)], capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    loaded = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "mlx_train.training.trainer" in loaded and "mlx_train.run_directory" in loaded
+    unwanted = ("mlx_train.distributed.trainer", "mlx_train.distributed.rank", "mlx_train.launch.supervisor",
+                "mlx_train.monitor", "mlx_train.llm", "mlx_train.testing", "mlx_train.memory", "mlx_train.export")
+    assert [m for m in loaded if m.startswith(unwanted)] == []
