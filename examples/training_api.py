@@ -43,8 +43,10 @@ def main() -> dict:
         EarlyStopping(monitor="val_loss", patience=3),
     ]
     try:
+        # overwrite=True: running this script again starts over, moving the previous run aside
+        # (checkpoints.old-<date>-<time>) instead of refusing to touch it.
         history = trainer.train(train_dataset=train_data, val_dataset=val_data, epochs=3,
-                                checkpoint_dir="checkpoints", callbacks=callbacks)
+                                checkpoint_dir="checkpoints", callbacks=callbacks, overwrite=True)
     except OutOfMemoryError:
         raise SystemExit("Reduce batch size or enable gradient accumulation") from None
     except DeviceError as error:

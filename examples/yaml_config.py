@@ -56,7 +56,8 @@ def main() -> dict:
     data = load_dataset("digits", seed=config.seed)
     model = MLP(in_dims=64, hidden_dims=[128], num_classes=10)
     trainer = Trainer(model, config=config)  # no optimizer given: built from the config
-    trainer.train(data["train"], data["val"], checkpoint_dir="checkpoints")
+    # overwrite=True: running this script again starts over, moving the previous run aside.
+    trainer.train(data["train"], data["val"], checkpoint_dir="checkpoints", overwrite=True)
     metrics = trainer.evaluate(data["test"])
     print(f"test accuracy: {metrics['accuracy']:.3f}")
     return metrics
