@@ -19,7 +19,9 @@ from __future__ import annotations
 import glob
 import importlib
 import json
+import netrc
 import os
+import socket
 import struct
 import tempfile
 from collections.abc import Iterator
@@ -27,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
-from mlx_train.errors import ConfigError, TrainingInterrupted
+from mlx_train.errors import ConfigError, MLXTrainError, TrainingInterrupted
 from mlx_train.training.callbacks import Callback
 from mlx_train.training.state import saved_parameters
 from mlx_train.training.tensorboard import SKIPPED, TensorBoardLogger
@@ -91,6 +93,10 @@ class Tracker(Callback):
         """End the tracker run: ``status`` is ``finished``, ``failed`` or ``interrupted``."""
         raise NotImplementedError
 
+    def advice(self, error: BaseException) -> str:
+        """How to fix a failed start of the tracker run (the end of the error's sentence)."""
+        return "check the tracker's settings, or leave it out of report_to"
+
     # -- events -----------------------------------------------------------------------------------
 
     def on_fit_start(self, trainer: Trainer) -> None:
@@ -102,9 +108,16 @@ class Tracker(Callback):
                                                               if config.run_dir else None)
         # A fresh start (step 0) never reuses a run; a resume continues the checkpoint's run.
         continued = self.run_id if trainer.step > 0 else None
-        self.run_id = self.open_run(trainer, continued)
-        self._open = True
-        self.log_params(config.to_dict())
+        try:
+            self.run_id = self.open_run(trainer, continued)
+            self._open = True
+            self.log_params(config.to_dict())
+        except MLXTrainError:
+            raise
+        except Exception as error:  # noqa: BLE001  # the tracker library's own errors: one sentence for all
+            name = type(self).__name__
+            raise ConfigError(f"{name} could not start its run ({type(error).__name__}: {_first_line(error)}); "
+                              f"{self.advice(error)}") from error
         trainer.log(f"{type(self).__name__}: {'continuing' if continued else 'started'} run {self.run_id}")
 
     def on_report(self, trainer: Trainer, logs: dict[str, Any]) -> None:
@@ -151,6 +164,34 @@ def _param_text(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value)
 
 
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0] if text else "no message"
+
+
+def _writable_directory(directory: str, what: str, fix: str) -> None:
+    """Make ``directory`` (with its parents) and check that files can be written there, or say how to fix it."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".mlx-train-check-"):
+            pass
+    except OSError as error:
+        raise ConfigError(f"{what} {directory} cannot be written ({error.strerror or error}): {fix}") from None
+
+
+def _reachable(url: str, timeout: float = 5.0) -> str | None:
+    """None when a TCP connection to ``url``'s host and port opens within ``timeout`` seconds, else why not."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        with socket.create_connection((parts.hostname or "", port), timeout=timeout):
+            return None
+    except OSError as error:
+        return error.strerror or str(error)
+
+
 class MLflowLogger(Tracker):
     """Reports to MLflow (``pip install 'mlx-train[mlflow]'``) at ``MLFLOW_TRACKING_URI`` (a server,
     or ``sqlite:///mlflow.db``, MLflow's default), in the experiment ``project_name``.
@@ -167,6 +208,28 @@ class MLflowLogger(Tracker):
         self.tracking_uri = tracking_uri
         self._client: Any = None
         self._params: dict[str, str] = {}  # the parameters the run holds
+        self._check_store()
+
+    def _check_store(self) -> None:
+        """Before training starts: MLflow's file store (refused by MLflow 3 unless allowed) and an unreachable
+        server are found here, not after the model has loaded."""
+        uri = self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or ""
+        scheme = uri.split(":", 1)[0].lower() if "://" in uri or uri.startswith("file:") else ("file" if uri else "")
+        if scheme == "file" and os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() not in ("1", "true"):
+            raise ConfigError(f"MLflow tracking URI {uri!r} is a file store, which MLflow 3 no longer writes to: set "
+                              "MLFLOW_TRACKING_URI=sqlite:///mlflow.db (a local database file) or the address of "
+                              "an MLflow server, or MLFLOW_ALLOW_FILE_STORE=true to use the file store anyway")
+        if scheme in ("http", "https"):
+            problem = _reachable(uri)
+            if problem is not None:
+                raise ConfigError(f"the MLflow server at {uri} cannot be reached ({problem}): start it (mlflow "
+                                  "server --host 127.0.0.1 --port 5000), correct MLFLOW_TRACKING_URI, or set it to "
+                                  "sqlite:///mlflow.db to track into a local file")
+
+    def advice(self, error: BaseException) -> str:
+        uri = self._client.tracking_uri if self._client is not None else self.tracking_uri
+        return (f"check that the tracking URI {uri or os.environ.get('MLFLOW_TRACKING_URI') or '(default)'} is an "
+                "MLflow server that answers or a database such as sqlite:///mlflow.db, and that it is writable")
 
     def open_run(self, trainer: Trainer, run_id: str | None) -> str:
         from mlflow.tracking import MlflowClient
@@ -230,12 +293,40 @@ class WandbLogger(Tracker):
         self._wandb = _require("wandb", "WandbLogger (report_to: wandb)", "wandb")
         super().__init__(project_name, run_name)
         self._run: Any = None
+        self._check_settings()
+
+    @staticmethod
+    def _check_settings() -> None:
+        """Before training starts: WANDB_DIR must be writable, and online W&B needs an API key (``wandb login``
+        writes it to ~/.netrc)."""
+        if os.environ.get("WANDB_DIR"):
+            _writable_directory(os.environ["WANDB_DIR"], "W&B's directory (WANDB_DIR)",
+                                "set WANDB_DIR to a folder you can write to")
+        mode = os.environ.get("WANDB_MODE", "online").lower() or "online"
+        if mode not in ("online", "run") or os.environ.get("WANDB_API_KEY"):
+            return
+        from urllib.parse import urlsplit
+
+        host = urlsplit(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname or "api.wandb.ai"
+        try:
+            found = netrc.netrc().authenticators(host)
+        except (OSError, netrc.NetrcParseError):
+            found = None
+        if not found:
+            raise ConfigError(f"W&B has no API key for {host} (no WANDB_API_KEY, no ~/.netrc entry): run `wandb "
+                              "login`, set WANDB_API_KEY, or set WANDB_MODE=offline to write the run locally for "
+                              "`wandb sync` later")
+
+    def advice(self, error: BaseException) -> str:
+        return ("run `wandb login` or set WANDB_API_KEY (or WANDB_MODE=offline to write the run locally), and check "
+                "that WANDB_DIR, or the run directory, is a writable folder")
 
     def open_run(self, trainer: Trainer, run_id: str | None) -> str:
         # W&B reads its environment once per process: WANDB_DIR is passed on, so a later change counts.
         directory = os.environ.get("WANDB_DIR") or trainer.config.run_dir
         if directory:
-            os.makedirs(directory, exist_ok=True)
+            _writable_directory(directory, "W&B's directory (WANDB_DIR, else the run directory)",
+                                "set WANDB_DIR to a folder you can write to")
         # The config goes with the run record (a config update just before a quick finish can be lost).
         self._run = self._wandb.init(project=self.project_name, name=self.run_name, id=run_id,
                                      resume="allow" if run_id else None, dir=directory, reinit="create_new",
