@@ -38,7 +38,8 @@ def test_wandb_unwritable_directory(no_wandb_login, monkeypatch, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     monkeypatch.setenv("WANDB_DIR", str(blocker / "wandb"))
-    with pytest.raises(ConfigError, match=r"W&B's directory \(WANDB_DIR\) .*a-file/wandb cannot be written.*set WANDB_DIR"):
+    with pytest.raises(ConfigError, match=r"W&B's directory \(WANDB_DIR\) .*a-file/wandb cannot be written.*"
+                                          r"set WANDB_DIR"):
         WandbLogger()
 
 
