@@ -118,7 +118,10 @@ def _check_suffix(output: str, format: str | None) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Run ``mlx-train export`` from parsed arguments."""
+    from mlx_train.paths import writable_file
+
     _check_suffix(args.output, args.format)
+    writable_file(args.output, "the export's output (-o)")  # before the model is rebuilt
     report = export_checkpoint(args.checkpoint, args.output, args.format, args.verify, args.ema)
     size = report["bytes"] / 1024
     line = f"exported {report['checkpoint']} to {report['path']} ({report['format']}, {size:.1f} KiB)"

@@ -36,7 +36,10 @@ def main(args: argparse.Namespace) -> int:
     """Run ``mlx-train plot`` from parsed arguments."""
     from mlx_train.monitor.plot import plot_run
     from mlx_train.monitor.run import resolve_run_dir
+    from mlx_train.paths import writable_file
 
+    if args.output:
+        writable_file(args.output, "the plot's output (-o)")  # before the run is read
     run_dir = resolve_run_dir(args.run_dir)
     output = args.output or os.path.join(run_dir, "curves.png")
     keys = [k.strip() for k in args.metrics.split(",") if k.strip()] if args.metrics else None

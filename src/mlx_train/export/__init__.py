@@ -26,6 +26,7 @@ import numpy as np
 from mlx import nn
 
 from mlx_train.export.graph import ExportError, trace, trace_pair, with_batch
+from mlx_train.paths import writable_file
 
 __all__ = ["FORMATS", "ExportError", "export", "random_inputs", "verify_onnx"]
 
@@ -166,8 +167,7 @@ def export(model: nn.Module, example_inputs: Sequence[mx.array] | mx.array, path
     if not examples or not all(isinstance(x, mx.array) for x in examples):
         raise ExportError("example_inputs must be an mx.array or a list of them (one per model input), e.g. "
                           "[mx.zeros((1, 64))]")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path = Path(writable_file(path, "the export's output"))
     was_training = model.training
     model.eval()  # dropout off: an exported model is for inference
     try:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from mlx_train.errors import ConfigError, did_you_mean
 from mlx_train.monitor.run import RunReader, RunSnapshot, resolve_run_dir
+from mlx_train.paths import writable_file
 
 if TYPE_CHECKING:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -71,6 +72,7 @@ def plot_run(run_dir: str | os.PathLike[str], output: str | os.PathLike[str] | N
     ``keys`` restricts the series to those metrics (e.g. ``["loss", "val_loss"]``).
     """
     Figure, FigureCanvasAgg = _require_matplotlib()
+    path = None if output is None else writable_file(output, "the plot's output")  # before any drawing
     snap = RunReader(resolve_run_dir(run_dir)).read()
     if keys:
         plottable = sorted({key for _, _, series in PANELS for _, key in series}
@@ -107,10 +109,7 @@ def plot_run(run_dir: str | os.PathLike[str], output: str | os.PathLike[str] | N
                 ax.set_yscale("log")
         ax.grid(True, alpha=0.3)
         ax.legend(loc="best", fontsize="small")
-    if output is not None:
-        path = os.fspath(output)
-        if os.path.dirname(path):
-            os.makedirs(os.path.dirname(path), exist_ok=True)
+    if path is not None:
         try:
             figure.savefig(path)
         except ValueError as error:  # an unknown extension
