@@ -127,6 +127,20 @@ def test_bad_gguf_and_directories_get_clear_errors(tmp_path):
         load_model(str(tmp_path / "empty"))
 
 
+def test_truncated_or_foreign_gguf_is_one_sentence(tmp_path):
+    whole = tmp_path / "whole.gguf"
+    mx.save_gguf(str(whole), {"x": mx.zeros(4096)}, {"general.architecture": "llama"})
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(whole.read_bytes()[:200])  # an interrupted download
+    with pytest.raises(ConfigError, match=r"GGUF file .*cut\.gguf \(200 bytes\) cannot be read \(.*\): the file is "
+                                          r"truncated or damaged .*download it again"):
+        load_model(str(cut))
+    text = tmp_path / "notes.gguf"
+    text.write_text("hello, not a model")
+    with pytest.raises(ConfigError, match=r"notes\.gguf is not a GGUF file \(it starts with b'hell', not b'GGUF'\)"):
+        load_model(str(text))
+
+
 def test_base_reference_hashes_weights_and_caches(tmp_path, monkeypatch):
     monkeypatch.setenv("MLX_TRAIN_CACHE", str(tmp_path / "cache"))
     llm_tiny.write_model_dir(str(tmp_path / "m"))

@@ -189,6 +189,18 @@ def gguf_tokenizer(metadata: dict[str, Any]) -> PreTrainedTokenizerFast:
     )
 
 
+GGUF_MAGIC = b"GGUF"
+
+
+def check_gguf_header(path: str) -> None:
+    """Refuse a file that is not GGUF (its first four bytes are not ``GGUF``) before MLX parses it."""
+    with open(path, "rb") as file:
+        head = file.read(4)
+    if head != GGUF_MAGIC:
+        raise ConfigError(f"{path} is not a GGUF file (it starts with {head!r}, not {GGUF_MAGIC!r}): give a .gguf "
+                          "model file, or the folder (or Hugging Face id) of an mlx-lm or transformers model")
+
+
 def load_gguf(path: str, quantized: bool = False) -> tuple[nn.Module, TokenizerWrapper, dict[str, Any]]:
     """Load a llama-family GGUF file as ``(mlx-lm model, TokenizerWrapper, config)``.
 
@@ -204,8 +216,13 @@ def load_gguf(path: str, quantized: bool = False) -> tuple[nn.Module, TokenizerW
 
     if not os.path.isfile(path):
         raise ConfigError(f"GGUF file {path} does not exist; give the path of a .gguf file")
-    # return_metadata=True: the (tensors, metadata) pair; the stubs give one union for every form.
-    tensors, metadata = cast("tuple[dict[str, mx.array], dict[str, Any]]", mx.load(path, return_metadata=True))
+    check_gguf_header(path)
+    try:  # return_metadata=True: the (tensors, metadata) pair; the stubs give one union for every form.
+        tensors, metadata = cast("tuple[dict[str, mx.array], dict[str, Any]]", mx.load(path, return_metadata=True))
+    except (RuntimeError, ValueError) as error:
+        size = os.path.getsize(path)
+        raise ConfigError(f"GGUF file {path} ({size:,} bytes) cannot be read ({error}): the file is truncated or "
+                          "damaged (an interrupted download?): download it again") from None
     config = gguf_config(metadata, has_output="output.weight" in tensors)
     weights, quantization = gguf_weights(tensors, config, quantized)
     model = Model(ModelArgs.from_dict(config))
