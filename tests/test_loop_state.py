@@ -391,14 +391,37 @@ def test_a_resume_from_an_older_checkpoint_takes_its_own_history(tmp_path, chunk
     assert history == full_history
 
 
-def test_a_missing_history_chunk_is_a_clear_error(tmp_path, chunk):
-    import shutil
+@pytest.mark.parametrize("damage", ["missing", "damaged"])
+def test_a_lost_history_chunk_leaves_the_checkpoint_restorable(tmp_path, chunk, damage):
+    """The history is a record, not training state: without a chunk the run resumes bit-exact, with a warning
+    naming the file, its newest history entries, and a new chain of chunks that a later resume reads whole."""
+    import glob
+    import os
 
     from mlx_train.checkpointing.format import step_name
+    from mlx_train.training.state import HistoryWarning
 
+    epochs = 3 * chunk
+    full_history, full_params = _history_run(epochs, str(tmp_path / "full"))
     where = tmp_path / "ck"
-    _history_run(chunk + 2, str(where))
-    shutil.rmtree(where / "history")
-    with pytest.raises(CheckpointError, match=r"needs the history file .*history/[0-9a-f]{64}\.json, which is "
-                                              r"missing: a checkpoint directory copied without the history/ folder"):
-        _history_run(chunk + 4, str(where), resume=str(where / step_name(chunk + 2)))
+    _history_run(2 * chunk + 2, str(where))
+    oldest = min(glob.glob(str(where / "history" / "*.json")), key=os.path.getmtime)
+    if damage == "missing":
+        os.remove(oldest)
+    else:
+        with open(oldest, "r+b") as file:
+            file.write(b"X")  # the first byte of its JSON
+    with pytest.warns(HistoryWarning, match=rf"needs the history file .*history/[0-9a-f]{{64}}\.json, which is "
+                                            rf"{damage}.*weights, optimizer and loop state are intact.*keeps only its "
+                                            r"newest \d+ entries"):
+        history, params = _history_run(epochs, str(where), resume=str(where / step_name(2 * chunk + 2)))
+    assert all(np.array_equal(params[k], full_params[k]) for k in full_params)  # training itself is exact
+    kept = len(history["train_loss"])
+    assert 0 < kept < epochs and history["train_loss"] == full_history["train_loss"][-kept:]
+    # The next resume reads the new chain whole: no warning, the same entries.
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", HistoryWarning)
+        again, _ = _history_run(epochs + 1, str(where), resume=str(where / step_name(epochs)))
+    assert again["train_loss"][:kept] == history["train_loss"]

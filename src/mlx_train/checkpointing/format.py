@@ -286,20 +286,32 @@ def read_history(location: str, head: str | None, checkpoint: str = "") -> dict[
 
     Raises CheckpointError naming ``checkpoint`` when a chunk is missing or damaged.
     """
-    store, chunks = open_store(location), []
+    history, problem = salvage_history(location, head)
+    if problem is None:
+        return history
+    fix = (f"a checkpoint directory copied without the {HISTORY_DIR}/ folder beside it? Copy that folder too, or "
+           "start without --resume") if problem.endswith("missing") else (
+        "restore it from a copy, or resume from a checkpoint of another run directory")
+    raise CheckpointError(f"checkpoint {checkpoint} needs {problem}: {fix}")
+
+
+def salvage_history(location: str, head: str | None) -> tuple[dict[str, list[Any]], str | None]:
+    """The history of the chunks ending at ``head`` that can be read, and which file is wrong (None if none).
+
+    A missing or damaged chunk ends the chain there: the newer chunks before it are returned, and the
+    problem reads "the history file URL, which is missing" (or "... damaged (...)").
+    """
+    store, chunks, problem = open_store(location), [], None
     while head is not None:
         rel = f"{HISTORY_DIR}/{head}.json"
         try:
             data = store.read_bytes(rel)
         except (FileNotFoundError, OSError):
-            raise CheckpointError(
-                f"checkpoint {checkpoint} needs the history file {store.url(rel)}, which is missing: a checkpoint "
-                f"directory copied without the {HISTORY_DIR}/ folder beside it? Copy that folder too, or start "
-                "without --resume") from None
+            problem = f"the history file {store.url(rel)}, which is missing"
+            break
         if hashlib.sha256(data).hexdigest() != head:
-            raise CheckpointError(f"checkpoint {checkpoint} needs the history file {store.url(rel)}, which is "
-                                  "damaged (its sha256 does not match its name); restore it from a copy, or resume "
-                                  "from a checkpoint of another run directory")
+            problem = f"the history file {store.url(rel)}, which is damaged (its sha256 does not match its name)"
+            break
         chunk = json.loads(data)
         chunks.append(chunk["history"])
         head = chunk["previous"]
@@ -307,4 +319,4 @@ def read_history(location: str, head: str | None, checkpoint: str = "") -> dict[
     for chunk in reversed(chunks):
         for key, values in chunk.items():
             history.setdefault(key, []).extend(values)
-    return history
+    return history, problem

@@ -28,6 +28,7 @@ Example::
 from __future__ import annotations
 
 import platform
+import warnings
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
@@ -36,10 +37,15 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from mlx_train import __version__
-from mlx_train.checkpointing.format import read_history, write_history_chunk
+from mlx_train.checkpointing.format import salvage_history, write_history_chunk
 from mlx_train.checkpointing.storage import split_location
 from mlx_train.errors import CheckpointError
 from mlx_train.training.losses import METRIC_PREFIX, WINDOW_PREFIX
+
+
+class HistoryWarning(UserWarning):
+    """A checkpoint's per-epoch history could be read only in part; training state was restored whole."""
+
 
 FORMAT_VERSION = 4  # 3: the history in chunk files beside the checkpoints; 4: the report window's own sums
 RUNNING_KEYS = ("loss_sum", "items")
@@ -178,8 +184,19 @@ class HistoryChunks:
         """(the chunks, the whole history) of the checkpoint at ``path`` with the JSON ``state``."""
         location = split_location(path)[0].rstrip("/")
         head = state.get("history_chunk")
-        history = read_history(location, head, path)
-        chunks = cls(head, {key: len(values) for key, values in history.items()}, location)
+        history, problem = salvage_history(location, head)
+        if problem is not None:
+            # The history is a record of the epochs, not training state: the run goes on with what was read,
+            # and the next checkpoint starts a new chain of chunks holding it.
+            kept = max((len(v) for v in history.values()), default=0) + max(
+                (len(v) for v in state["history"].values()), default=0)
+            warnings.warn(f"checkpoint {path} needs {problem}. Its weights, optimizer and loop state are intact, so "
+                          f"training goes on, but the per-epoch history keeps only its newest {kept} entries (the "
+                          "older ones were in that file: put a copy back before resuming to keep them)",
+                          HistoryWarning, stacklevel=2)
+            chunks = cls(None, {}, location)
+        else:
+            chunks = cls(head, {key: len(values) for key, values in history.items()}, location)
         for key, values in state["history"].items():
             history.setdefault(key, []).extend(values)
         return chunks, history
