@@ -22,6 +22,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
+from mlx_train.checkpointing.format import manifest_bytes
 from mlx_train.cli.main import main
 from mlx_train.config import TrainConfig
 from mlx_train.errors import ConfigError, DataError, MLXTrainError
@@ -65,7 +66,7 @@ def _edit_state(change: Callable[[dict], None]) -> Callable[[Path], None]:
             manifest = json.loads(manifest_path.read_text())
             data = state_path.read_bytes()
             manifest["files"]["trainer_state.json"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-            manifest_path.write_text(json.dumps(manifest))
+            manifest_path.write_bytes(manifest_bytes(manifest))  # resealed: the manifest itself stays true
     return damage
 
 

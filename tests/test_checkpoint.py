@@ -264,6 +264,15 @@ def _flip_last_byte(path, name):
         f.write(bytes([last[0] ^ 0xFF]))
 
 
+def _flip_a_recorded_hash(path, name):
+    """One flipped character inside the sha256 the manifest records for model.safetensors (the file is intact)."""
+    with open(os.path.join(path, name), "r+b") as f:
+        data = f.read()
+        at = data.index(b'"sha256": "') + len(b'"sha256": "')
+        f.seek(at)
+        f.write(b"0" if data[at:at + 1] != b"0" else b"1")
+
+
 def _garble(path, name):
     with open(os.path.join(path, name), "w") as f:
         f.write('{"format": "mlx-train-checkpoint", ')
@@ -278,6 +287,9 @@ DAMAGE = {
                      r"has a corrupt model\.safetensors \(its sha256 does not match manifest\.json"),
     "state sha mismatch": (_flip_last_byte, "trainer_state.json", r"has a corrupt trainer_state\.json"),
     "manifest unreadable": (_garble, "manifest.json", r"has an unreadable manifest\.json \("),
+    "manifest byte flipped": (_flip_a_recorded_hash, "manifest.json",
+                              r"has a damaged manifest\.json \(its own checksum, manifest_sha256, does not match its "
+                              r"content.*the files it describes were not blamed"),
 }
 
 

@@ -447,7 +447,9 @@ def test_a_checkpoint_that_passes_its_checks_but_cannot_load_falls_back(tmp_path
 
     data = (newest / "model.safetensors").read_bytes()
     manifest["files"]["model.safetensors"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    (newest / "manifest.json").write_text(json.dumps(manifest))
+    from mlx_train.checkpointing.format import manifest_bytes
+
+    (newest / "manifest.json").write_bytes(manifest_bytes(manifest))  # resealed: the manifest itself stays true
     trainer = Trainer(_mlp(), optim.SGD(0.1), batch_size=8, num_workers=0, max_steps=4)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -87,6 +87,21 @@ def _manifest_problem(manifest: object) -> str | None:
     return None
 
 
+#: The manifest's own checksum: sha256 of its other keys as canonical JSON, so that damage to the manifest is
+#: told apart from damage to a file it describes (manifests written before it have none and are read as before).
+SEAL = "manifest_sha256"
+
+
+def _seal_of(manifest: dict[str, Any]) -> str:
+    content = {k: v for k, v in manifest.items() if k != SEAL}
+    return hashlib.sha256(json.dumps(content, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def manifest_bytes(manifest: dict[str, Any]) -> bytes:
+    """The bytes of ``manifest.json`` for ``manifest``, sealed with its own checksum (``SEAL``)."""
+    return json.dumps({**manifest, SEAL: _seal_of(manifest)}, indent=1).encode()
+
+
 def read_manifest(store: _Store, name: str) -> dict[str, Any]:
     """Read and check ``name/manifest.json``; raise Torn saying what is wrong."""
     if TMP_DIR.match(name):
@@ -102,6 +117,9 @@ def read_manifest(store: _Store, name: str) -> dict[str, Any]:
         manifest: dict[str, Any] = json.loads(store.read_bytes(rel))
     except ValueError as error:
         raise Torn(f"has an unreadable {MANIFEST} ({error}; damaged file?)", MANIFEST) from None
+    if isinstance(manifest, dict) and SEAL in manifest and manifest[SEAL] != _seal_of(manifest):
+        raise Torn(f"has a damaged {MANIFEST} (its own checksum, {SEAL}, does not match its content: damaged on "
+                   "disk or in a copy?); the files it describes were not blamed", MANIFEST)
     problem = _manifest_problem(manifest)
     if problem:
         raise Torn(f"has an invalid {MANIFEST} ({problem})", MANIFEST)

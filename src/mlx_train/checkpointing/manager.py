@@ -34,6 +34,7 @@ from mlx_train.checkpointing.format import (
     CheckpointInfo,
     Torn,
     info_from,
+    manifest_bytes,
     newest_complete,
     scan,
     step_name,
@@ -284,7 +285,7 @@ class CheckpointManager:
                         "saved_at": time.time(), "metrics": job.metrics,
                         "mlx_version": mx.__version__,  # type: ignore[attr-defined]  # not in the stubs
                         "files": {name: {"size": r.size, "sha256": r.sha256} for name, r in records.items()}}
-            store.write_bytes(f"{job.tmp}/{MANIFEST}", json.dumps(manifest, indent=1).encode())
+            store.write_bytes(f"{job.tmp}/{MANIFEST}", manifest_bytes(manifest))
             _pause_point(MANIFEST, store.url(job.tmp))
             with self._lock:
                 store.commit(job.tmp, final, [*records, MANIFEST])
