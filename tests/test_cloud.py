@@ -331,3 +331,84 @@ def test_evaluate_and_export_follow_a_run_whose_checkpoints_are_on_object_storag
         assert main(["evaluate", "--checkpoint", where]) == 0, capsys.readouterr().err
         assert main(["export", "--checkpoint", where, "-o", str(tmp_path / "model.safetensors")]) == 0
         assert f"exported {url}/step-00000004 to " in capsys.readouterr().out
+
+
+def test_a_bucket_deleted_in_the_middle_of_a_save_is_named_as_such(store, monkeypatch):
+    """Not "a file is missing": the bucket went while the save was writing its files."""
+    import mlx_train.checkpointing.manager as manager_module
+
+    url, _, fs = store
+    bucket = "vanishing-" + uuid.uuid4().hex[:8]
+    fs.mkdir(bucket)
+    url = url.replace(BUCKET, bucket)
+    manager = CheckpointManager(url, async_save=False)
+    manager.save(1, arrays_for(1), {"step": 1})
+
+    def delete_the_bucket(point, where):
+        if point == "model.safetensors" and fs.exists(bucket):
+            fs.rm(bucket, recursive=True)
+            fs.invalidate_cache()
+
+    monkeypatch.setattr(manager_module, "_pause_point", delete_the_bucket)
+    with pytest.raises(CheckpointError, match=rf"saving checkpoint {url}/step-00000002 failed: the bucket '{bucket}' "
+                       r"no longer exists .*; it was deleted during the run"):
+        manager.save(2, arrays_for(2), {"step": 2})
+    fs.invalidate_cache()
+    assert not fs.exists(bucket)
+
+
+@pytest.mark.parametrize("blip", ["refused", "endpoint"])
+def test_a_network_blip_during_a_save_is_retried_with_backoff(store, monkeypatch, blip):
+    """The store stops answering after the first file; the save warns, waits and starts over, and the
+    checkpoint is complete. The outage ends when the save reports its first retry (no timing guess)."""
+    import botocore.exceptions
+
+    import mlx_train.checkpointing.manager as manager_module
+
+    url, _, fs = store
+    manager = CheckpointManager(url, async_save=False)
+    store_fs = manager._store.fs
+    real_pipe = store_fs.pipe_file
+    outage = {"on": False, "refused": 0}
+
+    def pipe_file(path, data, **kwargs):
+        if outage["on"]:
+            outage["refused"] += 1
+            if blip == "refused":
+                raise ConnectionRefusedError(111, "Connection refused")
+            raise botocore.exceptions.EndpointConnectionError(endpoint_url="http://127.0.0.1:1")
+        return real_pipe(path, data, **kwargs)
+
+    def start_the_outage(point, where):
+        if point == "model.safetensors" and not outage["refused"]:
+            outage["on"] = True
+
+    monkeypatch.setattr(store_fs, "pipe_file", pipe_file)
+    monkeypatch.setattr(manager_module, "_pause_point", start_the_outage)
+    monkeypatch.setattr(manager_module, "RETRY_FIRST_DELAY", 0.01)
+    shown = []
+
+    def showwarning(message, category, *args, **kwargs):
+        shown.append(str(message))
+        if "retrying in" in str(message) and len(shown) == 2:
+            outage["on"] = False  # the second retry finds the store back
+
+    monkeypatch.setattr(warnings, "showwarning", showwarning)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = showwarning
+        manager.save(1, arrays_for(1), {"step": 1})
+    assert len(shown) == 2 and all("met a network error" in m and "retrying in" in m for m in shown), shown
+    assert_arrays_equal(load_checkpoint(f"{url}/step-00000001")[0], arrays_for(1))
+
+    outage["on"], outage["refused"] = False, 0
+    manager.retry_seconds = 0.05  # an outage longer than the retries: the save fails, saying so
+    monkeypatch.setattr(manager_module, "_pause_point",
+                        lambda point, where: outage.update(on=True) if point == "model.safetensors" else None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(CheckpointError, match=r"saving checkpoint .*step-00000002 failed .*earlier checkpoints are "
+                                                  r"untouched"):
+            manager.save(2, arrays_for(2), {"step": 2})
+    assert outage["refused"] >= 2  # it did retry before giving up
+    assert listing(fs, url) == ["step-00000001"]

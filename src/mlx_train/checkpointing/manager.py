@@ -46,6 +46,7 @@ from mlx_train.checkpointing.storage import (
     BucketMissing,
     FsspecStore,
     LocalStore,
+    check_bucket,
     open_store,
     safetensors_bytes,
     split_location,
@@ -87,6 +88,38 @@ def storage_error_hint(error: BaseException) -> str:
     if "bucket" in text and any(word in text for word in ("not exist", "not found", "nosuchbucket")):
         return "the bucket does not exist: create it first, or fix the bucket name in the URL"
     return ""
+
+
+#: How long a save retries an object store's transient network errors (doubling waits from RETRY_FIRST_DELAY up to
+#: RETRY_MAX_DELAY seconds) before it fails; the training thread goes on meanwhile.
+RETRY_SECONDS = 60.0
+RETRY_FIRST_DELAY = 0.5
+RETRY_MAX_DELAY = 8.0
+# Exception class names of the network errors that s3fs/botocore, gcsfs and aiohttp raise for a blip.
+_TRANSIENT_NAMES = ("EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError", "ConnectionClosedError",
+                    "ClientConnectorError", "ServerDisconnectedError", "ClientOSError", "ServerTimeoutError",
+                    "ConnectionError", "Timeout", "RetryError")
+_TRANSIENT_TEXT = ("503", "slowdown", "slow down", "service unavailable", "connection refused", "connection reset",
+                   "timed out", "temporarily unavailable")
+
+
+def is_transient(error: BaseException) -> bool:
+    """Whether ``error`` (or an error it was raised from) is a network failure that may pass: a refused or reset
+    connection, a timeout, an HTTP 503. Refused credentials and missing buckets are not.
+
+    Example: ``is_transient(ConnectionRefusedError())  # True``
+    """
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, (ConnectionError, TimeoutError)):
+            return True
+        name, text = type(current).__name__, str(current).lower()
+        if any(part in name for part in _TRANSIENT_NAMES) or any(word in text for word in _TRANSIENT_TEXT):
+            return not storage_error_hint(current)  # a refusal or a missing bucket stays an error
+        current = current.__cause__ or current.__context__
+    return False
 
 
 def _local_hint(error: BaseException, store: LocalStore) -> str:
@@ -192,7 +225,8 @@ class CheckpointManager:
     """
 
     def __init__(self, directory: str, keep_last: int | None = 3, keep_best: int = 0,
-                 monitor: str = "val_loss", mode: str = "min", async_save: bool = True) -> None:
+                 monitor: str = "val_loss", mode: str = "min", async_save: bool = True,
+                 retry_seconds: float = RETRY_SECONDS) -> None:
         if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 0):
             raise ConfigError(f"keep_last must be None (keep all) or an int >= 0, got {keep_last!r}")
         if isinstance(keep_best, bool) or not isinstance(keep_best, int) or keep_best < 0:
@@ -201,6 +235,7 @@ class CheckpointManager:
         self.keep_last, self.keep_best, self.monitor = keep_last, keep_best, monitor
         self.mode = metric_direction(monitor, mode)
         self.async_save = async_save
+        self.retry_seconds = retry_seconds
         self._host_bytes = _writer_needs_host_bytes()
         self._store = open_store(directory)
         self._executor: ThreadPoolExecutor | None = None
@@ -273,39 +308,25 @@ class CheckpointManager:
 
     def _write(self, job: _Job) -> None:
         store, final = self._store, step_name(job.step)
-        try:
-            store.makedirs(job.tmp)
-            records = {}
-            for group, flat in job.arrays.items():
-                records[f"{group}.safetensors"] = store.write_safetensors(f"{job.tmp}/{group}.safetensors", flat)
-                _pause_point(f"{group}.safetensors", store.url(job.tmp))
-            records[STATE_FILE] = store.write_bytes(f"{job.tmp}/{STATE_FILE}", job.state_json)
-            _pause_point(STATE_FILE, store.url(job.tmp))
-            manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "step": job.step,
-                        "saved_at": time.time(), "metrics": job.metrics,
-                        "mlx_version": mx.__version__,  # type: ignore[attr-defined]  # not in the stubs
-                        "files": {name: {"size": r.size, "sha256": r.sha256} for name, r in records.items()}}
-            store.write_bytes(f"{job.tmp}/{MANIFEST}", manifest_bytes(manifest))
-            _pause_point(MANIFEST, store.url(job.tmp))
-            with self._lock:
-                store.commit(job.tmp, final, [*records, MANIFEST])
-                self._inflight = None
-        except Exception as error:
-            self._discard(job.tmp)
-            if isinstance(error, BucketMissing) and error.vanished:
-                raise CheckpointError(
-                    f"saving checkpoint {store.url(final)} failed: {error}; it was deleted during the run, and "
-                    f"every checkpoint saved in {store.display} went with it. mlx-train never creates buckets: "
-                    "re-create the bucket (or choose another checkpoint_dir) and train again") from error
-            hint = (storage_error_hint(error) if isinstance(store, FsspecStore) else _local_hint(error, store)) \
-                or "fix the cause (disk space, permissions, network)"
-            raise CheckpointError(
-                f"saving checkpoint {store.url(final)} failed ({type(error).__name__}: {error}); earlier "
-                f"checkpoints are untouched: {hint}, and resume{_disk_full(self.directory, error)}"
-            ) from error
-        except BaseException:
-            self._discard(job.tmp)
-            raise
+        waited, delay = 0.0, RETRY_FIRST_DELAY
+        while True:
+            try:
+                self._write_files(job)
+                break
+            except Exception as error:
+                self._discard(job.tmp)
+                if isinstance(store, FsspecStore) and is_transient(error) and waited < self.retry_seconds:
+                    # A network blip: the save starts over (the training thread goes on meanwhile).
+                    warnings.warn(f"saving checkpoint {store.url(final)} met a network error ({type(error).__name__}: "
+                                  f"{error}); retrying in {delay:.1f} s ({waited:.0f} of {self.retry_seconds:.0f} s "
+                                  "of retries used)", CheckpointWarning, stacklevel=2)
+                    time.sleep(delay)
+                    waited, delay = waited + delay, min(delay * 2, RETRY_MAX_DELAY)
+                    continue
+                raise self._save_failed(final, error) from error
+            except BaseException:
+                self._discard(job.tmp)
+                raise
         _pause_point("commit", store.url(final))
         try:
             with self._lock:
@@ -313,6 +334,49 @@ class CheckpointManager:
         except Exception as error:  # the new checkpoint is complete; failing to prune must not lose it
             warnings.warn(f"could not delete old checkpoints in {store.display} ({type(error).__name__}: "
                           f"{error}); they keep using space until removed", CheckpointWarning, stacklevel=2)
+
+    def _write_files(self, job: _Job) -> None:
+        """One attempt at the save: the files into ``job.tmp``, the manifest, then the commit into place."""
+        store, final = self._store, step_name(job.step)
+        store.makedirs(job.tmp)
+        self._inflight = job.tmp
+        records = {}
+        for group, flat in job.arrays.items():
+            records[f"{group}.safetensors"] = store.write_safetensors(f"{job.tmp}/{group}.safetensors", flat)
+            _pause_point(f"{group}.safetensors", store.url(job.tmp))
+        records[STATE_FILE] = store.write_bytes(f"{job.tmp}/{STATE_FILE}", job.state_json)
+        _pause_point(STATE_FILE, store.url(job.tmp))
+        manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "step": job.step,
+                    "saved_at": time.time(), "metrics": job.metrics,
+                    "mlx_version": mx.__version__,  # type: ignore[attr-defined]  # not in the stubs
+                    "files": {name: {"size": r.size, "sha256": r.sha256} for name, r in records.items()}}
+        store.write_bytes(f"{job.tmp}/{MANIFEST}", manifest_bytes(manifest))
+        _pause_point(MANIFEST, store.url(job.tmp))
+        with self._lock:
+            store.commit(job.tmp, final, [*records, MANIFEST])
+            self._inflight = None
+
+    def _save_failed(self, final: str, error: Exception) -> CheckpointError:
+        """The error a failed save raises: what failed, that earlier checkpoints are untouched, and the fix."""
+        store = self._store
+        if isinstance(store, FsspecStore) and isinstance(error, FileNotFoundError) and not isinstance(
+                error, BucketMissing):
+            try:  # a file "missing" in the middle of a save: is it the bucket that went?
+                check_bucket(store.fs, store.root, vanished=True)
+            except BucketMissing as missing:
+                error = missing
+            except Exception:  # noqa: BLE001  # the check is a better message only; the original error stands
+                pass
+        if isinstance(error, BucketMissing) and error.vanished:
+            return CheckpointError(
+                f"saving checkpoint {store.url(final)} failed: {error}; it was deleted during the run, and "
+                f"every checkpoint saved in {store.display} went with it. mlx-train never creates buckets: "
+                "re-create the bucket (or choose another checkpoint_dir) and train again")
+        hint = (storage_error_hint(error) if isinstance(store, FsspecStore) else _local_hint(error, store)) \
+            or "fix the cause (disk space, permissions, network)"
+        return CheckpointError(
+            f"saving checkpoint {store.url(final)} failed ({type(error).__name__}: {error}); earlier "
+            f"checkpoints are untouched: {hint}, and resume{_disk_full(self.directory, error)}")
 
     def _discard(self, tmp: str) -> None:
         self._inflight = None
