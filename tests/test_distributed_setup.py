@@ -234,6 +234,14 @@ def test_configure_refuses_unreachable_hosts_and_malformed_files(home, tmp_path,
     assert "nothing to configure: add --distributed" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("hosts", ["", "  "])
+def test_configure_refuses_empty_hosts_instead_of_a_one_process_cluster(home, capsys, hosts):
+    assert main(["configure", "--distributed", "--hosts", hosts]) == 2
+    err = capsys.readouterr().err
+    assert "--hosts is empty: list the machines, e.g. --hosts 10.0.0.1,10.0.0.2" in err
+    assert not (home / "cluster.json").exists()
+
+
 def test_status_reports_an_invalid_cluster_and_reset_moves_it_aside(home):
     home.mkdir(parents=True)
     (home / "cluster.json").write_text('[{"ssh": "mac1"}]')

@@ -68,6 +68,9 @@ def configure(hosts: str | None = None, hostfile: str | None = None, num_process
 
     if num_processes is not None and num_processes < 1:
         raise ConfigError(f"-n must be at least 1, got {num_processes}")
+    if hosts is not None and not hosts.strip():
+        raise ConfigError("--hosts is empty: list the machines, e.g. --hosts 10.0.0.1,10.0.0.2 (127.0.0.1 is this "
+                          "machine), or leave --hosts out to configure processes on this machine only (-n N)")
     if hostfile:
         cluster = Hostfile.read(hostfile)
         if num_processes and num_processes > 1:
