@@ -215,3 +215,18 @@ def test_an_mlx_lm_yaml_makes_the_updates_mlx_lm_makes(setup, tmp_path, iters, b
     assert trainer.optimizer.step.item() == trainer.step == their_updates
     assert trainer.config.batch_size * trainer.config.gradient_accumulation == their_rows_per_update
     assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["training"]["max_steps"] == their_updates
+
+
+def test_train_commands_on_a_finetune_run_say_what_to_run_instead(setup, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(_flags(setup, run)) == 0
+    capsys.readouterr()
+    for command in (["evaluate", "--checkpoint", str(run)], ["export", "--checkpoint", str(run), "-o",
+                                                              str(tmp_path / "m.onnx")],
+                    ["train", "--run-dir", str(run), "--resume"]):
+        assert main(command) == 2, command
+        err = capsys.readouterr().err
+        assert "is from a fine-tuning run (mlx-train finetune of" in err, err
+        assert f"continue it with `mlx-train finetune --run-dir {run} --resume`" in err and "--adapter-path" in err
+        assert "unknown dataset" not in err
+    assert main(["finetune", "--run-dir", str(run), "--resume", "--iters", "3"]) == 0  # the advice works

@@ -61,7 +61,7 @@ def rebuild_model(path: str) -> tuple[nn.Module, mx.array, dict[str, Any]]:
     from mlx_train.cli.evaluate import rebuild_from_checkpoint
 
     config, data, model = rebuild_from_checkpoint(
-        path, "export it from Python with mlx_train.export.export(model, example_inputs, path)")
+        path, "export it from Python with mlx_train.export.export(model, example_inputs, path)", "export")
     test = data["test"]
     inputs = test[0] if isinstance(test, tuple) else test.get("tokens") if isinstance(test, dict) else None
     if inputs is None:

@@ -108,7 +108,7 @@ def resolve_config(args: argparse.Namespace, log: Any = print) -> Any:
             raise ConfigError("--resume continues the run of --run-dir: pass --run-dir RUN_DIR")
         return config  # a checkpoint path: its configuration is the command line's
     run_dir = Path(config.run_dir)
-    found = saved_config(run_dir, config.checkpoint_dir, args.resume, required=not supervised())
+    found = saved_config(run_dir, config.checkpoint_dir, args.resume, required=not supervised(), command="finetune")
     if found is None:  # a supervised group restarted before it saved anything: its --config is the run's
         return config
     config, notes = resume_config(args, found[0], found[1], str(run_dir), finetune=True)

@@ -239,7 +239,7 @@ def resolve_config(args: argparse.Namespace, log: Callable[[str], None] = print)
 
 
 def saved_config(run_dir: Path, checkpoint_dir: str | None, resume: str,
-                 required: bool = True) -> tuple[Any, str] | None:
+                 required: bool = True, command: str = "train") -> tuple[Any, str] | None:
     """``(config, where it was read)`` of the run a ``--resume`` continues: the configuration its checkpoint
     recorded (the source of truth), or the run's config.yaml when it stopped before its first checkpoint.
     Neither is an error (None when not ``required``): a resume never falls back to the defaults.
@@ -256,7 +256,11 @@ def saved_config(run_dir: Path, checkpoint_dir: str | None, resume: str,
     checkpoint_dir = run.checkpoint_dir
     path = run.resolve(resume)
     if path is not None:
+        from mlx_train.cli.evaluate import refuse_finetune_checkpoint
+
         _, state = load_checkpoint(path, groups=[])
+        if command == "train":
+            refuse_finetune_checkpoint(path, state, "train --resume")
         if isinstance(state.get("config"), dict):
             return TrainConfig.from_dict(state["config"], source=f"{path}/trainer_state.json"), path
     config_path = run_dir / rundir.CONFIG_FILE
