@@ -66,7 +66,7 @@ def test_chat_masking_keeps_only_the_last_assistant_turn(tokenizer):
 
 
 def test_records_without_a_known_format_or_template_are_rejected(tokenizer):
-    with pytest.raises(DataError, match="record 1: record with keys \\['body'\\] is in no known format"):
+    with pytest.raises(DataError, match="^data record 2: record with keys \\['body'\\] is in no known format"):
         tokenize([{"text": "ok"}, {"body": "x"}], tokenizer)
     tokenizer._tokenizer.chat_template, saved = None, tokenizer._tokenizer.chat_template
     try:
@@ -74,6 +74,34 @@ def test_records_without_a_known_format_or_template_are_rejected(tokenizer):
             encode_record({"prompt": "a", "completion": "b"}, tokenizer, False)
     finally:
         tokenizer._tokenizer.chat_template = saved
+
+
+def test_data_errors_name_the_file_and_its_1_based_line(tokenizer, tmp_path):
+    from mlx_train.llm.data import load_records
+
+    (tmp_path / "train.jsonl").write_text('{"text": "fine"}\n\n{"text": 5}\n')
+    records = load_records(str(tmp_path))["train"]
+    with pytest.raises(DataError, match=rf"^{tmp_path}/train\.jsonl:3: \"text\" must be a string, got int '5'$"):
+        tokenize(records, tokenizer)
+
+
+@pytest.mark.parametrize("record, message", [
+    ({"prompt": "a", "completion": ["x"]}, r"\"completion\" must be a string, got list"),
+    ({"messages": "hi"}, r"\"messages\" must be a list of messages, got str"),
+    ({"messages": ["hi"]}, r"message 1 of \"messages\" is 'hi'; each message must be an object with a \"role\""),
+    ({"messages": [{"role": "user", "content": 3}]}, r"message 1 \(user\) has \"content\" of type int"),
+])
+def test_fields_of_the_wrong_type_are_one_sentence(tokenizer, record, message):
+    with pytest.raises(DataError, match=message):
+        tokenize([record], tokenizer)
+
+
+def test_mask_prompt_refuses_a_conversation_ending_on_the_user_turn(tokenizer):
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
+                {"role": "user", "content": "and?"}]
+    with pytest.raises(DataError, match=r"^data record 1: the conversation ends on the 'user' turn, so mask_prompt"):
+        tokenize([{"messages": messages}], tokenizer, mask_prompt=True)
+    assert len(tokenize([{"messages": messages}], tokenizer).tokens) == 1  # without it, the whole chat trains
 
 
 def test_truncation_is_counted(tokenizer):

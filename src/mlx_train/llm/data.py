@@ -57,6 +57,24 @@ PACKINGS = ("best_fit", "by_length")
 Record = dict[str, Any]
 
 
+class Records(list[Record]):
+    """The records of one split, with where each came from: ``place(i)`` is ``"data/train.jsonl:7"`` (the 1-based
+    line) for a jsonl file, ``"data record 7"`` (1-based) otherwise.
+
+    Example: ``Records([{"text": "hi"}], source="data/train.jsonl", lines=[3]).place(0)  # "data/train.jsonl:3"``
+    """
+
+    def __init__(self, records: Sequence[Record] = (), source: str = "data", lines: Sequence[int] | None = None):
+        super().__init__(records)
+        self.source = source
+        self.lines = list(lines) if lines is not None else None
+
+    def place(self, index: int) -> str:
+        if self.lines is not None and index < len(self.lines):
+            return f"{self.source}:{self.lines[index]}"
+        return f"{self.source} record {index + 1}"
+
+
 def load_records(data: str) -> dict[str, list[Record]]:
     """Records of each split (``train``, ``valid``, ``test``) from a jsonl directory or a Hugging
     Face dataset name; a missing split is an empty list.
@@ -64,10 +82,11 @@ def load_records(data: str) -> dict[str, list[Record]]:
     Example: ``load_records("data/")["train"][0] -> {"text": ...}``.
     """
     if os.path.isdir(data):
-        splits = {}
+        splits: dict[str, list[Record]] = {}
         for split in SPLITS:
             path = os.path.join(data, f"{split}.jsonl")
-            splits[split] = _read_jsonl(path) if os.path.isfile(path) else []
+            numbered = read_jsonl_lines(path) if os.path.isfile(path) else []
+            splits[split] = Records([r for _, r in numbered], path, [n for n, _ in numbered])
         if not splits["train"] and not splits["valid"] and not splits["test"]:
             raise ConfigError(f"data directory {data} has no train.jsonl, valid.jsonl or test.jsonl")
         return splits
@@ -81,11 +100,8 @@ def load_records(data: str) -> dict[str, list[Record]]:
                           "the datasets extra: pip install 'mlx-train[datasets]'") from None
     loaded = datasets.load_dataset(data)
     names = {"valid": ("valid", "validation"), "train": ("train",), "test": ("test",)}
-    return {split: next((list(loaded[n]) for n in names[split] if n in loaded), []) for split in SPLITS}
-
-
-def _read_jsonl(path: str) -> list[Record]:
-    return [record for _, record in read_jsonl_lines(path)]
+    return {split: Records(next((list(loaded[n]) for n in names[split] if n in loaded), []), f"{data} {split}")
+            for split in SPLITS}
 
 
 def read_jsonl_lines(path: str) -> list[tuple[int, Record]]:
@@ -121,6 +137,29 @@ def record_format(record: Record) -> str:
                     "{\"prompt\": ..., \"completion\": ...} or {\"messages\": [{\"role\": ..., \"content\": ...}]}")
 
 
+def _check_types(record: Record, kind: str) -> None:
+    """A record's fields hold what its format needs: strings, and a list of message objects."""
+    fields = {"text": ("text",), "completion": ("prompt", "completion"), "chat": ()}[kind]
+    for name in fields:
+        if not isinstance(record[name], str):
+            raise DataError(f"\"{name}\" must be a string, got {type(record[name]).__name__} "
+                            f"{str(record[name])[:40]!r}")
+    if kind != "chat":
+        return
+    messages = record["messages"]
+    if not isinstance(messages, list):
+        raise DataError(f"\"messages\" must be a list of messages, got {type(messages).__name__}; write it like "
+                        "[{\"role\": \"user\", \"content\": ...}, {\"role\": \"assistant\", \"content\": ...}]")
+    for number, message in enumerate(messages, 1):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise DataError(f"message {number} of \"messages\" is {str(message)[:40]!r}; each message must be an "
+                            "object with a \"role\" string and its \"content\"")
+        content = message.get("content")
+        if not (isinstance(content, (str, list)) or (content is None and message.get("tool_calls"))):
+            raise DataError(f"message {number} ({message['role']}) has \"content\" of type "
+                            f"{type(content).__name__}; it must be a string (or null beside \"tool_calls\")")
+
+
 def _chat(tokenizer: Any, messages: list[Record], tools: Any = None, add_generation_prompt: bool = False) -> list[int]:
     if not getattr(tokenizer, "chat_template", None):
         raise DataError("chat and prompt/completion records need a tokenizer with a chat template; "
@@ -138,6 +177,7 @@ def encode_record(record: Record, tokenizer: Any, mask_prompt: bool) -> tuple[li
     Example: ``encode_record({"prompt": "2+2?", "completion": "4"}, tokenizer, True)``.
     """
     kind = record_format(record)
+    _check_types(record, kind)
     if kind == "text":
         if mask_prompt:
             raise DataError("mask_prompt needs prompt/completion or chat records; {\"text\": ...} records "
@@ -158,6 +198,10 @@ def encode_record(record: Record, tokenizer: Any, mask_prompt: bool) -> tuple[li
     tokens = _chat(tokenizer, messages, tools)
     if not mask_prompt:
         return tokens, 0
+    if messages[-1].get("role") != "assistant":
+        raise DataError(f"the conversation ends on the {messages[-1].get('role')!r} turn, so mask_prompt (which trains "
+                        "only the last message, as mlx_lm.lora does) would train that message; end the conversation "
+                        "with the assistant's reply, or train without --mask-prompt")
     prompt = _chat(tokenizer, messages[:-1], tools, add_generation_prompt=messages[-1].get("role") == "assistant")
     return tokens, len(prompt)
 
@@ -188,11 +232,12 @@ def tokenize(records: Sequence[Record], tokenizer: Any, mask_prompt: bool = Fals
     Example: ``docs = tokenize(records, tokenizer, max_seq_length=2048); docs.truncated``.
     """
     tokens, offsets, truncated = [], [], 0
+    places = records if isinstance(records, Records) else Records(records, where)
     for i, record in enumerate(records):
         try:
             ids, offset = encode_record(record, tokenizer, mask_prompt)
         except DataError as error:
-            raise DataError(f"{where} record {i}: {error}") from None
+            raise DataError(f"{places.place(i)}: {error}") from None
         if max_seq_length is not None and len(ids) > max_seq_length:
             ids, truncated = ids[:max_seq_length], truncated + 1
         if len(ids) < 2 or offset >= len(ids):
