@@ -112,10 +112,46 @@ def as_callback(obj: Any) -> Callback:
         return cast(Callback, obj)  # duck-typed: the events it lacks are skipped
     if hasattr(obj, "on_train_loss_report") or hasattr(obj, "on_val_loss_report"):
         return MLXLMCallback(obj)
+    keras = [f"{name} -> {ours}" for name, ours in _KERAS_EVENTS.items() if hasattr(obj, name)]
+    hint = f"; its Keras events map to mlx-train's as {', '.join(keras)}, each with the trainer first" if keras else ""
     raise ConfigError(
         f"{type(obj).__name__} is not a callback: it has none of the events {', '.join(EVENTS)} "
-        "(nor mlx-lm's on_train_loss_report / on_val_loss_report)"
+        f"(nor mlx-lm's on_train_loss_report / on_val_loss_report){hint}"
     )
+
+
+#: Each event's arguments, as the loop passes them (a callback's method must accept them in this order).
+EVENT_ARGUMENTS = {
+    "on_fit_start": ("trainer",), "on_epoch_start": ("trainer", "epoch"), "on_batch_end": ("trainer", "step"),
+    "on_report": ("trainer", "logs"), "on_validation_end": ("trainer", "logs"),
+    "on_epoch_end": ("trainer", "epoch", "logs"), "on_checkpoint": ("trainer", "path"),
+    "on_fit_end": ("trainer", "history"), "on_exception": ("trainer", "error"),
+}
+# Keras' events, and the nearest mlx-train event: a Keras callback is told where each goes.
+_KERAS_EVENTS = {"on_train_begin": "on_fit_start", "on_train_end": "on_fit_end", "on_epoch_begin": "on_epoch_start",
+                 "on_train_batch_end": "on_batch_end", "on_test_end": "on_validation_end"}
+
+
+def check_signatures(callback: Any) -> None:
+    """Refuse a callback whose event methods cannot take the loop's arguments (Keras' ``on_epoch_end(epoch,
+    logs)`` is the usual case), before training rather than at the first epoch's end."""
+    import inspect
+
+    for event, names in EVENT_ARGUMENTS.items():
+        method = getattr(callback, event, None)
+        if method is None or not _overrides(callback, event) or not callable(method):
+            continue
+        try:
+            signature = inspect.signature(method)
+        except (TypeError, ValueError):
+            continue  # a builtin or C callable: nothing to check
+        try:
+            signature.bind(*names)
+        except TypeError:
+            raise ConfigError(
+                f"callback {type(callback).__name__}.{event}{signature} cannot take the arguments mlx-train passes: "
+                f"{event}({', '.join(names)}). Keras' callbacks get (epoch, logs); mlx-train's get the trainer first: "
+                f"def {event}(self, {', '.join(names)}) (see mlx_train.training.Callback)") from None
 
 
 def _overrides(cb: Any, event: str) -> bool:
@@ -131,6 +167,8 @@ class CallbackList:
 
     def __init__(self, callbacks: list[Any]) -> None:
         self.callbacks = [as_callback(c) for c in callbacks]
+        for callback in self.callbacks:
+            check_signatures(callback)
         self._by_event = {e: [getattr(c, e) for c in self.callbacks if _overrides(c, e)] for e in EVENTS}
         self._metric_sources = [c.report_metrics for c in self.callbacks if hasattr(c, "report_metrics")]
         #: Some callback adds values to reports (``report_metrics``): most runs have none.

@@ -30,7 +30,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_train.errors import DataError
+from mlx_train.errors import ConfigError, DataError
 
 _INPUT_KEYS = ("inputs", "x", "input_ids", "input", "features", "image", "images")
 _TARGET_KEYS = ("targets", "y", "labels", "label", "target")
@@ -94,6 +94,31 @@ def _masked_mean(per_item: mx.array, mask: mx.array | None) -> tuple[mx.array, m
         mask = mx.broadcast_to(mask.reshape(mask.shape + (1,) * (per_item.ndim - mask.ndim)), per_item.shape)
     n = mask.sum()
     return (per_item * mask).sum() / mx.maximum(n, 1.0), n
+
+
+#: Losses of ``mlx.nn.losses`` taken as ``loss_fn(predictions, targets)`` by name, plus Keras' short names with the
+#: same meaning ("mse", "mae"). Each is averaged over the samples (and a mask), as any per-sample loss is.
+NAMED_LOSSES = ("binary_cross_entropy", "cross_entropy", "hinge_loss", "huber_loss", "kl_div_loss", "l1_loss",
+                "log_cosh_loss", "mse_loss", "nll_loss", "smooth_l1_loss")
+_KERAS_NAMES = {"mse": "mse_loss", "mean_squared_error": "mse_loss", "mae": "l1_loss", "mean_absolute_error": "l1_loss"}
+
+
+def named_loss(name: str) -> Callable[..., Any]:
+    """The loss function a ``loss_fn`` string names: one of ``NAMED_LOSSES`` (``mlx.nn.losses``), or "mse"/"mae".
+
+    Example: ``named_loss("mse")  # mlx.nn.losses.mse_loss``
+    """
+    import mlx.nn.losses as mlx_losses
+
+    key = _KERAS_NAMES.get(name.lower(), name.lower())
+    if key in NAMED_LOSSES:
+        function: Callable[..., Any] = getattr(mlx_losses, key)
+        return function
+    keras = ("; Keras' crossentropy names expect probabilities by default, mlx's cross_entropy expects logits: for "
+             "classification leave loss_fn out (cross-entropy on logits) or pass 'cross_entropy'"
+             if "crossentropy" in name.lower() else "")
+    raise ConfigError(f"unknown loss_fn {name!r}: name one of mlx.nn.losses ({', '.join(NAMED_LOSSES)}), 'mse' or "
+                      f"'mae', or pass a function{keras}")
 
 
 def cross_entropy_loss(predictions: mx.array, targets: mx.array) -> mx.array:
@@ -162,7 +187,12 @@ class Loss:
     accuracy), else None; ``metrics`` the extra means a ``loss_fn(model, batch)`` returned ({} if none).
     """
 
-    def __init__(self, loss_fn: Callable[..., Any] | None = None) -> None:
+    def __init__(self, loss_fn: Callable[..., Any] | str | None = None) -> None:
+        loss_fn = named_loss(loss_fn) if isinstance(loss_fn, str) else loss_fn
+        if loss_fn is not None and not callable(loss_fn):
+            raise ConfigError(f"loss_fn must be a function, loss_fn(predictions, targets) or loss_fn(model, batch), or "
+                              f"the name of one of mlx.nn.losses ({', '.join(sorted(NAMED_LOSSES))}); got "
+                              f"{type(loss_fn).__name__} {loss_fn!r}")
         self.loss_fn = loss_fn
         self.model_style = loss_fn is not None and takes_model_first(loss_fn)
         self.unpack = self.model_style and _positional_count(loss_fn) > 2  # type: ignore[arg-type]  # model_style: set
