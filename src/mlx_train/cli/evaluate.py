@@ -16,12 +16,11 @@ Example::
 from __future__ import annotations
 
 import argparse
-import os
 import re
 from pathlib import Path
 from typing import Any
 
-from mlx_train.errors import CheckpointError, ConfigError
+from mlx_train.errors import CheckpointError
 
 SPLITS = ("test", "val", "train")
 
@@ -101,21 +100,6 @@ def _evaluate_advice(message: str) -> str:
     return re.sub(r": start without --resume$", ": train the run further to get one", message)
 
 
-def refuse_finetune_checkpoint(path: str, state: dict[str, Any], command: str) -> None:
-    """A checkpoint of ``mlx-train finetune`` (it records the frozen base model it trains on) given to a command
-    for the runs of ``mlx-train train``: a ConfigError saying what to run instead."""
-    base = state.get("base_model")
-    if not isinstance(base, dict):
-        return
-    model = base.get("path", "MODEL")
-    run_dir = os.path.dirname(os.path.dirname(os.path.normpath(path))) or "RUN_DIR"
-    raise ConfigError(
-        f"checkpoint {path} is from a fine-tuning run (mlx-train finetune of {model}), which `mlx-train {command}` "
-        f"does not rebuild: continue it with `mlx-train finetune --run-dir {run_dir} --resume`; use "
-        f"its adapters with `mlx_lm.generate --model {model} --adapter-path {run_dir}/adapters`; for a standalone "
-        "model, add --fuse DIR to the finetune command")
-
-
 def rebuild_from_checkpoint(path: str, python_instead: str,
                             command: str = "evaluate") -> tuple[Any, dict[str, Any], Any]:
     """(config, dataset splits, model with the checkpoint's weights) of a checkpoint written by
@@ -134,6 +118,8 @@ def rebuild_from_checkpoint(path: str, python_instead: str,
     from mlx_train.training.state import load_weights
 
     arrays, state = load_checkpoint(path, groups=["model"])  # the optimizer state is not needed
+    from mlx_train.cli.train import refuse_finetune_checkpoint
+
     refuse_finetune_checkpoint(path, state, command)
     if not isinstance(state.get("config"), dict):
         raise CheckpointError(

@@ -238,6 +238,21 @@ def resolve_config(args: argparse.Namespace, log: Callable[[str], None] = print)
     return config.replace(run_dir=str(choose_run_dir(config, args.resume)))
 
 
+def refuse_finetune_checkpoint(path: str, state: dict[str, Any], command: str) -> None:
+    """A checkpoint of ``mlx-train finetune`` (it records the frozen base model it trains on) given to a command
+    for the runs of ``mlx-train train``: a ConfigError saying what to run instead."""
+    base = state.get("base_model")
+    if not isinstance(base, dict):
+        return
+    model = base.get("path", "MODEL")
+    run_dir = os.path.dirname(os.path.dirname(os.path.normpath(path))) or "RUN_DIR"
+    raise ConfigError(
+        f"checkpoint {path} is from a fine-tuning run (mlx-train finetune of {model}), which `mlx-train {command}` "
+        f"does not rebuild: continue it with `mlx-train finetune --run-dir {run_dir} --resume`; use "
+        f"its adapters with `mlx_lm.generate --model {model} --adapter-path {run_dir}/adapters`; for a standalone "
+        "model, add --fuse DIR to the finetune command")
+
+
 def saved_config(run_dir: Path, checkpoint_dir: str | None, resume: str,
                  required: bool = True, command: str = "train") -> tuple[Any, str] | None:
     """``(config, where it was read)`` of the run a ``--resume`` continues: the configuration its checkpoint
@@ -256,8 +271,6 @@ def saved_config(run_dir: Path, checkpoint_dir: str | None, resume: str,
     checkpoint_dir = run.checkpoint_dir
     path = run.resolve(resume)
     if path is not None:
-        from mlx_train.cli.evaluate import refuse_finetune_checkpoint
-
         _, state = load_checkpoint(path, groups=[])
         if command == "train":
             refuse_finetune_checkpoint(path, state, "train --resume")
