@@ -290,6 +290,26 @@ class PauseOnDisk(Callback):
                 signal.pause()
 
 
+class PauseBeforeFlush(Callback):
+    """Writes ``ready`` and waits to be killed once a checkpoint is complete on disk while W&B's file under
+    WANDB_DIR still ends before that checkpoint's step: the points in between reached metrics.jsonl only."""
+
+    def __init__(self, ready):
+        self.ready, self.checkpoint = ready, None
+
+    def on_checkpoint(self, trainer, path):
+        self.checkpoint = (trainer.step, path)
+
+    def on_report(self, trainer, logs):
+        if not (self.checkpoint and os.path.isdir(self.checkpoint[1])):
+            return
+        ((_, _, steps, _),) = _wandb_runs(pathlib.Path(os.environ["WANDB_DIR"]))
+        if max(steps, default=0) < self.checkpoint[0]:
+            pathlib.Path(self.ready).touch()
+            while True:
+                signal.pause()
+
+
 def _complete_checkpoints(directory):
     return [int(name[5:]) for name in os.listdir(directory) if name[5:].isdigit()]  # step-N, not step-N.tmp
 
@@ -300,17 +320,20 @@ def _children(pid):
 
 
 @pytest.mark.slow
-def test_a_sigkilled_run_resumes_into_the_same_wandb_run_with_each_step_once(tmp_path, wandb_offline):
-    """Killed once its W&B file holds steps after the newest checkpoint; across the offline files of the run
-    id, each (step, metric) of an uninterrupted run appears once, with its value."""
+@pytest.mark.parametrize("pause", ["after_flush", "before_flush"])
+def test_a_sigkilled_run_resumes_into_the_same_wandb_run_with_each_step_once(tmp_path, wandb_offline, pause):
+    """Killed once its W&B file holds steps after the newest checkpoint, or while it still ends before that
+    checkpoint (the resumed run sends the points in between from metrics.jsonl); across the offline files of
+    the run id, each (step, metric) of an uninterrupted run appears once, with its value."""
     long = {"report_to": ["wandb"], "report_every": "1 steps", "eval_every": "10 steps",
             "checkpoint_every": "20 steps", "max_steps": 400, "epochs": 50}
     whole = wandb_offline("wandb-whole")
     _train(tmp_path / "whole", **long)
     ((_, _, expected, _),) = _finished_wandb_runs(whole)
     root = wandb_offline("wandb-b")
+    pauser = "PauseOnDisk" if pause == "after_flush" else "PauseBeforeFlush"
     script = ("import sys, pathlib, json, mlx_train; sys.path.insert(0, sys.argv[1]); import test_tracking as t; "
-              "t._train(pathlib.Path(sys.argv[2]), [t.PauseOnDisk(sys.argv[3])], **json.loads(sys.argv[4]))")
+              f"t._train(pathlib.Path(sys.argv[2]), [t.{pauser}(sys.argv[3])], **json.loads(sys.argv[4]))")
     ready, log = tmp_path / "ready", tmp_path / "stderr"
     env = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}  # its own W&B service, as a new command
     with open(log, "w") as stderr:
@@ -326,7 +349,11 @@ def test_a_sigkilled_run_resumes_into_the_same_wandb_run_with_each_step_once(tmp
               for pid in service):
         time.sleep(0.1)
     ((killed_id, _, killed, _),) = _wandb_runs(root)
-    assert max(killed) > max(_complete_checkpoints(tmp_path / "b" / "ckpt"))  # logged after the resume's start
+    newest = max(_complete_checkpoints(tmp_path / "b" / "ckpt"))
+    if pause == "after_flush":
+        assert max(killed) > newest  # logged after the resume's start
+    else:
+        assert max(killed, default=0) < newest  # the file lacks points before the resume's start
     _train(tmp_path / "b", resume="auto", **long)
     runs = _finished_wandb_runs(root)
     assert len(runs) == 2 and {run[0] for run in runs} == {killed_id}

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 
 from mlx_train.errors import ConfigError, MLXTrainError, TrainingInterrupted
+from mlx_train.rundir import METRICS_FILE
 from mlx_train.training.callbacks import Callback
 from mlx_train.training.state import saved_parameters
 from mlx_train.training.tensorboard import SKIPPED, TensorBoardLogger
@@ -97,6 +98,11 @@ class Tracker(Callback):
         """How to fix a failed start of the tracker run (the end of the error's sentence)."""
         return "check the tracker's settings, or leave it out of report_to"
 
+    def replays_missing(self) -> bool:
+        """Whether a resumed run sends the points up to its checkpoint that the tracker run does not hold (a kill
+        can cut them off before the tracker stored them), read from the run directory's metrics.jsonl."""
+        return True
+
     # -- events -----------------------------------------------------------------------------------
 
     def on_fit_start(self, trainer: Trainer) -> None:
@@ -118,6 +124,8 @@ class Tracker(Callback):
             name = type(self).__name__
             raise ConfigError(f"{name} could not start its run ({type(error).__name__}: {_first_line(error)}); "
                               f"{self.advice(error)}") from error
+        if continued and config.run_dir and self.replays_missing():
+            self._replay(os.path.join(config.run_dir, METRICS_FILE), trainer.step)
         trainer.log(f"{type(self).__name__}: {'continuing' if continued else 'started'} run {self.run_id}")
 
     def on_report(self, trainer: Trainer, logs: dict[str, Any]) -> None:
@@ -149,6 +157,24 @@ class Tracker(Callback):
         self.run_id = state.get("run_id")
 
     # -- helpers ----------------------------------------------------------------------------------
+
+    def _replay(self, path: str, until: int) -> None:
+        """Log the rows of ``metrics.jsonl`` up to step ``until`` that the tracker run lacks (``logged_until``)."""
+        if not os.path.exists(path):
+            return
+        with open(path) as file:
+            for line in file:
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    continue  # a line torn by a kill
+                step, kind = row.get("step"), row.get("kind")
+                if not isinstance(step, int) or step > until or kind not in ("train", "val", "epoch"):
+                    continue
+                values = {k: v for k, v in row.items() if k not in ("kind", "time")}
+                if kind == "val":
+                    values = {k.removeprefix("val_"): v for k, v in values.items()}
+                self._log(metric_values(kind, values), step)
 
     def _log(self, metrics: dict[str, float], step: int) -> None:
         new = {k: v for k, v in metrics.items() if step > self.logged_until.get(k, -1)}
@@ -316,6 +342,11 @@ class WandbLogger(Tracker):
             raise ConfigError(f"W&B has no API key for {host} (no WANDB_API_KEY, no ~/.netrc entry): run `wandb "
                               "login`, set WANDB_API_KEY, or set WANDB_MODE=offline to write the run locally for "
                               "`wandb sync` later")
+
+    def replays_missing(self) -> bool:
+        # Online, W&B's server holds what reached it and refuses steps below its newest; offline, the run files
+        # of a killed process end at W&B's last full block.
+        return bool(self._run is not None and self._run.offline)
 
     def advice(self, error: BaseException) -> str:
         return ("run `wandb login` or set WANDB_API_KEY (or WANDB_MODE=offline to write the run locally), and check "
