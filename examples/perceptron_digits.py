@@ -41,7 +41,8 @@ def main() -> dict:
     model = Perceptron()
     # The default loss is cross-entropy for integer class targets.
     trainer = Trainer(model, optim.SGD(learning_rate=0.5), run_dir="runs/perceptron")
-    history = trainer.fit(train_loader, val_loader, epochs=5, save_best=True)
+    # overwrite=True: running this script again starts over, moving the previous run aside.
+    history = trainer.fit(train_loader, val_loader, epochs=5, save_best=True, overwrite=True)
 
     test = trainer.evaluate(data["test"])
     print(f"val accuracy per epoch: {[round(a, 3) for a in history['val_accuracy']]}")
