@@ -181,14 +181,12 @@ def run_mlx_lm(base: Base, batches: list, val=None, grad_checkpoint: bool = Fals
 def run_mlx_train(base: Base, batches, steps: int, val_rows=None, checkpoint_dir: str | None = None,
                   grad_checkpoint: bool | str = False) -> dict:
     """mlx-train's Trainer on a list of batches or a DataLoader, ``steps`` optimizer steps; peak memory."""
-    from mlx_train.llm.activations import use_lean_swiglu
-    from mlx_train.llm.attention import use_block_attention
     from mlx_train.llm.loss import lm_loss
     from mlx_train.training import Callback, Trainer
+    from mlx_train.transforms import apply_fast_paths
 
     model = base.lora_model()
-    use_block_attention(model)  # as mlx-train finetune does
-    use_lean_swiglu(model)
+    apply_fast_paths(model, log=lambda message: None)  # as mlx-train finetune does
     stamps, cpu, losses, peaks, seen = [], [], [], [], []
 
     class Record(Callback):

@@ -1,4 +1,4 @@
-"""Causal attention in blocks of queries (``mlx_train.llm.attention``): the values and gradients of one
+"""Causal attention in blocks of queries (``mlx_train.transforms``): the values and gradients of one
 ``mx.fast.scaled_dot_product_attention`` call to float rounding (MHA and GQA, lengths that are and are not
 a multiple of the block), switched on instance by instance for attention modules that call mlx-lm's
 function (a llama and a qwen2), composed with attention recomputation, and on in every model
@@ -19,10 +19,10 @@ from mlx_lm.models import base  # noqa: E402
 from test_llm_chunked_loss import assert_same, batch, loss_and_grads  # noqa: E402
 from test_llm_lean_swiglu import llama, qwen2, trained  # noqa: E402
 
-from mlx_train.llm import attention  # noqa: E402
-from mlx_train.llm.attention import block_size, causal_blocks, is_blocked, use_block_attention  # noqa: E402
+from mlx_train import transforms as attention  # noqa: E402
 from mlx_train.llm.loss import lm_loss  # noqa: E402
 from mlx_train.training.recompute import enable_gradient_checkpointing, is_checkpointed  # noqa: E402
+from mlx_train.transforms import block_size, causal_blocks, is_blocked, use_block_attention  # noqa: E402
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "length"), [(4, 4, 256), (6, 2, 200), (3, 1, 65)])

@@ -1,4 +1,4 @@
-"""The lean SwiGLU (``mlx_train.llm.activations``): the same values and gradients as mlx-lm's ``swiglu`` with a
+"""The lean SwiGLU (``mlx_train.transforms``): the same values and gradients as mlx-lm's ``swiglu`` with a
 smaller backward pass, switched on instance by instance for plain gated MLPs only (a llama and a qwen2 of
 other sizes), left off elsewhere, and on in every model ``mlx-train finetune`` trains."""
 
@@ -18,9 +18,9 @@ from mlx.utils import tree_flatten  # noqa: E402
 from mlx_lm.models import activations  # noqa: E402
 from test_llm_chunked_loss import VOCAB, assert_same, batch, loss_and_grads  # noqa: E402
 
-from mlx_train.llm.activations import is_lean, swiglu, use_lean_swiglu  # noqa: E402
 from mlx_train.llm.adapters import AdapterConfig, apply_adapters  # noqa: E402
 from mlx_train.llm.loss import lm_loss  # noqa: E402
+from mlx_train.transforms import is_lean, swiglu, use_lean_swiglu  # noqa: E402
 
 
 def qwen2(layers=2, seed=0):

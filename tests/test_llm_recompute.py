@@ -18,12 +18,12 @@ import llm_tiny  # noqa: E402
 from mlx_lm.models import llama  # noqa: E402
 from test_llm_chunked_loss import VOCAB, assert_same, batch, loss_and_grads, pair_batch  # noqa: E402
 
+from mlx_train import transforms as recompute  # noqa: E402  (AUTO_MIN_TOKENS is read there)
 from mlx_train.config import TrainConfig  # noqa: E402
 from mlx_train.errors import ConfigError  # noqa: E402
 from mlx_train.llm.adapters import AdapterConfig, apply_adapters  # noqa: E402
 from mlx_train.llm.loss import lm_loss  # noqa: E402
 from mlx_train.llm.preference import PreferenceConfig, PreferenceLoss  # noqa: E402
-from mlx_train.training import recompute  # noqa: E402
 from mlx_train.training.recompute import (  # noqa: E402
     disable_gradient_checkpointing,
     enable_gradient_checkpointing,

@@ -334,7 +334,8 @@ def finetune(config: TrainConfig, callbacks: list[Any] | None = None, resume: st
 
     Example: ``finetune(FineTuneConfig(model="base", data="data", iters=50))["val_perplexity"]``.
     """
-    from mlx_train.llm import activations, attention, card, data, models
+    from mlx_train import transforms
+    from mlx_train.llm import card, data, models
     from mlx_train.training import Trainer
 
     trainer_class = trainer_class or Trainer
@@ -353,9 +354,8 @@ def finetune(config: TrainConfig, callbacks: list[Any] | None = None, resume: st
     loader = data.make_loader(train_rows, config.batch_size, seed=config.seed, num_workers=config.num_workers,
                               positions=gather)
     options = {"strategy": config.distributed_strategy} if trainer_class is not Trainer else {}
-    attention.use_block_attention(model)  # first: a recomputed attention module recomputes the blocked call
+    transforms.apply_fast_paths(model, log)  # blocked attention, a lean SwiGLU where validated; logged
     config = recompute_setting(config, model, log)
-    activations.use_lean_swiglu(model)  # the MLPs' backward keeps two arrays fewer, for no recomputed product
     # training mode, as mlx_lm.lora sets it (mlx_lm.load leaves a model in eval mode): the loss takes eval
     # mode (which the Trainer's evaluation sets) for an evaluation, and leaves out the gradient work then
     model.train()

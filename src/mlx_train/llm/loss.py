@@ -15,7 +15,8 @@ the whole row: their loss still never crosses a document boundary, but a token c
 earlier documents of its row.
 
 The output projection in chunks. For an mlx-lm model whose ``Model.__call__`` is the plain
-"``self.model`` then ``lm_head`` (or the tied embedding's ``as_linear``)", ``target_logprobs``
+"``self.model`` then ``lm_head`` (or the tied embedding's ``as_linear``)" (the architectures declared so in
+``mlx_train.transforms.ARCHITECTURES``, on the mlx-lm releases validated there), ``target_logprobs``
 runs the transformer body once and then the projection and the log-softmax a chunk of tokens at
 a time (``CHUNK_LOGITS`` logits, 64 tokens of SmolLM2's 49152-token vocabulary), so the loss
 layer's memory does not grow with tokens x vocabulary (the full logits of one 2048-token row of
@@ -67,14 +68,6 @@ CHUNK_LOGITS = 1 << 22
 #: Smaller chunks save little more memory and cost time (many small matrix products).
 MIN_CHUNK_TOKENS = 32
 
-# Model.__call__ bodies (as ast.unparse writes them) whose logits are ``head(self.model(...))``.
-_PLAIN_BODIES = {
-    "out = self.model(inputs, cache{extra})\nif self.args.tie_word_embeddings:\n"
-    "    out = self.model.embed_tokens.as_linear(out)\nelse:\n    out = self.lm_head(out)\nreturn out",
-    "out = self.model(inputs, cache{extra})\nreturn self.lm_head(out)",
-}
-_PLAIN = {body.format(extra=extra) for body in _PLAIN_BODIES for extra in ("", ", input_embeddings")}
-_PLAIN_CLASSES: dict[type, bool] = {}
 
 
 class DocumentMask:
@@ -131,15 +124,10 @@ def output_head(model: nn.Module) -> tuple[nn.Module, Callable[[mx.array], mx.ar
 
     Example: ``module, project = output_head(model); logits = project(model.model(tokens))``.
     """
-    from mlx_train.llm.models import call_source, is_mlx_lm_model
+    from mlx_train.llm.models import is_mlx_lm_model
+    from mlx_train.transforms import has_plain_head
 
-    if not is_mlx_lm_model(model) or not isinstance(model.get("model"), nn.Module):
-        return None
-    cls = type(model)
-    if cls not in _PLAIN_CLASSES:
-        source = call_source(cls)
-        _PLAIN_CLASSES[cls] = source is not None and source[1] in _PLAIN
-    if not _PLAIN_CLASSES[cls]:
+    if not is_mlx_lm_model(model) or not isinstance(model.get("model"), nn.Module) or not has_plain_head(model):
         return None
     if "lm_head" in model and not getattr(getattr(model, "args", None), "tie_word_embeddings", False):
         return model["lm_head"], model["lm_head"]

@@ -10,13 +10,9 @@ Example::
 
 from __future__ import annotations
 
-import ast
 import hashlib
-import inspect
 import json
 import os
-import textwrap
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -149,52 +145,6 @@ def base_reference(path: str) -> dict[str, Any]:
     except OSError:
         pass  # a read-only cache only costs re-hashing next time
     return {"path": os.path.abspath(path), "sha256": digest.hexdigest()}
-
-
-def call_source(cls: type) -> tuple[list[str], str] | None:
-    """``(parameter names, body)`` of ``cls.__call__``, the body as ``ast.unparse`` writes it (one statement a
-    line), or None where its source cannot be read: what recognises a known mlx-lm ``__call__``.
-
-    Example: ``call_source(mlx_lm.models.llama.MLP)`` ->
-    ``(["self", "x"], "return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))")``.
-    """
-    try:
-        function = ast.parse(textwrap.dedent(inspect.getsource(cls.__call__))).body[0]
-        body = "\n".join(ast.unparse(s) for s in function.body)  # type: ignore[attr-defined]
-        return [a.arg for a in function.args.args], body  # type: ignore[attr-defined]
-    except (OSError, TypeError, SyntaxError, IndexError, AttributeError):
-        return None
-
-
-_SWITCHED: dict[tuple[type, str], type] = {}  # (class, mark) -> its subclass
-
-
-def switch_classes(model: nn.Module, mark: str, applies: Callable[[type], bool],
-                   make_call: Callable[[type], Callable[..., Any]]) -> list[str]:
-    """Give each module of ``model`` whose class ``applies`` a subclass of that class (one per class and
-    ``mark``, which it carries as a true attribute) whose ``__call__`` is ``make_call(the class)``: one instance
-    at a time, the class itself, other instances and parameter names stay as they are. A module already
-    switched (its class has ``mark``) or with ``__slots__`` is left as it is. Returns the paths switched, in
-    model order.
-
-    Example: ``switch_classes(model, "_lean", is_plain_mlp, lambda cls: lean_call)`` -> ``["model.layers.0.mlp", ...]``
-    """
-    changed = []
-    for path, module in model.named_modules():
-        cls = type(module)
-        if getattr(cls, mark, False) or not applies(cls):
-            continue
-        if (cls, mark) not in _SWITCHED:
-            namespace = {"__call__": make_call(cls), mark: True, "__module__": cls.__module__,
-                         "__qualname__": cls.__qualname__, "__doc__": cls.__doc__}
-            _SWITCHED[cls, mark] = type(cls.__name__, (cls,), namespace)
-        try:
-            module.__class__ = _SWITCHED[cls, mark]
-        except TypeError:
-            continue
-        changed.append(path)
-    return sorted(changed, key=lambda p: [(0, int(part), "") if part.isdigit() else (1, 0, part)
-                                          for part in p.split(".")])
 
 
 def is_mlx_lm_model(model: nn.Module) -> bool:

@@ -99,11 +99,10 @@ class _Runner:
 
     def __init__(self, model: nn.Module, optimizer: Any, loss_fn: Callable[..., Any] | None, precision: str) -> None:
         from mlx_train.training.losses import Loss
-        from mlx_train.training.recompute import is_checkpointed
 
         self.model = model
         self._weights = tree_flatten(model.parameters())
-        self._checkpointed = {id(m) for _, m in model.named_modules() if is_checkpointed(m)}
+        self._recomputed: list[Any] = []  # the transform stacks the measurements turned on, undone by close()
         self.optimizer = _fresh_optimizer(optimizer)
         self.optimizer.init(model.trainable_parameters())
         self.loss, self.precision = Loss(loss_fn), precision
@@ -121,20 +120,17 @@ class _Runner:
                                 self.loop.loss_scale)
 
     def checkpointing(self, modules: Sequence[str] | None) -> None:
-        from mlx_train.training.recompute import enable_gradient_checkpointing
+        from mlx_train.training.recompute import checkpoint
 
-        enable_gradient_checkpointing(self.model, modules)
+        self._recomputed.append(checkpoint(self.model, modules))
         self._build()  # a new trace: the compiled steps do not see the change otherwise
 
     def close(self) -> None:
         from mlx.utils import tree_unflatten
 
-        from mlx_train.training.recompute import is_checkpointed
-
         self.model.update(tree_unflatten(self._weights))
-        for _, module in self.model.named_modules():
-            if is_checkpointed(module) and id(module) not in self._checkpointed:
-                module.__class__ = type(module).__bases__[0]
+        while self._recomputed:
+            self._recomputed.pop().undo()
 
     def measure(self, batch: Any, steps: int = 2) -> tuple[int, float]:
         """(peak bytes of one step, counting the weights, optimizer state and batch; seconds per step)."""

@@ -18,10 +18,11 @@ attention probabilities are most of a block's activations; on shorter rows they 
 recomputing the module would cost 3-10% of a step to save little. The length is read from the
 module's input when the step is traced, so each batch shape gets its own choice.
 
-Only the given instance changes. Its blocks get a subclass of their own class whose
-``__call__`` is checkpointed; the class itself, and every other instance of it in the process,
-stay as they were (unlike patching ``type(block).__call__``). Parameter names and the module
-tree are unchanged, so checkpoints and optimizer state are not affected.
+Only the given instance changes: the recomputation is the model transform ``recompute`` (``auto``:
+``recompute_long_rows``) of ``mlx_train.transforms``, which gives each chosen module a subclass of its own
+class whose ``__call__`` is checkpointed; the class itself, and every other instance of it in the process,
+stay as they were (unlike patching ``type(block).__call__``), and taking it off restores the exact class.
+Parameter names and the module tree are unchanged, so checkpoints and optimizer state are not affected.
 
 Example::
 
@@ -38,63 +39,27 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import mlx.core as mx
 import mlx.nn as nn
 
+from mlx_train import transforms
 from mlx_train.errors import ConfigError, did_you_mean
+from mlx_train.transforms import AUTO_MIN_TOKENS
 
 __all__ = ["GRANULARITIES", "ATTENTION_NAMES", "AUTO_MIN_TOKENS", "enable_gradient_checkpointing",
            "disable_gradient_checkpointing", "find_attention", "find_blocks", "is_checkpointed"]
 
-_MARK = "_mlx_train_recompute"
 DEFAULT_BLOCKS = ("layers", "model.layers")  # model.layers, or an mlx-lm model's model.model.layers
-_SUBCLASSES: dict[tuple[type, bool], type] = {}  # (original class, long rows only) -> its checkpointed subclass
 #: What is recomputed: each block whole, each block's attention module, or that on long rows only.
 GRANULARITIES = ("blocks", "attention", "auto")
-#: ``granularity="auto"``: the shortest rows (tokens, the second-to-last axis of the module's input) whose
-#: attention is recomputed. At 1024 tokens a SmolLM2 block's attention probabilities (9 heads) match the rest
-#: of its activations; at 256 they are a quarter of them.
-AUTO_MIN_TOKENS = 1024
 #: The names a block's attention module goes by (mlx-lm models: self_attn), tried in this order.
 ATTENTION_NAMES = ("self_attn", "attention", "attn", "self_attention")
-
-
-def _rows_are_long(args: tuple[Any, ...]) -> bool:
-    """Whether a call's input (its first argument, ``[..., tokens, features]``) has ``AUTO_MIN_TOKENS`` tokens or
-    more; an input of another kind counts as long."""
-    x = args[0] if args else None
-    if not isinstance(x, mx.array) or x.ndim < 2:
-        return True
-    return x.shape[-2] >= AUTO_MIN_TOKENS
-
-
-def _checkpointed_class(cls: type, long_only: bool = False) -> type:
-    """A subclass of ``cls`` whose ``__call__`` recomputes in the backward pass (one per class and kind);
-    ``long_only``: only in calls on rows of at least ``AUTO_MIN_TOKENS`` tokens."""
-    if getattr(cls, _MARK, False):
-        cls = cls.__bases__[0]
-    if (cls, long_only) not in _SUBCLASSES:
-
-        def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
-            if long_only and not _rows_are_long(args):
-                return cls.__call__(self, *args, **kwargs)
-
-            def forward(params: Any, *inner_args: Any, **inner_kwargs: Any) -> Any:
-                self.update(params)
-                return cls.__call__(self, *inner_args, **inner_kwargs)  # looked up now: the class's current call
-
-            return mx.checkpoint(forward)(self.trainable_parameters(), *args, **kwargs)
-
-        namespace = {"__call__": __call__, _MARK: True, "__module__": cls.__module__,
-                     "__qualname__": cls.__qualname__, "__doc__": cls.__doc__}
-        _SUBCLASSES[cls, long_only] = type(cls.__name__, (cls,), namespace)
-    return _SUBCLASSES[cls, long_only]
+_RECOMPUTE = (transforms.RECOMPUTE, transforms.RECOMPUTE_LONG_ROWS)
 
 
 def is_checkpointed(module: nn.Module) -> bool:
     """True when ``module`` recomputes its activations in the backward pass (with ``granularity="auto"``: on
     long rows)."""
-    return bool(getattr(type(module), _MARK, False))
+    return any(name in ("recompute", "recompute_long_rows") for name in transforms.transforms_of(module))
 
 
 def _is_blocks(value: Any) -> bool:
@@ -203,8 +168,38 @@ def _attention_of(blocks: list[tuple[str, nn.Module]], granularity: str) -> list
     return found
 
 
-def _restore(module: nn.Module) -> None:
-    module.__class__ = type(module).__bases__[0]
+def checkpoint(model: nn.Module, modules: Sequence[str] | None = None,
+               granularity: str = "blocks") -> transforms.TransformStack:
+    """Recompute ``model``'s blocks (or their attention modules) in the backward pass, as
+    :func:`enable_gradient_checkpointing` says; returns the stack of what it changed, whose ``undo()`` puts
+    every module back as it was.
+
+    Example: ``stack = checkpoint(model, granularity="attention"); ...; stack.undo()``.
+    """
+    if granularity not in GRANULARITIES:
+        raise ConfigError(f"gradient checkpointing recomputes one of {', '.join(GRANULARITIES)}, got {granularity!r}"
+                          f"{did_you_mean(str(granularity), GRANULARITIES)}")
+    stack = transforms.TransformStack(model)
+    blocks = find_blocks(model, modules)
+    if granularity == "blocks":
+        for _, block in blocks:  # recomputing the block recomputes its attention: not twice
+            inner = [(path, m) for path, m in block.named_modules() if m is not block]
+            for transform in _RECOMPUTE:
+                stack.remove(transform, inner)
+        targets, transform = blocks, transforms.RECOMPUTE
+    elif any(is_checkpointed(block) for _, block in blocks):
+        return stack  # whole blocks already: their attention is recomputed with them
+    else:
+        targets = _attention_of(blocks, granularity)
+        transform, other = _RECOMPUTE if granularity == "attention" else _RECOMPUTE[::-1]
+        stack.remove(other, targets)  # "attention" and "auto" replace each other
+    done = stack.apply(transform, targets)
+    if done.skipped:
+        path, reason = done.skipped[0]
+        stack.undo()
+        raise ConfigError(f"cannot checkpoint '{path}': {reason}") from None
+    done.paths = [path for path, _ in targets]
+    return stack
 
 
 def enable_gradient_checkpointing(model: nn.Module, modules: Sequence[str] | None = None,
@@ -215,33 +210,18 @@ def enable_gradient_checkpointing(model: nn.Module, modules: Sequence[str] | Non
 
     Calling it again is harmless; "blocks" after "attention" or "auto" recomputes whole blocks instead (not
     the attention twice), "attention" or "auto" after "blocks" keeps the blocks, and "attention" and "auto"
-    replace each other. Other instances of the modules' classes are not changed.
+    replace each other. Other instances of the modules' classes are not changed. These are the model
+    transforms ``recompute`` and ``recompute_long_rows`` (``mlx_train.transforms``).
 
     Example::
 
         enable_gradient_checkpointing(model)      # ["layers.0", "layers.1", ...]
         enable_gradient_checkpointing(model, granularity="attention")  # ["layers.0.self_attn", ...]
     """
-    if granularity not in GRANULARITIES:
-        raise ConfigError(f"gradient checkpointing recomputes one of {', '.join(GRANULARITIES)}, got {granularity!r}"
-                          f"{did_you_mean(str(granularity), GRANULARITIES)}")
-    blocks = find_blocks(model, modules)
-    if granularity != "blocks":
-        if any(is_checkpointed(block) for _, block in blocks):
-            return [path for path, _ in blocks]  # whole blocks already: their attention is recomputed with them
-        targets = _attention_of(blocks, granularity)
-    else:
-        for _, block in blocks:  # recomputing the block recomputes its attention: not twice
-            for _, inner in block.named_modules():
-                if inner is not block and is_checkpointed(inner):
-                    _restore(inner)
-        targets = blocks
-    for path, module in targets:
-        try:
-            module.__class__ = _checkpointed_class(type(module), long_only=granularity == "auto")
-        except TypeError as error:  # a class with __slots__ or a C++ module
-            raise ConfigError(f"cannot checkpoint '{path}' ({type(module).__name__}): {error}") from None
-    return [path for path, _ in targets]
+    stack = checkpoint(model, modules, granularity)
+    if not stack.applied:
+        return [path for path, _ in find_blocks(model, modules)]
+    return stack.applied[-1].paths
 
 
 def disable_gradient_checkpointing(model: nn.Module) -> list[str]:
@@ -249,6 +229,7 @@ def disable_gradient_checkpointing(model: nn.Module) -> list[str]:
     restored = []
     for path, module in model.named_modules():
         if is_checkpointed(module):
-            _restore(module)
+            for transform in _RECOMPUTE:
+                transforms.remove(model, transform, [(path, module)])
             restored.append(path)
     return restored
