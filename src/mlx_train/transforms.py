@@ -189,9 +189,9 @@ def _recomputed_call(cls: type, long_only: bool) -> Callable[..., Any]:
 # ---------------------------------------------------------------------------------------------------------
 # What the mlx-lm transforms were validated on.
 
-#: The mlx-lm releases (first and last minor series, inclusive) on which every entry of ``ARCHITECTURES`` was
-#: tested (tests/test_transforms.py: 0.29.1, 0.30.7, 0.31.3, 0.32.2). Outside them nothing is switched, and
-#: the report says so.
+#: The mlx-lm releases (first and last minor series, inclusive) on which the entries of ``ARCHITECTURES`` were
+#: tested (tests/test_transforms.py on 0.29.1, 0.30.7, 0.31.3 and 0.32.2; an entry's ``since`` can start later).
+#: Outside them nothing is switched, and the report says so.
 VALIDATED_MLX_LM = ((0, 29), (0, 32))
 
 
@@ -200,11 +200,13 @@ class Architecture:
     """Classes of one ``mlx_lm.models.<name>`` module: ``attention`` calls mlx-lm's
     ``scaled_dot_product_attention``; ``mlp`` is the plain gated MLP ``down_proj(swiglu(gate_proj(x),
     up_proj(x)))``; ``head``: ``Model``'s logits are ``lm_head`` (or the tied embedding's ``as_linear``) of
-    ``self.model(...)``, so the loss may project them in chunks. None / False: not validated."""
+    ``self.model(...)``, so the loss may project them in chunks. None / False: not validated. ``since``: the
+    first mlx-lm release (major, minor) it was validated on, where later than ``VALIDATED_MLX_LM``'s."""
 
     attention: str | None
     mlp: str | None = None
     head: bool = False
+    since: tuple[int, int] = VALIDATED_MLX_LM[0]
 
 
 #: mlx-lm model modules whose classes the transforms were validated on (mlx-lm loads ``mistral`` models as
@@ -215,7 +217,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     "qwen2": Architecture("Attention", "MLP", head=True),
     "qwen2_moe": Architecture("Attention", "MLP", head=True),
     "qwen3": Architecture("Attention", "MLP", head=True),
-    "qwen3_moe": Architecture("Attention", head=True),
+    # before 0.32 its experts' gradient fails on this MLX (gather_axis VJP), with or without transforms
+    "qwen3_moe": Architecture("Attention", head=True, since=(0, 32)),
     "gemma": Architecture("Attention"),
     "gemma3_text": Architecture("Attention"),
     "phi3": Architecture("Attention", head=True),
@@ -255,29 +258,30 @@ def _mlx_lm_version() -> tuple[int, ...] | None:
     return tuple(numbers)
 
 
-def _version_reason() -> str | None:
-    """Why the installed mlx-lm is outside ``VALIDATED_MLX_LM`` (None when it is inside)."""
+def _version_reason(architecture: str) -> str | None:
+    """Why the installed mlx-lm is outside the releases ``architecture``'s classes were validated on (None when
+    it is inside)."""
     version = _mlx_lm_version()
-    (low_major, low_minor), (high_major, high_minor) = VALIDATED_MLX_LM
-    span = f"{low_major}.{low_minor}-{high_major}.{high_minor}"
+    low, high = max(VALIDATED_MLX_LM[0], ARCHITECTURES[architecture].since), VALIDATED_MLX_LM[1]
+    span = f"{low[0]}.{low[1]}-{high[0]}.{high[1]}"
     if version is None:
         return f"the installed mlx-lm's version cannot be read (validated on mlx-lm {span})"
-    if (low_major, low_minor) <= version[:2] <= (high_major, high_minor):
+    if low <= version[:2] <= high:
         return None
     shown = ".".join(map(str, version))
-    return (f"mlx-lm {shown} is outside the releases this transform was validated on ({span}); the model computes "
-            "as mlx-lm writes it. Install a validated mlx-lm to have it")
+    return (f"mlx-lm {shown} is outside the releases this was validated on for {architecture} ({span}); the model "
+            "computes as mlx-lm writes it. Install a validated mlx-lm to have it")
 
 
 def _declared(role: str) -> dict[type, str]:
     """The validated classes of ``role`` ("attention", "mlp") among mlx-lm's loaded model modules, each with
-    its name ``module.Class`` (a module that is not loaded has no instance to transform)."""
+    its architecture (a module that is not loaded has no instance to transform)."""
     found = {}
     for name, architecture in ARCHITECTURES.items():
         module, class_name = sys.modules.get(f"mlx_lm.models.{name}"), getattr(architecture, role)
         cls = getattr(module, class_name, None) if class_name else None
         if isinstance(cls, type):
-            found[cls] = f"{name}.{class_name}"
+            found[cls] = name
     return found
 
 
@@ -299,7 +303,7 @@ def head_reason(model: nn.Module) -> str | None:
             or getattr(sys.modules.get(cls.__module__), "Model", None) is not cls:
         return (f"{cls.__module__}.{cls.__qualname__} is not among the mlx-lm models whose logits are known to "
                 "be their head of model.model(...): the loss computes the full logits")
-    return _version_reason()
+    return _version_reason(name)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -331,7 +335,8 @@ class Transform:
 def _modules_of(role: str) -> Callable[[nn.Module], list[tuple[str, nn.Module]]]:
     def find(model: nn.Module) -> list[tuple[str, nn.Module]]:
         declared = tuple(_declared(role))
-        return [(path, module) for path, module in model.named_modules() if isinstance(module, declared)]
+        return [(str(path), module) for path, module in model.named_modules()
+                if isinstance(module, nn.Module) and isinstance(module, declared)]
 
     return find
 
@@ -340,11 +345,11 @@ def _check_declared(role: str, needs: Callable[[nn.Module, type], str | None]) -
     def check(module: nn.Module, base: type) -> str | None:
         declared = _declared(role)
         if base not in declared:
-            parent = next((name for cls, name in declared.items() if issubclass(base, cls)), None)
+            parent = next((_short(cls) for cls in declared if issubclass(base, cls)), None)
             return (f"{base.__module__}.{base.__qualname__} is a subclass of {parent}, which may compute otherwise"
                     if parent else f"{base.__module__}.{base.__qualname__} is not among the classes it was "
                     "validated on")
-        return _version_reason() or needs(module, base)
+        return _version_reason(declared[base]) or needs(module, base)
 
     return check
 

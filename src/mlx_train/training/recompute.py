@@ -45,7 +45,7 @@ from mlx_train import transforms
 from mlx_train.errors import ConfigError, did_you_mean
 from mlx_train.transforms import AUTO_MIN_TOKENS
 
-__all__ = ["GRANULARITIES", "ATTENTION_NAMES", "AUTO_MIN_TOKENS", "enable_gradient_checkpointing",
+__all__ = ["GRANULARITIES", "ATTENTION_NAMES", "AUTO_MIN_TOKENS", "checkpoint", "enable_gradient_checkpointing",
            "disable_gradient_checkpointing", "find_attention", "find_blocks", "is_checkpointed"]
 
 DEFAULT_BLOCKS = ("layers", "model.layers")  # model.layers, or an mlx-lm model's model.model.layers
