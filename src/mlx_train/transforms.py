@@ -9,14 +9,13 @@ are). A module's transforms form a stack: those that replace the class's computa
 left, so each undo puts back exactly the class the module had (the classes made here are recorded, never
 guessed from ``__bases__``).
 
-=====================  ==========================================================================
-``block_attention``    causal attention one block of queries at a time on the CPU
-                       (:func:`causal_blocks`): the attention classes of ``ARCHITECTURES``
-``lean_swiglu``        a SwiGLU whose backward pass keeps only its two inputs (:func:`swiglu`):
-                       the gated MLP classes of ``ARCHITECTURES``
-``recompute``          the module's activations recomputed in the backward pass (any module)
-``recompute_long_rows``  the same, in calls on rows of at least ``AUTO_MIN_TOKENS`` tokens only
-=====================  ==========================================================================
+- ``block_attention``: causal attention one block of queries at a time on the CPU (:func:`causal_blocks`),
+  for the attention classes of ``ARCHITECTURES``;
+- ``lean_swiglu``: a SwiGLU whose backward pass keeps only its two inputs (:func:`swiglu`), for the gated
+  MLP classes of ``ARCHITECTURES``;
+- ``recompute``: the module's activations recomputed in the backward pass (any module; what
+  ``training.recompute.enable_gradient_checkpointing`` puts on blocks or attention modules);
+- ``recompute_long_rows``: the same, in calls on rows of at least ``AUTO_MIN_TOKENS`` tokens only.
 
 The two mlx-lm transforms apply to a module whose class is exactly one of the classes they were validated
 on (``ARCHITECTURES``, tested on mlx-lm ``VALIDATED_MLX_LM``), with the attributes they use; anything else
@@ -263,11 +262,11 @@ def _version_reason(architecture: str) -> str | None:
     it is inside)."""
     version = _mlx_lm_version()
     low, high = max(VALIDATED_MLX_LM[0], ARCHITECTURES[architecture].since), VALIDATED_MLX_LM[1]
+    if version is not None and low <= version[:2] <= high:
+        return None
     span = f"{low[0]}.{low[1]}-{high[0]}.{high[1]}"
     if version is None:
         return f"the installed mlx-lm's version cannot be read (validated on mlx-lm {span})"
-    if low <= version[:2] <= high:
-        return None
     shown = ".".join(map(str, version))
     return (f"mlx-lm {shown} is outside the releases this was validated on for {architecture} ({span}); the model "
             "computes as mlx-lm writes it. Install a validated mlx-lm to have it")
