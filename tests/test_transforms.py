@@ -172,3 +172,22 @@ def test_measuring_with_recomputation_leaves_the_models_transforms_as_they_were(
     measure_step(model, batch(rows=2, length=21), loss_fn=lm_loss, gradient_checkpointing=True)
     assert classes(model) == before
     assert transforms.transforms_of(model.model.layers[0].self_attn) == ["block_attention", "recompute"]
+
+
+def test_finetune_logs_the_transforms_at_start_up(tmp_path):
+    import llm_tiny
+
+    from mlx_train.llm.finetune import FineTuneConfig, finetune
+
+    llm_tiny.write_model_dir(str(tmp_path / "base"))
+    llm_tiny.write_data(str(tmp_path / "data"), "text")
+    said = []
+    config = FineTuneConfig(model=str(tmp_path / "base"), data=str(tmp_path / "data"), iters=1, batch_size=2,
+                            num_layers=-1, run_dir=str(tmp_path / "run"), steps_per_eval=1000)
+    finetune(config, log=said.append)
+    lines = [line for line in said if line.startswith(("model transform ", "loss: "))]
+    assert lines == ["model transform block_attention (causal attention in blocks of queries on the CPU): 2 modules "
+                     "(llama.Attention)",
+                     "model transform lean_swiglu (a SwiGLU whose backward pass keeps only its inputs): 2 modules "
+                     "(llama.MLP)",
+                     "loss: the output projection in chunks (llama.Model)"]
