@@ -37,9 +37,14 @@ TINY = {"hidden_size": 32, "num_hidden_layers": 2, "intermediate_size": 64, "num
         "attention_multiplier": 1.0, "embedding_multiplier": 1.0, "residual_multiplier": 1.0,
         "no_rope_layers": [1, 1], "kv_channels": 8, "use_qk_norm": False, "use_sliding_window": False,
         "max_window_layers": 2, "hidden_act": "silu", "qk_layernorm": False}
-# phimoe before mlx-lm 0.32 needs its RoPE scaling given
+# what some architectures need besides (phimoe before mlx-lm 0.32: its RoPE scaling)
 EXTRA = {"phimoe": {"rope_scaling": {"short_factor": [1.0] * 4, "long_factor": [1.0] * 4, "short_mscale": 1.0,
-                                     "long_mscale": 1.0}}}
+                                     "long_mscale": 1.0}},
+         "stablelm": {"use_qkv_bias": False}, "minicpm": {"scale_emb": 1.0, "dim_model_base": 32, "scale_depth": 1.0},
+         "olmo3": {"layer_types": ["sliding_attention", "full_attention"]},
+         "exaone4": {"rope_scaling": None, "sliding_window": None, "sliding_window_pattern": None},
+         "ministral3": {"rope_parameters": {"rope_theta": 10000.0, "rope_type": "default", "llama_4_scaling_beta": 0.0,
+                                            "original_max_position_embeddings": 512}}}
 # mlx-lm loads mistral checkpoints as llama: a llama with mistral's model_type
 ARCHITECTURES = [*transforms.ARCHITECTURES, "mistral"]
 

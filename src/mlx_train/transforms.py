@@ -236,6 +236,11 @@ ARCHITECTURES: dict[str, Architecture] = {
     "nemotron": Architecture("Attention", head=True),
     "mixtral": Architecture("MixtralAttention"),
     "deepseek": Architecture("DeepseekAttention", "DeepseekMLP", head=True),
+    "ministral3": Architecture("Attention", "MLP", head=True),
+    "olmo3": Architecture("Olmo3Attention", "Olmo3MLP", head=True),
+    "exaone4": Architecture("Attention", "MLP", head=True),
+    "stablelm": Architecture("Attention", "MLP"),
+    "minicpm": Architecture("Attention", "MLP"),
 }
 
 
