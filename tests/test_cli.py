@@ -13,7 +13,7 @@ from mlx_train.cli import train as train_command
 from mlx_train.cli.evaluate import evaluate_checkpoint
 from mlx_train.cli.main import build_parser, main
 from mlx_train.cli.train import FLAGS, build_config, run
-from mlx_train.config import TrainConfig
+from mlx_train.config import LaunchConfig, TrainConfig
 from mlx_train.errors import DataError
 from mlx_train.rundir import choose_run_dir as resolve_run_dir
 
@@ -54,7 +54,7 @@ def test_evaluate_reproduces_the_final_test_metrics(default_run, capsys):
 def test_help_explains_every_flag_with_the_config_help(capsys):
     assert main(["train", "--help"]) == 0
     out = _squeeze(capsys.readouterr().out)
-    fields = TrainConfig.fields_help()
+    fields = LaunchConfig.fields_help()  # train's config: the Trainer's and the launcher's (--max-restarts)
     for flag, name in FLAGS.items():
         assert flag in out and _squeeze(fields[name].help) in out, flag
     for flag in ("--config", "--resume", "--set", "--debug"):

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 import pytest
@@ -14,8 +15,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))
 
 import llm_tiny  # noqa: E402
 
+from mlx_train.cli.flags import build_config  # noqa: E402
 from mlx_train.cli.main import build_parser, main  # noqa: E402
-from mlx_train.config import TrainConfig  # noqa: E402
+from mlx_train.config import FinetuneConfig  # noqa: E402
+from mlx_train.errors import ConfigError  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +104,7 @@ def test_finetune_keeps_every_flag_it_had_and_takes_trains():
 def test_finetune_help_comes_from_the_fields(capsys):
     assert main(["finetune", "--help"]) == 0
     out = " ".join(capsys.readouterr().out.split())
-    fields = TrainConfig.fields_help()
+    fields = FinetuneConfig.fields_help()
     for name in ("num_layers", "pack", "train_mode", "max_steps", "batch_size"):
         assert " ".join(fields[name].help.split())[:40] in out, name
     for flag in ("--iters", "--steps-per-report", "--grad-accumulation-steps", "--lr", "--set", "--resume",
@@ -166,3 +169,35 @@ def test_finetune_distributed_on_two_local_ranks(setup, tmp_path, capsys, monkey
     two, one = losses(tmp_path / "two"), losses(tmp_path / "one")
     assert [s for s, _ in two] == [s for s, _ in one] == [1, 2, 3]
     assert [loss for _, loss in two] == pytest.approx([loss for _, loss in one], rel=1e-4)
+
+
+def _help_defaults(capsys, command: str) -> dict[str, str]:
+    assert main([command, "--help"]) == 0
+    options = " ".join(capsys.readouterr().out.split()).split("options:")[1]
+    return {flag: re.search(re.escape(flag) + r" [A-Z_]+[ ,].*?\(default: ([^;)]*)", options)[1]
+            for flag in ("--batch-size", "--lr", "--optimizer", "--max-steps")
+            if re.search(re.escape(flag) + r" [A-Z_]+[ ,]", options)}
+
+
+def test_finetune_help_shows_fine_tuning_defaults(capsys):
+    # the defaults fine-tuning uses (mlx_lm.lora's), not train's batch 32, lr 1e-3, adamw
+    assert _help_defaults(capsys, "finetune") == {"--batch-size": "4", "--lr": "1e-05", "--optimizer": "adam",
+                                                  "--max-steps": "1000"}
+    assert _help_defaults(capsys, "train") == {"--batch-size": "32", "--lr": "0.001", "--max-steps": "none"}
+
+
+def test_a_fine_tuning_flag_given_to_train_says_where_it_goes(capsys):
+    with pytest.raises(ConfigError, match=r"--set train_mode=dpo: train_mode is a fine-tuning setting: pass it to "
+                                          r"FinetuneConfig / mlx-train finetune --train-mode"):
+        build_config(build_parser("train").parse_args(["train", "--set", "train_mode=dpo"]))
+
+
+def test_set_merges_into_the_config_file_s_mapping(tmp_path):
+    from mlx_train.cli.finetune import resolve_config
+
+    (tmp_path / "lora.yaml").write_text("model: base\ndata: data\nlora_parameters: {rank: 16, scale: 2.0}\n")
+    args = build_parser("finetune").parse_args(["finetune", "-c", str(tmp_path / "lora.yaml"), "--set",
+                                                 "lora_parameters.scale=10", "--set", "model_options.x=1"])
+    config = resolve_config(args, log=lambda message: None)
+    assert isinstance(config, FinetuneConfig)
+    assert config.lora_parameters == {"rank": 16, "scale": 10} and config.model_options == {"x": 1}

@@ -14,6 +14,8 @@ from mlx_train.config import (
     SECTIONS,
     Every,
     FieldHelp,
+    FinetuneConfig,
+    LaunchConfig,
     TrainConfig,
     metric_direction,
     parse_every,
@@ -87,16 +89,23 @@ def load(tmp_path, text: str, name: str = "custom.yaml") -> TrainConfig:
 
 
 def changed(config: TrainConfig) -> dict:
-    defaults = TrainConfig().to_dict()
+    defaults = type(config)().to_dict()
     return {k: v for k, v in config.to_dict().items() if v != defaults[k]}
 
 
 def test_fields_match_the_contract_and_all_have_help():
-    info = TrainConfig.fields_help()
+    # the Trainer's fields, and the llm section FinetuneConfig adds to them
+    # the Trainer's fields, the launcher's that LaunchConfig adds and the llm section FinetuneConfig adds
+    trainer = TrainConfig.fields_help()
+    launcher = {name: h for name, h in LaunchConfig.fields_help().items() if name not in trainer}
+    finetuning = {name: h for name, h in FinetuneConfig.fields_help().items() if name not in {**trainer, **launcher}}
+    info = {**trainer, **launcher, **finetuning}
     assert {name: (h.type, h.default) for name, h in info.items()} == SPEC_FIELDS
     # declared section by section, in the order of the YAML layout
-    sections = [h.section for h in info.values()]
-    assert sections == sorted(sections, key=SECTIONS.index) and set(sections) == set(SECTIONS)
+    sections = [h.section for h in trainer.values()]
+    assert sections == sorted(sections, key=SECTIONS.index) and set(sections) == set(SECTIONS) - {"llm"}
+    assert list(launcher) == ["max_restarts"] and launcher["max_restarts"].section == "distributed"
+    assert {h.section for h in finetuning.values()} == {"llm"}
     assert all(isinstance(h, FieldHelp) and len(h.help) > 20 for h in info.values())
     assert info["precision"].choices == ("float32", "bfloat16", "float16")
     assert "adamw" in info["optimizer"].choices and "cosine_decay" in info["lr_schedule"].choices
@@ -259,11 +268,11 @@ def test_to_yaml_writes_the_sections_users_write(tmp_path):
     assert written["distributed"]["backend"] == "ring" and written["data"]["batch_size"] == 16
     assert written["model"] == {"name": "mlp", "hidden_dims": [8]} and written["data"]["path"] == "/data"
     assert TrainConfig.from_yaml(tmp_path / "out.yaml") == config
-    tuned = config.replace(num_layers=4, pack=True)
+    tuned = FinetuneConfig(**config.to_dict()).replace(num_layers=4, pack=True)  # fine-tuning keys: FinetuneConfig
     tuned.to_yaml(tmp_path / "tuned.yaml")
     written = yaml.safe_load((tmp_path / "tuned.yaml").read_text())
     assert list(written) == list(SECTIONS) and written["llm"]["num_layers"] == 4 and written["llm"]["pack"] is True
-    assert TrainConfig.from_yaml(tmp_path / "tuned.yaml") == tuned
+    assert TrainConfig.from_yaml(tmp_path / "tuned.yaml", finetune=True) == tuned
     # an option whose name a field of its section already has stays whole, so it reads back
     clash = TrainConfig(model_options={"name": "x"}, dataset_options={"shufle": 1})
     clash.to_yaml(tmp_path / "clash.yaml")
@@ -271,8 +280,10 @@ def test_to_yaml_writes_the_sections_users_write(tmp_path):
 
 
 def test_every_section_reads_its_own_keys(tmp_path):
-    config = load(tmp_path, "checkpoint:\n  keep_last: 5\n  checkpoint_frequency: 2\nmemory:\n  mixed_precision: true\n"
-                            "  memory_limit: 8GB\ndistributed:\n  backend: ring\n  max_restarts: 0\n")
+    (tmp_path / "custom.yaml").write_text("checkpoint:\n  keep_last: 5\n  checkpoint_frequency: 2\nmemory:\n  "
+                                          "mixed_precision: true\n  memory_limit: 8GB\ndistributed:\n  backend: ring\n"
+                                          "  max_restarts: 0\n")
+    config = LaunchConfig.from_yaml(tmp_path / "custom.yaml")  # max_restarts: the launcher's setting
     assert changed(config) == {"keep_last": 5, "checkpoint_every": "2 epochs", "precision": "bfloat16",
                                "memory_limit": 8_000_000_000, "distributed_backend": "ring", "max_restarts": 0}
     with pytest.raises(ConfigError, match=r"custom.yaml:3: unknown key 'batch_size' in section 'optimizer'; "
@@ -296,8 +307,9 @@ def test_distributed_and_device_configs_are_the_same_fields():
     for theirs, ours in [("batch_size_per_device", "batch_size"), ("gradient_accumulation", "gradient_accumulation"),
                          ("backend", "distributed_backend"), ("max_restarts", "max_restarts"),
                          ("collective_timeout", "collective_timeout"), ("checksum_every", "checksum_every")]:
-        assert spec(DistributedConfig, theirs) is spec(TrainConfig, ours)  # one declaration, not a copy
-        assert getattr(DistributedConfig(), theirs) == getattr(TrainConfig(), ours)
+        owner = LaunchConfig if ours == "max_restarts" else TrainConfig  # the launcher's setting: LaunchConfig's
+        assert spec(DistributedConfig, theirs) is spec(owner, ours)  # one declaration, not a copy
+        assert getattr(DistributedConfig(), theirs) == getattr(owner(), ours)
     assert spec(DeviceConfig, "memory_limit") is spec(TrainConfig, "memory_limit")
     assert DeviceConfig(memory_limit="1GB").memory_limit == TrainConfig(memory_limit="1GB").memory_limit == 10**9
     overrides = DistributedConfig(batch_size_per_device=8, backend="ring", checksum_every=5).train_overrides()
@@ -409,3 +421,73 @@ def test_an_exponent_without_a_dot_is_a_float_whatever_was_imported_before():
             "print(repr(load_yaml('lr: 1e-4\\nwd: -2E-3\\nname: 1e4abc\\nsteps: 10')))\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "{'lr': 0.0001, 'wd': -0.002, 'name': '1e4abc', 'steps': 10}"
+
+
+# ---------------------------------------------------------------------- sections as types
+def test_a_fine_tuning_setting_given_to_the_trainer_says_where_it_goes(tmp_path):
+    from mlx_train.config import MisplacedSetting
+
+    where = r"train_mode is a fine-tuning setting: pass it to FinetuneConfig / mlx-train finetune --train-mode"
+    with pytest.raises(MisplacedSetting, match=where):
+        TrainConfig(train_mode="dpo")
+    with pytest.raises(MisplacedSetting, match=where):
+        TrainConfig().replace(train_mode="dpo")
+    with pytest.raises(MisplacedSetting, match="pack is a fine-tuning setting: pass it to FinetuneConfig / mlx-train "
+                                               "finetune --pack"):
+        TrainConfig(pack=True)
+    with pytest.raises(MisplacedSetting, match=where):
+        TrainConfig.parse_value("train_mode", "dpo")
+    # a file for the Trainer: the file is named; with finetune=True the same file is a FinetuneConfig
+    path = tmp_path / "tuned.yaml"
+    path.write_text("training:\n  epochs: 2\nllm:\n  train_mode: dpo\n  beta: 0.5\n")
+    with pytest.raises(MisplacedSetting, match=r"tuned.yaml: train_mode is a fine-tuning setting"):
+        TrainConfig.from_yaml(path)
+    tuned = TrainConfig.from_yaml(path, finetune=True)
+    assert isinstance(tuned, FinetuneConfig) and (tuned.train_mode, tuned.beta, tuned.epochs) == ("dpo", 0.5, 2)
+    assert FinetuneConfig.from_yaml(path) == tuned
+    # what a former version wrote (every setting, the fine-tuning ones at their defaults) still reads
+    assert TrainConfig.from_dict({**TrainConfig().to_dict(), "train_mode": "sft", "pack": False}) == TrainConfig()
+    assert TrainConfig.from_saved(tuned.to_dict()) == tuned and TrainConfig.from_saved({}) == TrainConfig()
+    # the launcher's setting: LaunchConfig's (train's command config); FinetuneConfig launches too
+    with pytest.raises(MisplacedSetting, match="max_restarts is a launcher setting: pass it to LaunchConfig / "
+                                               "mlx-train train --distributed --max-restarts"):
+        TrainConfig(max_restarts=0)
+    assert LaunchConfig(max_restarts=0).max_restarts == FinetuneConfig(max_restarts=0).max_restarts == 0
+    with pytest.raises(MisplacedSetting, match="train_mode is a fine-tuning setting: pass it to FinetuneConfig .*, "
+                                               r"not to LaunchConfig \(LaunchConfig does not hold it\)"):
+        LaunchConfig(train_mode="dpo")
+    # an unknown name is still an error with a suggestion, not a TypeError
+    with pytest.raises(ConfigError, match=r"unknown TrainConfig option 'batch_sise' \(did you mean 'batch_size'\?\)"):
+        TrainConfig(batch_sise=3)
+
+
+def test_the_trainer_refuses_fine_tuning_settings():
+    import mlx.nn as nn
+    import mlx.optimizers as optim
+
+    from mlx_train.config import MisplacedSetting
+    from mlx_train.training import Trainer
+
+    with pytest.raises(MisplacedSetting, match="train_mode is a fine-tuning setting: pass it to FinetuneConfig"):
+        Trainer(nn.Linear(2, 2), optim.SGD(learning_rate=0.1), train_mode="dpo", beta=0.5, pack=True)
+
+
+def test_fine_tuning_defaults_are_the_config_s_own():
+    from mlx_train.config.mlx_lm import FINETUNE_DEFAULTS
+
+    tuned = FinetuneConfig()
+    assert (tuned.batch_size, tuned.learning_rate, tuned.optimizer) == (FINETUNE_DEFAULTS["batch_size"],
+                                                                        FINETUNE_DEFAULTS["learning_rate"], "adam")
+    assert tuned.max_steps == 1000 and tuned.epochs is None
+    assert FinetuneConfig.fields_help()["batch_size"].default == 4
+    assert TrainConfig.fields_help()["batch_size"].default == 32
+    # a replace keeps what the config holds: the defaults apply only to what was never given
+    assert FinetuneConfig(batch_size=8).replace(beta=0.2).batch_size == 8
+
+
+def test_the_loss_chunk_help_says_the_loss_s_numbers():
+    loss = pytest.importorskip("mlx_train.llm.loss")
+    text = FinetuneConfig.fields_help()["loss_chunk"].help
+    numbers = f"null: {loss.CHUNK_LOGITS >> 20}M logits a chunk, {loss.chunk_tokens(49152)} tokens of a 49,152-token"
+    assert numbers in text
+    assert (loss.CHUNK_LOGITS >> 20, loss.chunk_tokens(49152)) == (4, 64)

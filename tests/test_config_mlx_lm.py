@@ -81,7 +81,7 @@ def test_an_mlx_lm_file_gives_its_updates_rows_and_settings(tmp_path):
     assert config.adapter_path == "my_adapters"
     # the run's config.yaml reads back to the same config, by TrainConfig's names
     config.to_yaml(tmp_path / "config.yaml")
-    assert TrainConfig.from_yaml(tmp_path / "config.yaml") == config
+    assert TrainConfig.from_yaml(tmp_path / "config.yaml", finetune=True) == config
 
 
 @pytest.mark.parametrize("iters,accumulation", [(10, 1), (10, 3), (7, 7), (1000, 4)])

@@ -18,6 +18,7 @@ from mlx.utils import tree_flatten
 
 from mlx_train import DistributedConfig, TrainConfig, processes
 from mlx_train.cli.main import main
+from mlx_train.config import LaunchConfig
 from mlx_train.distributed import registry
 from mlx_train.distributed.backends import check_strategy, choose_backend, passthrough_env
 from mlx_train.distributed.checksum import mismatching_ranks
@@ -46,7 +47,7 @@ def test_global_batch_is_devices_times_batch_times_accumulation():
     assert config.global_batch_size == 512
     assert config.describe() == "4 devices x batch 32 x accumulation 4 = global batch 512; backend auto"
     assert config.global_batch_for(2) == 256
-    defaults, train = DistributedConfig(), TrainConfig()
+    defaults, train = DistributedConfig(), LaunchConfig()  # the Trainer's fields and the launcher's max_restarts
     assert (defaults.batch_size_per_device, defaults.gradient_accumulation, defaults.backend, defaults.max_restarts,
             defaults.collective_timeout) == (train.batch_size, train.gradient_accumulation, train.distributed_backend,
                                              train.max_restarts, train.collective_timeout)

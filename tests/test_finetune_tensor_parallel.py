@@ -73,13 +73,13 @@ def test_what_a_split_model_cannot_do_is_refused_before_launching(setup, tmp_pat
 
 
 def test_dpo_with_a_reference_model_or_reference_free_is_not_refused():
-    from mlx_train.config import TrainConfig
+    from mlx_train.config import FinetuneConfig
     from mlx_train.llm.finetune import check_tensor_parallel
 
     split = {"distributed_strategy": "tensor_parallel", "train_mode": "dpo"}
-    check_tensor_parallel(TrainConfig(**split, reference_free=True))
-    check_tensor_parallel(TrainConfig(**split, reference_model_path="base"))
-    check_tensor_parallel(TrainConfig(train_mode="dpo"))  # data parallel: the adapters can be switched off
+    check_tensor_parallel(FinetuneConfig(**split, reference_free=True))
+    check_tensor_parallel(FinetuneConfig(**split, reference_model_path="base"))
+    check_tensor_parallel(FinetuneConfig(train_mode="dpo"))  # data parallel: the adapters can be switched off
 
 
 class _Split(nn.Module):

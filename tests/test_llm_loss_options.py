@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))
 
 from test_llm_chunked_loss import assert_same, batch, make, pair_batch, plain_lm_loss  # noqa: E402
 
-from mlx_train.config import TrainConfig  # noqa: E402
+from mlx_train.config import FinetuneConfig, TrainConfig  # noqa: E402
 from mlx_train.errors import ConfigError  # noqa: E402
 from mlx_train.llm import loss as llm_loss  # noqa: E402
 from mlx_train.llm.finetune import _loss_for  # noqa: E402
@@ -62,7 +62,7 @@ def test_the_option_sets_the_chunk_of_the_loss():
             assert_same(plain, grads_of(model, fn, data))
         assert head.calls == calls, chunk
     with pytest.raises(ConfigError, match="loss_chunk.*at least 0"):
-        TrainConfig(loss_chunk=-1)
+        FinetuneConfig(loss_chunk=-1)  # a fine-tuning setting: FinetuneConfig's
 
 
 def test_preference_losses_take_the_chunk_too():

@@ -83,7 +83,7 @@ def _checkpoints_of(local: Path) -> str:
     saved = None
     if (local / rundir.CONFIG_FILE).is_file():
         try:
-            saved = TrainConfig.from_yaml(local / rundir.CONFIG_FILE).checkpoint_dir
+            saved = TrainConfig.from_saved(local / rundir.CONFIG_FILE).checkpoint_dir
         except ConfigError:
             saved = None  # a damaged config.yaml: look for the usual folder instead
     if saved and "://" in saved:
@@ -126,7 +126,7 @@ def rebuild_from_checkpoint(path: str, python_instead: str,
             f"checkpoint {path} holds no training config in its trainer_state.json, so the model and "
             f"dataset cannot be rebuilt; {python_instead}"
         )
-    config = TrainConfig.from_dict(state["config"], source=f"{path}/trainer_state.json")
+    config = TrainConfig.from_saved(state["config"], source=f"{path}/trainer_state.json")
     data = load_dataset(config.dataset, seed=config.seed, **config.dataset_options)
     mx.random.seed(config.seed)
     model = build_model(config.model, data["info"], **config.model_options)

@@ -1,6 +1,7 @@
 """Fine-tune a language model (LoRA, DoRA or full) on jsonl data: train's flags, mlx_lm.lora's too.
 
-The configuration is train's (TrainConfig), on mlx_lm.lora's defaults: the same flags mean the same
+The configuration is a FinetuneConfig: train's (TrainConfig) with the llm section, on mlx_lm.lora's
+defaults (which --help shows): the same flags mean the same
 (--batch-size: rows per micro-batch per device, --lr/--learning-rate, --max-steps, --epochs, --seed,
 --set KEY=VALUE, -c/--config, --run-dir, --resume, --overwrite), plus one flag per setting of the llm
 section (--num-layers, --pack, --train-mode, ...) and mlx_lm.lora's names (--data, --iters,
@@ -26,27 +27,36 @@ import argparse
 import math
 from typing import Any
 
+from mlx_train.config import mlx_lm
+
 HELP = "fine-tune a language model (LoRA/DoRA/full; train's flags and mlx_lm.lora's)"
-EPILOG = """examples:
+
+_ITERATIONS, _DEFAULTS = mlx_lm.DEFAULT_ITERATIONS, mlx_lm.FINETUNE_DEFAULTS
+# The numbers are mlx_lm.lora's defaults as config.mlx_lm declares them (the flags' help shows them too).
+EPILOG = f"""examples:
   mlx-train finetune --model SmolLM2-135M-Instruct.Q4_1.gguf --data data/ --iters 200 --num-layers 8
   mlx-train finetune -c lora_config.yaml --pack --run-dir runs/a      # an mlx_lm.lora YAML
   mlx-train finetune --run-dir runs/a --resume --max-steps 400        # continue after a crash, train longer
   mlx-train finetune --model BASE --data prefs/ --train-mode dpo --beta 0.1   # rows: prompt, chosen, rejected
 
-Defaults are mlx_lm.lora's: 1000 iterations, adam at --lr 1e-5, --batch-size 4, a report every 10
-iterations, a validation every 200 and a checkpoint every 100. Without --run-dir nothing but the
-adapters is written (in --adapter-path).
+Defaults are mlx_lm.lora's: {_ITERATIONS['iters']} iterations, {_DEFAULTS['optimizer']} at --lr \
+{_DEFAULTS['learning_rate']:g}, --batch-size {_DEFAULTS['batch_size']},
+a report every {_ITERATIONS['steps_per_report']} iterations, a validation every \
+{_ITERATIONS['steps_per_eval']} and a checkpoint every {_ITERATIONS['save_every']}. Without --run-dir
+nothing but the adapters is written (in --adapter-path).
 """
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the ``finetune`` flags: train's, one per llm field and mlx_lm.lora's, help from the fields."""
+    """Add the ``finetune`` flags: train's, one per llm field and mlx_lm.lora's, help and defaults from the
+    fields of FinetuneConfig (fine-tuning's defaults)."""
     from mlx_train.cli.flags import ITERATION_FLAGS, add_flags, finetune_flags
+    from mlx_train.config import FinetuneConfig
     from mlx_train.config.mlx_lm import ITERATION_KEYS
 
     parser.add_argument("-c", "--config", metavar="FILE", help="a YAML config: train's layout, or an mlx_lm.lora "
                         "file as it is; flags override it")
-    add_flags(parser, finetune_flags(), {"run_dir": "; without it only the adapters are written"})
+    add_flags(parser, finetune_flags(), {"run_dir": "; without it only the adapters are written"}, FinetuneConfig)
     for flag, key in ITERATION_FLAGS.items():
         parser.add_argument(flag, dest=key, type=int, default=None, metavar="N",
                             help=f"mlx_lm.lora's {key}: {ITERATION_KEYS[key]} counted in iterations (micro-batches of "
@@ -62,7 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "RUN_DIR.old-<date>-<time> (never deleted); without it such a start is refused")
     parser.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-        help="set any TrainConfig field, e.g. --set weight_decay=0.1, --set ema_decay=0.999; repeatable; "
+        help="set any FinetuneConfig field, e.g. --set weight_decay=0.1, --set ema_decay=0.999; repeatable; "
         "the dedicated flags win")
     parser.add_argument("--fuse", metavar="DIR", help="after training, write the base with the adapters folded "
                         "in as an mlx-lm model directory")
@@ -72,7 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def resolve_config(args: argparse.Namespace, log: Any = print) -> Any:
-    """The TrainConfig of a ``finetune`` command line. Without --resume: mlx_lm.lora's defaults < --config
+    """The FinetuneConfig of a ``finetune`` command line. Without --resume: mlx_lm.lora's defaults < --config
     < --set < flags. With --resume: the configuration the run saved (its checkpoint's, or config.yaml),
     changed only by the flags given, as ``train --resume`` does.
 
@@ -161,21 +171,7 @@ def main(args: argparse.Namespace) -> int:
                       log=lambda message: say(message, flush=True))
     if not is_main_process():
         return 0
-    trainer = result["trainer"]
-    unit = "trained tokens" if cfg.train_mode == "sft" else "preference pairs"
-    name = "finetune" if cfg.train_mode == "sft" else f"finetune {cfg.train_mode}"
-    lines = [f"{name}: {trainer.step} steps, {result['trained_tokens']:,} {unit}"]
-    if result.get("tokens_per_second"):
-        lines[0] += f", {result['tokens_per_second']:.1f} trained tokens/s"
-    if "val_perplexity" in result:
-        lines.append(f"  validation: loss {result['val_loss']:.4f}, perplexity {result['val_perplexity']:.3f}")
-    elif "val_loss" in result:
-        val = result["val_metrics"]
-        lines.append(f"  validation: loss {val['loss']:.4f}, reward accuracy {val['reward_accuracy']:.3f}, "
-                     f"reward margin {val['reward_margin']:.4f}, rewards chosen {val['rewards_chosen']:.4f} / "
-                     f"rejected {val['rewards_rejected']:.4f}")
-    if "test_perplexity" in result:
-        lines.append(f"  test: loss {result['test_loss']:.4f}, perplexity {result['test_perplexity']:.3f}")
+    lines = result["task"].summary(result)
     lines.append(f"  adapters: {result['adapter_path']} (mlx-lm format, model card README.md)")
     if args.fuse:
         fuse_model(cfg.model, result["adapter_path"], args.fuse, dequantize=not is_quantized(result["model"]))

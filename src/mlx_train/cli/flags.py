@@ -1,8 +1,10 @@
-"""The TrainConfig flags shared by ``mlx-train train``, ``mlx-train finetune`` and ``mlx-train optimize``:
-how a command line becomes a ``TrainConfig`` (defaults < ``--config`` < ``--set`` < dedicated flags),
+"""The config flags shared by ``mlx-train train``, ``mlx-train finetune`` and ``mlx-train optimize``:
+how a command line becomes a ``TrainConfig`` (``finetune``: a ``FinetuneConfig``; defaults < ``--config``
+< ``--set`` < dedicated flags),
 and how a resumed run takes its saved configuration with only the changes a resume allows.
 ``finetune`` has train's flags plus one per field of the llm section and mlx_lm.lora's flag names
-(``FINETUNE_FLAGS``, ``ITERATION_FLAGS``); every flag's help is its field's.
+(``finetune_flags()``, ``ITERATION_FLAGS``); every flag's help and default is its field's, in the config
+of that command (``finetune --help`` shows fine-tuning's defaults).
 
 Example::
 
@@ -53,38 +55,41 @@ def finetune_flags() -> dict[str, str]:
 
     Example: ``finetune_flags()["--mask-prompt"]`` -> ``"mask_prompt"``.
     """
-    from mlx_train.config import TrainConfig
+    from mlx_train.config import FinetuneConfig
 
-    llm = {f"--{name.replace('_', '-')}": name for name, field in TrainConfig.fields_help().items()
+    llm = {f"--{name.replace('_', '-')}": name for name, field in FinetuneConfig.fields_help().items()
            if field.section == "llm"}
     return {**FLAGS, **_MLX_LM_FLAGS, **llm}
 
 
 def is_switch(name: str) -> bool:
     """A bool field gets a switch (``--pack``) rather than a flag with a value."""
-    from mlx_train.config import TrainConfig
+    from mlx_train.config.sections import all_fields
 
-    return TrainConfig.fields_help()[name].type in ("bool", "bool | None")
+    return str(all_fields()[name].type) in ("bool", "bool | None")
 
 
-def add_flags(parser: argparse.ArgumentParser, flags: dict[str, str], notes: dict[str, str] | None = None) -> None:
-    """One flag per entry of ``flags`` (flag -> TrainConfig field): its type, check and help are the field's."""
-    from mlx_train.config import TrainConfig
+def add_flags(parser: argparse.ArgumentParser, flags: dict[str, str], notes: dict[str, str] | None = None,
+              config: Any = None) -> None:
+    """One flag per entry of ``flags`` (flag -> field of ``config``, default train's LaunchConfig): its type,
+    check, help and default (``config``'s: FinetuneConfig shows fine-tuning's) are the field's."""
+    from mlx_train.config import LaunchConfig
 
-    fields = TrainConfig.fields_help()
+    config = config or LaunchConfig
+    fields = config.fields_help()
     for flag, name in flags.items():
         field = fields[name]
         choices = f"; one of {', '.join(field.choices)}" if field.choices else ""
-        default = "none" if field.default is None else field.default
+        default = "none" if field.default in (None, "") else field.default
         text = f"{field.help} (default: {default}{choices}{(notes or {}).get(name, '')})".replace("%", "%%")
         names = (flag, *FLAG_ALIASES.get(flag, ()))
         if is_switch(name):
             parser.add_argument(*names, dest=name, action="store_true", default=None, help=text)
         elif field.type == "bool | str":  # a switch that may name its kind: --pack, --pack by_length
-            parser.add_argument(*names, dest=name, nargs="?", const=True, default=None, type=_flag_type(name),
+            parser.add_argument(*names, dest=name, nargs="?", const=True, default=None, type=_flag_type(name, config),
                                 metavar="KIND", help=text)
         else:
-            parser.add_argument(*names, dest=name, default=None, type=_flag_type(name), metavar=name.upper(),
+            parser.add_argument(*names, dest=name, default=None, type=_flag_type(name, config), metavar=name.upper(),
                                 help=text)
 
 _DATA_ORDER = "the data order and the position in the epoch are restored from the checkpoint"
@@ -117,36 +122,42 @@ FIXED_ON_RESUME: dict[str, str] = {
 }
 
 
-def _flag_type(name: str) -> Callable[[str], Any]:
-    """An argparse type that converts and checks with TrainConfig.parse_value."""
-    from mlx_train.config import TrainConfig
+def _flag_type(name: str, config: Any = None) -> Callable[[str], Any]:
+    """An argparse type that converts and checks with ``config.parse_value`` (default train's LaunchConfig)."""
+    if config is None:
+        from mlx_train.config import LaunchConfig
+
+        config = LaunchConfig
 
     def convert(text: str) -> Any:
         try:
-            return TrainConfig.parse_value(name, text)
+            return config.parse_value(name, text)
         except ConfigError as error:
             raise argparse.ArgumentTypeError(str(error)) from None
 
     return convert
 
 
-def _set_value(item: str, current: Callable[[str], Any]) -> tuple[str, Any]:
-    """``(field, value)`` of one ``--set KEY=VALUE`` (``KEY`` a field, or ``model_options.NAME`` for a
-    mapping field, merged into ``current(field)``)."""
-    from mlx_train.config import TrainConfig
+def _set_value(item: str, current: Callable[[str], Any], config: Any) -> tuple[str, Any]:
+    """``(field, value)`` of one ``--set KEY=VALUE`` (``KEY`` a field of ``config``, or ``model_options.NAME``
+    for a mapping field, merged into ``current(field)``)."""
+    from mlx_train.config.sections import where_it_goes
 
     origin = f"--set {item}"
     key, sep, text = item.partition("=")
     name, dot, option = key.strip().replace("-", "_").partition(".")
     if not sep or not name:
         raise ConfigError(f"{origin}: expected KEY=VALUE, e.g. --set weight_decay=0.1")
-    fields = TrainConfig.fields_help()
+    fields = config.fields_help()
     if name not in fields:
+        goes = where_it_goes(name)
+        if goes:
+            raise ConfigError(f"{origin}: {goes}")
         raise ConfigError(f"{origin}: unknown TrainConfig field '{name}'{did_you_mean(name, fields)}; "
                           "'mlx-train train --help' lists the flags, TrainConfig the fields")
     try:
         if not dot:
-            return name, TrainConfig.parse_value(name, text)
+            return name, config.parse_value(name, text)
         mapping = current(name)
         if not isinstance(mapping, dict):
             raise ConfigError(f"'{name}' is not a mapping, so '{key}' cannot be set; use --set {name}=VALUE")
@@ -157,24 +168,28 @@ def _set_value(item: str, current: Callable[[str], Any]) -> tuple[str, Any]:
         raise ConfigError(f"{origin}: {error}") from None
 
 
-def command_line_changes(args: argparse.Namespace, base: Any,
-                         flags: dict[str, str] | None = None) -> dict[str, tuple[Any, str]]:
+def command_line_changes(args: argparse.Namespace, base: Any, flags: dict[str, str] | None = None,
+                         given: dict[str, tuple[Any, str]] | None = None) -> dict[str, tuple[Any, str]]:
     """The fields ``--set`` and the dedicated flags (``flags``, default train's) set: ``{field: (value,
     origin)}``, flags last. mlx_lm.lora's counts (``--iters``) are ``Iterations``, resolved with the
-    final gradient_accumulation.
+    final gradient_accumulation. ``base`` is the config they change (or its class, whose defaults apply
+    under the changes ``given`` before them, e.g. a --config file's); ``--set NAME.KEY=`` merges into it.
 
     Example: ``--set epochs=4 --lr 0.1`` gives ``{"epochs": (4, "--set epochs=4"), "learning_rate":
     (0.1, "--lr 0.1")}``.
     """
     from mlx_train.config.mlx_lm import ITERATION_KEYS, iterations
 
-    changes: dict[str, tuple[Any, str]] = {}
+    changes: dict[str, tuple[Any, str]] = dict(given or {})
+    config_class = base if isinstance(base, type) else type(base)
 
     def current(name: str) -> Any:
-        return changes[name][0] if name in changes else getattr(base, name)
+        if name in changes:
+            return changes[name][0]
+        return config_class.defaults()[name] if base is config_class else getattr(base, name)
 
     for item in args.overrides:
-        name, value = _set_value(item, current)
+        name, value = _set_value(item, current, config_class)
         changes[name] = (value, f"--set {item}")
     for flag, name in (flags or FLAGS).items():
         value = getattr(args, name, None)
@@ -208,18 +223,18 @@ def apply_changes(config: Any, changes: dict[str, tuple[Any, str]]) -> Any:
 
 
 def build_config(args: argparse.Namespace, finetune: bool = False) -> Any:
-    """The TrainConfig of a parsed ``train`` (or ``finetune``) command line: defaults < --config < --set <
-    flags; ``finetune`` starts from mlx_lm.lora's defaults and takes its flags."""
-    from mlx_train.config import TrainConfig
+    """The config of a parsed ``train`` command line (a LaunchConfig: the Trainer's with the launcher's), or
+    ``finetune``'s (a FinetuneConfig, on mlx_lm.lora's defaults, with its flags): defaults < --config < --set
+    < flags."""
+    from mlx_train.config import FinetuneConfig, LaunchConfig
 
     if not finetune:
-        config = TrainConfig.from_yaml(args.config) if args.config else TrainConfig()
+        config = LaunchConfig.from_yaml(args.config) if args.config else LaunchConfig()
         return apply_changes(config, command_line_changes(args, config))
     changes = _config_file_changes(args.config, finetune=True) if args.config else {}
-    base = TrainConfig.for_finetune({name: value for name, (value, _) in changes.items()})
-    changes.update(command_line_changes(args, base, finetune_flags()))
-    try:
-        return TrainConfig.for_finetune({name: value for name, (value, _) in changes.items()})
+    changes = command_line_changes(args, FinetuneConfig, finetune_flags(), given=changes)
+    try:  # built once, from every layer's values
+        return FinetuneConfig(**{name: value for name, (value, _) in changes.items()})
     except ConfigError as error:
         named = [origin for name, (_, origin) in changes.items() if name in str(error)]
         raise ConfigError(f"{', '.join(named) + ': ' if named else ''}{error}") from None
@@ -228,13 +243,13 @@ def build_config(args: argparse.Namespace, finetune: bool = False) -> Any:
 def _config_file_changes(path: str, finetune: bool = False) -> dict[str, tuple[Any, str]]:
     """The fields a ``--config`` file sets (only those it names), each with its origin; mlx_lm.lora's
     iteration counts stay ``Iterations`` until the final gradient_accumulation is known."""
-    from mlx_train.config import SECTIONS, TrainConfig
+    from mlx_train.config import SECTIONS, LaunchConfig
     from mlx_train.config.files import read
-    from mlx_train.config.options import options
+    from mlx_train.config.sections import all_fields
     from mlx_train.config.train import dialect
 
-    TrainConfig.from_yaml(path, finetune=finetune)  # the file alone must be valid: its errors name its lines
-    values = read(path, options(TrainConfig), SECTIONS, dialect(finetune), defer=True)
+    LaunchConfig.from_yaml(path, finetune=finetune)  # the file alone must be valid: its errors name its lines
+    values = read(path, all_fields(), SECTIONS, dialect(finetune), defer=True)
     return {name: (value, f"--config {path} ({name})") for name, value in values.items()}
 
 

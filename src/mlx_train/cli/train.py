@@ -258,15 +258,17 @@ def saved_config(run_dir: Path, checkpoint_dir: str | None, resume: str,
     """``(config, where it was read)`` of the run a ``--resume`` continues: the configuration its checkpoint
     recorded (the source of truth), or the run's config.yaml when it stopped before its first checkpoint.
     Neither is an error (None when not ``required``): a resume never falls back to the defaults.
+    ``command="finetune"``: read as a FinetuneConfig (the run's llm section too), else a LaunchConfig.
 
     Example: ``saved_config(Path("runs/a"), None, "auto")`` is
     ``(TrainConfig(...), "runs/a/checkpoints/step-00000400")``.
     """
     from mlx_train.checkpointing import load_checkpoint
-    from mlx_train.config import TrainConfig
+    from mlx_train.config import FinetuneConfig, LaunchConfig
     from mlx_train.errors import CheckpointError
     from mlx_train.run_directory import RunDirectory
 
+    command_config = FinetuneConfig if command == "finetune" else LaunchConfig
     run = RunDirectory.of(run_dir, checkpoint_dir)
     checkpoint_dir = run.checkpoint_dir
     path = run.resolve(resume)
@@ -275,10 +277,10 @@ def saved_config(run_dir: Path, checkpoint_dir: str | None, resume: str,
         if command == "train":
             refuse_finetune_checkpoint(path, state, "train --resume")
         if isinstance(state.get("config"), dict):
-            return TrainConfig.from_dict(state["config"], source=f"{path}/trainer_state.json"), path
+            return command_config.from_dict(state["config"], f"{path}/trainer_state.json"), path
     config_path = run_dir / rundir.CONFIG_FILE
     if config_path.is_file():
-        return TrainConfig.from_yaml(config_path), str(config_path)
+        return command_config.from_yaml(config_path), str(config_path)
     if not required:
         return None
     if path is not None:

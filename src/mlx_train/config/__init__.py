@@ -1,6 +1,10 @@
-"""``TrainConfig``: every training knob, declared once: default, help, constraint, YAML section, aliases.
+"""The configuration, declared once per setting: default, help, constraint, YAML section, aliases.
 
-YAML files and CLI flags only overlay it; no default or rule is written anywhere else.
+Two configs, one YAML layout: ``TrainConfig`` holds what the Trainer reads (the sections training,
+optimizer, checkpoint, memory, distributed, data, model, tracking); ``FinetuneConfig`` wraps it for
+``mlx-train finetune`` and ``finetune()``, adding the llm section on mlx_lm.lora's defaults. A
+fine-tuning setting given to ``TrainConfig`` (or to the Trainer) is an error naming where it goes.
+YAML files and CLI flags only overlay them; no default or rule is written anywhere else.
 ``DistributedConfig`` and ``DeviceConfig`` reuse the same field declarations (``same_as``).
 
 Example::
@@ -28,9 +32,9 @@ YAML layout (every part optional; a flat file of field names also works)::
     data:          # name (-> dataset), batch_size, eval_batch_size, num_workers, shuffle,
                    # drop_last; other keys -> dataset_options
     model:         # name (-> model); other keys -> model_options
-    llm:           # mlx-train finetune: fine_tune_type, num_layers, lora_parameters, max_seq_length,
-                   # mask_prompt, pack, adapter_path, resume_adapter_file, quantized, test, test_batches,
-                   # train_mode, beta, dpo_loss_type, label_smoothing, reference_free,
+    llm:           # FinetuneConfig only (mlx-train finetune): fine_tune_type, num_layers, lora_parameters,
+                   # max_seq_length, mask_prompt, pack, adapter_path, resume_adapter_file, quantized, test,
+                   # test_batches, train_mode, beta, dpo_loss_type, label_smoothing, reference_free,
                    # reference_model_path, precompute_ref_log_probs
 
 mlx_lm.lora's flat files load too (``mlx_train.config.mlx_lm``): ``iters`` and its other counts of
@@ -48,6 +52,8 @@ from typing import TYPE_CHECKING
 from mlx_train._lazy import lazy_exports
 
 if TYPE_CHECKING:
+    from mlx_train.config.configs import FinetuneConfig, LaunchConfig, MisplacedSetting, TrainConfig
+    from mlx_train.config.metrics import metric_direction
     from mlx_train.config.options import Every, Option, option, parse_bytes, parse_every, same_as
     from mlx_train.config.train import (
         BACKEND_CHOICES,
@@ -57,10 +63,10 @@ if TYPE_CHECKING:
         SCHEDULES,
         SECTIONS,
         FieldHelp,
-        TrainConfig,
-        metric_direction,
     )
 
+# The configs resolve through config.configs, which loads them together: a config that extends
+# TrainConfig registers when its module loads, so that a setting given to the wrong one says where it goes.
 _LAZY = {
     "Every": "mlx_train.config.options",
     "Option": "mlx_train.config.options",
@@ -75,12 +81,15 @@ _LAZY = {
     "SCHEDULES": "mlx_train.config.train",
     "SECTIONS": "mlx_train.config.train",
     "FieldHelp": "mlx_train.config.train",
-    "TrainConfig": "mlx_train.config.train",
-    "metric_direction": "mlx_train.config.train",
+    "TrainConfig": "mlx_train.config.configs",
+    "LaunchConfig": "mlx_train.config.configs",
+    "FinetuneConfig": "mlx_train.config.configs",
+    "MisplacedSetting": "mlx_train.config.configs",
+    "metric_direction": "mlx_train.config.metrics",
 }
 
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY)
 
-__all__ = ["BACKENDS", "BACKEND_CHOICES", "Every", "FieldHelp", "HYPER_PARAMETERS", "OPTIMIZERS", "Option",
-           "SCHEDULES", "SECTIONS", "TrainConfig", "metric_direction", "option", "parse_bytes", "parse_every",
-           "same_as"]
+__all__ = ["BACKENDS", "BACKEND_CHOICES", "Every", "FieldHelp", "FinetuneConfig", "HYPER_PARAMETERS",
+           "LaunchConfig", "MisplacedSetting", "OPTIMIZERS", "Option", "SCHEDULES", "SECTIONS", "TrainConfig",
+           "metric_direction", "option", "parse_bytes", "parse_every", "same_as"]

@@ -67,7 +67,8 @@ FINETUNE_DEFAULTS: dict[str, Any] = {
     "model": "", "dataset": "", "optimizer": "adam", "learning_rate": 1e-5, "batch_size": 4, "val_batches": 25,
     "num_workers": 1, "gradient_checkpointing": "auto",  # attention on long rows: see docs/guides/finetuning.md
 }
-_DEFAULT_ITERATIONS = {"iters": 1000, "steps_per_report": 10, "steps_per_eval": 200, "save_every": 100}
+#: mlx_lm.lora's defaults of its counts of iterations (``finetune_defaults`` makes them optimizer steps).
+DEFAULT_ITERATIONS = {"iters": 1000, "steps_per_report": 10, "steps_per_eval": 200, "save_every": 100}
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,7 @@ def finetune_defaults(given: Mapping[str, Any]) -> dict[str, Any]:
     Example: ``finetune_defaults({"optimizer": "sgd"})["weight_decay"]`` -> ``0.0``.
     """
     base: dict[str, Any] = dict(FINETUNE_DEFAULTS)
-    for key, count in _DEFAULT_ITERATIONS.items():
+    for key, count in DEFAULT_ITERATIONS.items():
         base[ITERATION_KEYS[key]] = Iterations(count, key)
     if "epochs" not in given:
         base["epochs"] = None  # as many passes as max_steps needs, as mlx_lm.lora loops over its data

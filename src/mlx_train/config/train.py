@@ -1,4 +1,6 @@
-"""``TrainConfig``: every training knob, declared once with its default, help, constraint and section.
+"""``TrainConfig``: every knob the Trainer reads, declared once with its default, help, constraint and
+section. The configs that extend it (``LaunchConfig``, ``FinetuneConfig``) register in
+``config.sections``, so that a setting given to the wrong one says where it goes.
 
 The name tables of the optimizer and distributed sections (``OPTIMIZERS``, ``SCHEDULES``,
 ``BACKENDS``) live here as plain data, so that a config is checked when it is loaded, with the
@@ -10,14 +12,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
-import re
-import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple, TypeVar
 
-from mlx_train.config import files, mlx_lm
+from mlx_train.config import files, mlx_lm, sections
+from mlx_train.config.metrics import metric_direction
 from mlx_train.config.options import (
     Invalid,
     byte_count,
@@ -29,7 +30,6 @@ from mlx_train.config.options import (
     kind_of,
     option,
     options,
-    resolve,
 )
 from mlx_train.errors import ConfigError, did_you_mean
 
@@ -66,45 +66,12 @@ BACKENDS = ("ring", "mpi", "jaccl", "nccl")
 BACKEND_CHOICES = ("auto",) + BACKENDS
 
 _YAML_HEADER = "mlx-train configuration (TrainConfig), by section"
+C = TypeVar("C", bound="TrainConfig")
 #: The YAML sections, in the order ``to_yaml`` writes them.
 SECTIONS = ("training", "optimizer", "checkpoint", "memory", "distributed", "data", "model", "llm", "tracking")
 
 #: The experiment trackers ``report_to`` names (``mlx_train.training.trackers``).
 TRACKERS = ("tensorboard", "wandb", "mlflow")
-
-# Metric-name words that say which way is better; a word is a run of letters and digits.
-_HIGHER = re.compile(r"acc\w*|f\d*|f1\w*|precision|recall|auc\w*|ap|map|ndcg\w*|bleu\w*|rouge\w*|iou|miou|"
-                     r"dice|r2|top\d+|score|reward\w*|return|psnr|ssim|correct|hits?")
-_LOWER = re.compile(r"loss\w*|errors?|err|perplexity|ppl|mse|mae|rmse|mape|nll|wer|cer|kl|fid|time|seconds|"
-                    r"latency|distance")
-
-
-def metric_direction(name: str, mode: str = "auto") -> str:
-    """``"min"`` or ``"max"``: which way metric ``name`` improves. The one rule in mlx-train.
-
-    An explicit ``mode`` (``"min"``/``"max"``) wins. With ``"auto"``, a name with a loss-like
-    word (loss, error, perplexity, mse, ...) goes down; one with a score-like word (accuracy,
-    f1, precision, recall, auc, bleu, ...) goes up; any other name is taken to go down, like a
-    loss, with a warning (set ``mode`` for such metrics).
-
-    Example::
-
-        metric_direction("val_loss"), metric_direction("val_f1")        # ("min", "max")
-        metric_direction("val_reward", mode="max")                      # "max"
-    """
-    if mode not in ("auto", "min", "max"):
-        raise ConfigError(f"mode must be 'min', 'max' or 'auto', got {mode!r}")
-    if mode != "auto":
-        return mode
-    words = re.findall(r"[a-z0-9]+", name.lower())
-    if any(_LOWER.fullmatch(word) for word in words):
-        return "min"
-    if any(_HIGHER.fullmatch(word) for word in words):
-        return "max"
-    warnings.warn(f"mode='auto' cannot tell which way metric '{name}' improves: taking lower as better; "
-                  "pass mode='max' or mode='min'", stacklevel=2)
-    return "min"
-
 
 def _users(name: str) -> str:
     users = [optimizer for optimizer, (_, uses) in OPTIMIZERS.items() if name in uses]
@@ -172,33 +139,11 @@ in_memory = partial(option, section="memory")
 in_distributed = partial(option, section="distributed")
 in_data = partial(option, section="data")
 in_model = partial(option, section="model")
-in_llm = partial(option, section="llm")
 in_tracking = partial(option, section="tracking")
-
-#: The fine-tuning methods and training modes of ``mlx-train finetune`` (llm section).
-FINE_TUNE_TYPES = ("lora", "dora", "full")
-TRAIN_MODES = ("sft", "dpo", "orpo", "cpo")
-DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo")
-
 
 def _all_batches(value: Any) -> Any:
     """mlx_lm.lora's ``-1`` batches means all of them: null here."""
     return None if value == -1 and not isinstance(value, bool) else value
-
-
-PACKINGS = ("best_fit", "by_length")
-
-
-def _packing(value: Any) -> Any:
-    """``pack``: true/false, or a packing by name (``best_fit``, ``by_length``; ``--pack`` alone is best_fit)."""
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
-        return value.strip().lower() == "true"
-    if isinstance(value, str) and value.strip().lower() in PACKINGS:
-        return value.strip().lower()
-    raise Invalid(f"must be true, false or one of {', '.join(PACKINGS)}, got {value!r}"
-                  f"{did_you_mean(str(value), PACKINGS)}")
 
 
 def _checkpointing(value: Any) -> Any:
@@ -216,12 +161,6 @@ def _checkpointing(value: Any) -> Any:
                   f"{did_you_mean(str(value), ('blocks', 'attention', 'auto'))}")
 
 
-def _layers(value: int, values: Mapping[str, Any]) -> str | None:
-    if value == -1 or value >= 1:
-        return None
-    return f"must be -1 (all blocks, as in mlx_lm.lora) or at least 1, got {value}"
-
-
 def _epochs_or_steps(value: Any, values: Mapping[str, Any]) -> str | None:
     if value is None and values["max_steps"] is None:
         return ("is null (as many epochs as max_steps needs) but max_steps is null too: set epochs, or "
@@ -229,18 +168,14 @@ def _epochs_or_steps(value: Any, values: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _smoothing(value: float, values: Mapping[str, Any]) -> str | None:
-    if value and (values["train_mode"] == "orpo" or values["dpo_loss_type"] != "sigmoid"):
-        return "applies to the DPO sigmoid loss only; set it to 0 or use dpo_loss_type: sigmoid"
-    return None
-
-
 @dataclass
 class TrainConfig:
-    """All training options, flat: ``config.batch_size``, ``TrainConfig(precision="bf16")``.
+    """What the Trainer reads, flat: ``config.batch_size``, ``TrainConfig(precision="bf16")``.
 
     Each field says which YAML section it belongs to (training, optimizer, checkpoint, memory,
     distributed, data, model, tracking); values are converted and checked whenever a config is made.
+    The launcher's settings are ``LaunchConfig``'s and fine-tuning's ``FinetuneConfig``'s (both extend
+    this one); given here, they are an error that says so.
 
     Example::
 
@@ -384,9 +319,6 @@ class TrainConfig:
                                                 "whole batch; models with a shard(group) method), fsdp "
                                                 "(nccl/jaccl only) (YAML: distributed.strategy).",
                                             choices=("data_parallel", "tensor_parallel", "fsdp"), key="strategy")
-    max_restarts: int = in_distributed(3, "Times the supervisor of a distributed run restarts the whole group from "
-                                       "the last complete checkpoint after a rank dies or hangs (0: never).",
-                                    minimum=0)
     collective_timeout: float = in_distributed(300.0, "Seconds a rank may wait in a collective (gradient "
                                                    "all-reduce, metric reduction) before the run ends with "
                                                    "DistributedError naming the missing rank.", above=0)
@@ -423,46 +355,6 @@ class TrainConfig:
     model_options: dict = in_model({}, "Keyword arguments of the built-in model (YAML: the other keys of model:).",  # type: ignore[type-arg]
                                 other_keys=True)
 
-    # ----- llm: fine-tuning a language model (mlx-train finetune; mlx_lm.lora's and mlx-lm-lora's names) -----
-    fine_tune_type: str = in_llm("lora", "How the base is tuned: lora, dora (adapters) or full (the blocks' weights).",
-                                 choices=FINE_TUNE_TYPES)
-    num_layers: int = in_llm(16, "Blocks to fine-tune, counted from the last (-1: all; 0 is refused). Under "
-                                 "model: a built-in model's option of that name instead.",
-                             check=_layers, shared_name=True)
-    lora_parameters: dict = in_llm({"rank": 8, "scale": 20.0, "dropout": 0.0},  # type: ignore[type-arg]
-                                   "LoRA/DoRA rank, scale, dropout and keys (mlx_lm.lora's lora_parameters).")
-    max_seq_length: int = in_llm(2048, "Longest sequence in tokens; longer documents are cut (and counted).",
-                                 minimum=1)
-    mask_prompt: bool = in_llm(False, "Train on completions only (prompt/completion and chat records).")
-    pack: bool | str = in_llm(False, "Pack the training rows: true or best_fit (several documents per row up to "
-                                     "max_seq_length, no loss or attention across them), by_length (one document a "
-                                     "row, batches of similar lengths), false.", parse=_packing)
-    loss_chunk: int | None = in_llm(None, "Tokens per chunk of the loss's output projection: the loss never holds "
-                                          "more logits than this many tokens x vocabulary (null: 8M logits a "
-                                          "chunk, 160 tokens of a 49,152-token vocabulary; 0: the full logits, "
-                                          "as mlx_lm.lora).", minimum=0)
-    adapter_path: str = in_llm("adapters", "Where the adapters are written (mlx-lm format); relative to run_dir.")
-    resume_adapter_file: str | None = in_llm(None, "Adapters (directory or adapters.safetensors) to start from.")
-    quantized: bool | None = in_llm(None, "Keep a quantized base quantized (QLoRA); null: keep it on a GPU, "
-                                          "dequantize to float32 on a CPU (quantized matmuls are slow there).")
-    test: bool = in_llm(False, "Evaluate on the test split (test.jsonl) after training.")
-    test_batches: int | None = in_llm(500, "Test batches (null or -1: the whole test set).", minimum=1,
-                                      parse=_all_batches)
-    train_mode: str = in_llm("sft", "sft (next-token loss), dpo, orpo or cpo (preference rows: prompt, chosen, "
-                                    "rejected).", choices=TRAIN_MODES)
-    beta: float = in_llm(0.1, "DPO: temperature of the implicit reward; ORPO: weight of the odds-ratio term.",
-                         above=0)
-    dpo_loss_type: str = in_llm("sigmoid", "DPO/CPO loss: sigmoid, hinge or ipo (YAML alias: dpo_cpo_loss_type).",
-                                choices=DPO_LOSS_TYPES, aliases={"dpo_cpo_loss_type": None})
-    label_smoothing: float = in_llm(0.0, "DPO sigmoid: share of preference labels assumed wrong (conservative "
-                                         "DPO).", minimum=0, below=0.5, check=_smoothing)
-    reference_free: bool = in_llm(False, "DPO against a uniform reference (reference log-probabilities 0).")
-    reference_model_path: str | None = in_llm(None, "DPO reference model (null: the base model; with LoRA/DoRA "
-                                                    "the adapters are switched off, with full fine-tuning its "
-                                                    "log-probabilities are computed once before training).")
-    precompute_ref_log_probs: bool = in_llm(False, "DPO with LoRA/DoRA: compute the reference log-probabilities "
-                                                   "once before training (adapters off) instead of in every step.")
-
     # ----- tracking: experiment trackers (mlx-lm's --report-to, Hugging Face's report_to) -----
     report_to: list = in_tracking([], "Experiment trackers that receive the config, the metrics and the final "  # type: ignore[type-arg]
                                       "weights: tensorboard, wandb, mlflow (a list, or comma-separated).",
@@ -471,72 +363,104 @@ class TrainConfig:
                                                  "tracker's default).")
     run_name: str | None = in_tracking(None, "Name of the run in the trackers (null: the run directory's name).")
 
+
+    #: Whether missing values take ``mlx-train finetune``'s defaults (mlx_lm.lora's) instead of the declared ones.
+    finetune_defaults: ClassVar[bool] = False
+    #: A field a config that extends this one declares -> the field it follows in the YAML layout.
+    placed_after: ClassVar[dict[str, str]] = {}
+
     def __post_init__(self) -> None:
         check_fields(self)
 
     # ----- building -----
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str], finetune: bool = False) -> TrainConfig:
-        """Load a YAML file, sectioned (see ``mlx_train.config``) or flat; an empty file gives the defaults
-        (``finetune``: ``mlx-train finetune``'s, mlx_lm.lora's). mlx_lm.lora's files load as they are
-        (``mlx_train.config.mlx_lm``).
+        """Load a YAML file, sectioned (see ``mlx_train.config``) or flat; an empty file gives the defaults.
+        ``finetune`` (or ``FinetuneConfig.from_yaml``): a ``FinetuneConfig`` on ``mlx-train finetune``'s
+        defaults, mlx_lm.lora's; mlx_lm.lora's files load as they are (``mlx_train.config.mlx_lm``).
 
         Errors name the file and line: ``custom.yaml:5: unknown key 'batch_sise' in section
-        'training' (did you mean 'batch_size'?)``.
+        'training' (did you mean 'batch_size'?)``; a fine-tuning setting in a file for the Trainer
+        says where it goes.
         """
-        return cls(**files.read(path, options(cls), SECTIONS, dialect(finetune),
-                                defaults=mlx_lm.finetune_defaults if finetune else None))
+        target: type[TrainConfig] = sections.section_class(cls, finetune)
+        values = files.read(path, sections.all_fields(), SECTIONS, dialect(target.finetune_defaults),
+                            defaults=mlx_lm.finetune_defaults if target.finetune_defaults else None)
+        return target(**sections.own_values(target, values, os.fspath(path)))
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], source: str = "<dict>", finetune: bool = False) -> TrainConfig:
         """Build from a dict shaped like the YAML (sections and/or flat field names and aliases, mlx_lm.lora's
-        keys too), e.g. ``to_dict()``; ``finetune``: on ``mlx-train finetune``'s defaults.
+        keys too), e.g. ``to_dict()``; ``finetune``: a ``FinetuneConfig``, on ``mlx-train finetune``'s defaults.
+        A fine-tuning setting at its default value (in a dict a former version wrote) says nothing and is
+        left out; another value of one is an error saying where it goes.
 
         Example: ``TrainConfig.from_dict({"iters": 100, "grad_accumulation_steps": 4}).max_steps`` -> ``25``.
         """
-        return cls(**files.build(data, source, {}, options(cls), SECTIONS, dialect(finetune),
-                                 defaults=mlx_lm.finetune_defaults if finetune else None))
+        target: type[TrainConfig] = sections.section_class(cls, finetune)
+        values = files.build(data, source, {}, sections.all_fields(), SECTIONS, dialect(target.finetune_defaults),
+                             defaults=mlx_lm.finetune_defaults if target.finetune_defaults else None)
+        return target(**sections.own_values(target, values, source))
+
+    @classmethod
+    def from_saved(cls, data: Mapping[str, Any] | str | os.PathLike[str], source: str = "<dict>") -> TrainConfig:
+        """The config a run recorded (its checkpoint's dict, or its config.yaml's path), as the config that holds
+        every setting it has: ``TrainConfig``, or the ``LaunchConfig`` or ``FinetuneConfig`` that extends it.
+
+        Example: ``TrainConfig.from_saved({"train_mode": "dpo"})`` is a ``FinetuneConfig``.
+        """
+        candidates: list[type[TrainConfig]] = [cls, *(c for c in sections.extensions() if issubclass(c, cls))]
+        for candidate in candidates:
+            try:
+                if isinstance(data, Mapping):
+                    return candidate.from_dict(data, source)
+                return candidate.from_yaml(data)
+            except sections.MisplacedSetting:
+                if candidate is candidates[-1]:
+                    raise
+        raise AssertionError("unreachable: the last candidate returns or raises")
 
     @classmethod
     def for_finetune(cls, given: Mapping[str, Any]) -> TrainConfig:
-        """The config of ``mlx-train finetune``: its defaults (mlx_lm.lora's) under field values ``given``,
-        which may hold ``Deferred`` counts (``--iters``) resolved here.
+        """The ``FinetuneConfig`` of ``mlx-train finetune``: its defaults (mlx_lm.lora's) under field values
+        ``given``, which may hold ``Deferred`` counts (``--iters``) resolved here.
 
         Example: ``TrainConfig.for_finetune({"model": "base", "dataset": "data"}).optimizer`` -> ``"adam"``.
         """
-        return cls(**resolve({**mlx_lm.finetune_defaults(given), **given}, _FIELDS))
+        target: type[TrainConfig] = sections.section_class(cls, True)
+        return target(**given)
 
     @property
     def data(self) -> str:
         """``dataset``, by mlx_lm.lora's name for it (``config.data``)."""
         return self.dataset
 
-    def replace(self, **overrides: Any) -> TrainConfig:
-        """A copy with some fields changed; unknown names and wrong values raise ``ConfigError``."""
-        for name in overrides:
-            if name not in _FIELDS:
-                raise ConfigError(f"unknown TrainConfig option '{name}'{did_you_mean(name, _FIELDS)}")
+    def replace(self: C, **overrides: Any) -> C:
+        """A copy with some fields changed; unknown names, settings of another section's config and wrong
+        values raise ``ConfigError``."""
+        sections.check_names(type(self), overrides)
         return dataclasses.replace(self, **overrides)
 
     # ----- exporting -----
     def to_dict(self) -> dict[str, Any]:
         """All fields as a flat JSON-able dict; ``TrainConfig.from_dict(c.to_dict()) == c``."""
-        return {name: copy.deepcopy(getattr(self, name)) for name in _FIELDS}
+        return {name: copy.deepcopy(getattr(self, name)) for name in options(self)}
 
     def sections(self) -> dict[str, dict[str, Any]]:
         """The config in the YAML layout; optimizer hyper-parameters the optimizer does not use are left out,
-        and so is the llm section when all of it is at its defaults (a ``train`` run).
+        and so is the llm section when all of it is at its defaults.
 
         Example::
 
             TrainConfig(optimizer="sgd").sections()["optimizer"]
             # {"name": "sgd", "learning_rate": 0.001, ..., "weight_decay": 0.01, "momentum": 0.0, ...}
         """
+        fields = options(self)
         unused = HYPER_PARAMETERS - set(OPTIMIZERS[self.optimizer][1])
-        if all(getattr(self, name) == default_of(f) for name, f in _FIELDS.items()
-               if f.metadata["option"].section == "llm"):
-            unused |= {name for name, f in _FIELDS.items() if f.metadata["option"].section == "llm"}
-        return files.sectioned(self.to_dict(), options(self), SECTIONS, leave_out=unused)
+        llm = {name for name, f in fields.items() if f.metadata["option"].section == "llm"}
+        if all(getattr(self, name) == default_of(fields[name]) for name in llm):
+            unused |= llm
+        return files.sectioned(self.to_dict(), fields, SECTIONS, leave_out=unused)
 
     def to_yaml(self, path: str | os.PathLike[str]) -> None:
         """Write the config by sections; ``from_yaml`` reads it back to an equal config."""
@@ -548,13 +472,20 @@ class TrainConfig:
 
     # ----- helpers for the CLI and the trainer -----
     @classmethod
+    def defaults(cls) -> dict[str, Any]:
+        """Each field's default for this config: the declared one (``FinetuneConfig``: fine-tuning's)."""
+        return {name: default_of(f) for name, f in options(cls).items()}
+
+    @classmethod
     def fields_help(cls) -> dict[str, FieldHelp]:
         """Per field: ``FieldHelp(type, default, help, choices, section)``, in declaration order.
 
-        ``type`` is the annotation as text (``"int | None"``); ``default`` a fresh copy; ``choices``
-        a tuple of allowed strings or None. The CLI builds its flags and ``--help`` from this.
+        ``type`` is the annotation as text (``"int | None"``); ``default`` a fresh copy of this config's
+        default (``FinetuneConfig``: fine-tuning's, batch 4, adam at 1e-5); ``choices`` a tuple of allowed
+        strings or None. The CLI builds its flags and ``--help`` from this.
         """
-        return {name: FieldHelp(str(f.type), default_of(f), f.metadata["option"].help,
+        defaults = cls.defaults()
+        return {name: FieldHelp(str(f.type), copy.deepcopy(defaults[name]), f.metadata["option"].help,
                                 f.metadata["option"].choices, f.metadata["option"].section)
                 for name, f in options(cls).items()}
 
@@ -562,9 +493,9 @@ class TrainConfig:
     def parse_value(cls, name: str, text: str) -> Any:
         """Convert a command-line string to field ``name``'s type, e.g. ``("lr_schedule_args",
         "[1000, 1e-5]") -> [1000, 1e-05]``; ``none``/``null`` mean None for optional fields."""
-        if name not in _FIELDS:
-            raise ConfigError(f"unknown TrainConfig option '{name}'{did_you_mean(name, _FIELDS)}")
-        kind, optional = kind_of(_FIELDS[name])
+        sections.check_names(cls, {name: None})
+        field = options(cls)[name]
+        kind, optional = kind_of(field)
         if optional and text.strip().lower() in ("none", "null", "~"):
             return None
         value: Any = text
@@ -576,7 +507,7 @@ class TrainConfig:
             except yaml.YAMLError:
                 pass
         try:
-            return convert(_FIELDS[name], value)
+            return convert(field, value)
         except Invalid as error:
             raise ConfigError(f"{name} {error}") from None
 
@@ -600,9 +531,9 @@ class FieldHelp(NamedTuple):
     section: str
 
 
-_FIELDS = options(TrainConfig)
+sections.root(TrainConfig)
 
 
 def check_values(values: Mapping[str, Any], explicit: set[str]) -> tuple[str, str] | None:
     """``(field, problem)`` for the first field check that fails on a complete set of values."""
-    return first_problem(_FIELDS, values, explicit)
+    return first_problem(sections.all_fields(), values, explicit)

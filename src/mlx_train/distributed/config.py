@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mlx_train.config import TrainConfig, option, same_as
+from mlx_train.config import LaunchConfig, TrainConfig, option, same_as
 from mlx_train.config.options import check_fields, options
 from mlx_train.distributed.hostfile import Hostfile
 from mlx_train.errors import ConfigError, DistributedError
@@ -53,7 +53,7 @@ class DistributedConfig:
     strategy: str = same_as(TrainConfig, "distributed_strategy")
     hosts: list[str] | None = None
     hostfile: str | None = None
-    max_restarts: int = same_as(TrainConfig, "max_restarts")
+    max_restarts: int = same_as(LaunchConfig, "max_restarts")
     collective_timeout: float = same_as(TrainConfig, "collective_timeout")
     checksum_every: int | None = same_as(TrainConfig, "checksum_every")
     env: dict[str, str] = field(default_factory=dict)
@@ -77,9 +77,10 @@ class DistributedConfig:
         return ranks * self.batch_size_per_device * self.gradient_accumulation
 
     def train_overrides(self) -> dict[str, Any]:
-        """The ``TrainConfig`` fields this config sets: ``TrainConfig().replace(**overrides)``."""
+        """The ``TrainConfig`` fields this config sets: ``TrainConfig().replace(**overrides)`` (max_restarts is
+        the launcher's, ``LaunchConfig``'s: the supervisor reads it, the Trainer does not)."""
         return {f.metadata["same_as"][1]: getattr(self, name)
-                for name, f in options(self).items() if "same_as" in f.metadata}
+                for name, f in options(self).items() if f.metadata.get("same_as", ("",))[0] == "TrainConfig"}
 
     def check_world_size(self, world_size: int) -> None:
         """Raise ``DistributedError`` when the launched group does not have ``num_devices`` ranks."""

@@ -18,32 +18,32 @@ from typing import Any
 import yaml
 
 from mlx_train import rundir
+from mlx_train.llm.tasks import task_for
 
 CARD_FILE = "README.md"
 FACTS_FILE = "model_card.json"  # the card's facts, so a fused model's card can be written from the adapters'
-_HYPER = ("train_mode", "fine_tune_type", "num_layers", "lora_parameters", "learning_rate", "optimizer", "batch_size",
+_HYPER = ("fine_tune_type", "num_layers", "lora_parameters", "learning_rate", "optimizer", "batch_size",
           "gradient_accumulation", "max_steps", "epochs", "max_seq_length", "mask_prompt", "pack", "seed")
-_PREFERENCE = ("beta", "dpo_loss_type", "label_smoothing", "reference_free", "reference_model_path",
-               "precompute_ref_log_probs")
 
 
-def card_facts(cfg: Any, result: dict[str, Any]) -> dict[str, Any]:
-    """What a card says about a finished :func:`~mlx_train.llm.finetune.finetune` run (``cfg``: its TrainConfig).
+def card_facts(cfg: Any, result: dict[str, Any], task: Any = None) -> dict[str, Any]:
+    """What a card says about a finished :func:`~mlx_train.llm.finetune.finetune` run (``cfg``: its
+    FinetuneConfig; ``task``: its task, by default the one ``result`` names, which adds its own facts).
 
     Example: ``card_facts(cfg, finetune(cfg))["metrics"]["val_loss"]``.
     """
-    hyper = {k: getattr(cfg, k) for k in _HYPER}
+    task = task or result.get("task") or task_for(cfg)
+    hyper = {"train_mode": task.name, **{k: getattr(cfg, k) for k in _HYPER}}
     if cfg.fine_tune_type == "full":
         hyper.pop("lora_parameters")
-    if cfg.train_mode != "sft":
-        hyper.update({k: getattr(cfg, k) for k in _PREFERENCE if k != "dpo_loss_type" or cfg.train_mode != "orpo"})
+    hyper.update(task.card_hyperparameters())
     metrics = {"steps": result["trainer"].step}
     for key, value in result.get("val_metrics", {}).items():
         if isinstance(value, float) and math.isfinite(value):
             metrics[f"val_{key}"] = round(value, 6)
     if "val_perplexity" in result:
         metrics["val_perplexity"] = round(result["val_perplexity"], 6)
-    return {"base_model": cfg.model, "data": cfg.dataset, "method": cfg.fine_tune_type, "train_mode": cfg.train_mode,
+    return {"base_model": cfg.model, "data": cfg.dataset, "method": cfg.fine_tune_type, "train_mode": task.name,
             "hyperparameters": hyper, "metrics": metrics}
 
 

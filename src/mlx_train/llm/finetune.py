@@ -1,56 +1,62 @@
 """Fine-tune a language model with the Trainer: what ``mlx_lm.lora`` does, with exact resume,
 packing and token-length bucketing.
 
-The configuration is a ``TrainConfig``, the same as ``mlx-train train``'s: the language-model
-settings are its ``llm`` section, ``model`` is the base model and ``dataset`` the data directory.
-``TrainConfig.from_yaml(path, finetune=True)`` reads mlx_lm.lora's YAML files as they are, on
-mlx_lm.lora's defaults; ``FineTuneConfig(...)`` builds the same from mlx_lm.lora's names.
+The configuration is a ``FinetuneConfig``: the Trainer's ``TrainConfig`` (as ``mlx-train train``'s) with
+the ``llm`` section; ``model`` is the base model and ``dataset`` the data directory.
+``FinetuneConfig.from_yaml(path)`` reads mlx_lm.lora's YAML files as they are, on mlx_lm.lora's
+defaults; ``FineTuneConfig(...)`` builds the same from mlx_lm.lora's names. What is trained (SFT,
+DPO, ORPO, CPO) is the run's task (``mlx_train.llm.tasks``), picked once from ``train_mode``.
 
 Example::
 
     config = FineTuneConfig(model="SmolLM2-135M-Instruct.Q4_1.gguf", data="data/", iters=100,
-                            num_layers=8, pack=True, run_dir="runs/smol")      # a TrainConfig
+                            num_layers=8, pack=True, run_dir="runs/smol")      # a FinetuneConfig
     result = finetune(config)
     result["val_loss"], result["val_perplexity"]      # adapters in runs/smol/adapters
 """
 
 from __future__ import annotations
 
-import functools
-import math
 import os
 from typing import Any, Protocol
 
 import mlx.core as mx
 
 from mlx_train import rundir
-from mlx_train.config import TrainConfig
+from mlx_train.config import FinetuneConfig
 from mlx_train.errors import ConfigError
+from mlx_train.llm.tasks import PairCounter, Task, TokenCounter, task_for
 from mlx_train.training.callbacks import Callback
 
+__all__ = ["AdapterSplit", "AdapterWriter", "FineTuneConfig", "PairCounter", "TokenCounter", "check_before_loading",
+           "check_tensor_parallel", "finetune", "fuse_model", "path_in_run", "prepare", "recompute_setting",
+           "resume_checkpoint"]
 
-def FineTuneConfig(**values: Any) -> TrainConfig:  # noqa: N802 - the name of the class it replaces
-    """The ``TrainConfig`` of a fine-tuning run, from mlx_lm.lora's names (``iters``, ``data``,
-    ``grad_accumulation_steps``, ``steps_per_eval``, ``optimizer_config``, ...) or TrainConfig's,
+
+def FineTuneConfig(**values: Any) -> FinetuneConfig:  # noqa: N802 - the name of the class it replaces
+    """The ``FinetuneConfig`` of a fine-tuning run, from mlx_lm.lora's names (``iters``, ``data``,
+    ``grad_accumulation_steps``, ``steps_per_eval``, ``optimizer_config``, ...) or the fields' own,
     on ``mlx-train finetune``'s defaults (mlx_lm.lora's). A shim for code written against the
-    former FineTuneConfig class: it is ``TrainConfig.from_dict(values, finetune=True)``.
+    former FineTuneConfig class: it is ``FinetuneConfig.from_dict(values)``.
 
     Example: ``FineTuneConfig(model="base", data="data", iters=8, grad_accumulation_steps=2).max_steps`` -> ``4``.
     """
-    return TrainConfig.from_dict(values, source="FineTuneConfig", finetune=True)
+    config = FinetuneConfig.from_dict(values, source="FineTuneConfig")
+    assert isinstance(config, FinetuneConfig)  # from_dict of a class builds that class
+    return config
 
 
-def path_in_run(config: TrainConfig, path: str) -> str:
+def path_in_run(config: FinetuneConfig, path: str) -> str:
     """``path`` inside the run directory when it is relative and the run has one.
 
-    Example: ``path_in_run(TrainConfig(run_dir="runs/a"), "adapters")`` -> ``"runs/a/adapters"``.
+    Example: ``path_in_run(FinetuneConfig(run_dir="runs/a"), "adapters")`` -> ``"runs/a/adapters"``.
     """
     return path if os.path.isabs(path) or not config.run_dir else os.path.join(config.run_dir, path)
 
 
-def _for_trainer(config: TrainConfig) -> TrainConfig:
-    """The run's config as the Trainer takes it: checkpoints in RUN_DIR/checkpoints, and a run shorter than
-    report_every reports at its last step (as mlx_lm.lora reports at its last iteration)."""
+def _for_trainer(config: FinetuneConfig) -> FinetuneConfig:
+    """The run's config as the Trainer takes it: checkpoints in RUN_DIR/checkpoints, and a run shorter
+    than report_every reports at its last step (as mlx_lm.lora reports at its last iteration)."""
     from mlx_train.config import parse_every
 
     if config.run_dir and not config.checkpoint_dir:
@@ -59,29 +65,6 @@ def _for_trainer(config: TrainConfig) -> TrainConfig:
     if config.max_steps and report.unit == "step" and report.n > config.max_steps:
         config = config.replace(report_every=f"{config.max_steps} steps")
     return config
-
-
-class TokenCounter(Callback):
-    """Counts trained tokens (targets in the loss) and prints a report line with them."""
-
-    def __init__(self) -> None:
-        self.trained_tokens = 0.0
-        self.tokens_per_second: list[float] = []
-
-    def on_report(self, trainer: Any, logs: dict[str, Any]) -> None:
-        # The Trainer counts the targets the loss averaged over (tokens here), checkpointed with the run.
-        self.trained_tokens = trainer.state.trained_items
-        if "tokens_per_second" in logs:
-            self.tokens_per_second.append(logs["tokens_per_second"])
-
-    def on_validation_end(self, trainer: Any, logs: dict[str, Any]) -> None:
-        trainer.log(f"step {logs['step']}: val loss {logs['val_loss']:.4f}, "
-                    f"val perplexity {math.exp(min(logs['val_loss'], 50)):.3f}")
-
-    def on_fit_end(self, trainer: Any, history: dict[str, Any]) -> None:
-        self.trained_tokens = trainer.state.trained_items
-        # The final report line, also in train.log: a run shorter than steps_per_report has no other.
-        trainer.log(f"finished at step {trainer.step}: {int(self.trained_tokens):,} trained tokens")
 
 
 class AdapterSplit(Protocol):
@@ -132,7 +115,7 @@ class AdapterWriter(Callback):
             save_adapters(trainer.model, self.spec, self.directory, self.extra)
 
 
-def check_before_loading(config: TrainConfig, resume: str | None = None, overwrite: bool = False,
+def check_before_loading(config: FinetuneConfig, resume: str | None = None, overwrite: bool = False,
                          log: Any = print, launched: bool = False) -> None:
     """What can be checked without the (slow) model load: a base model and data are given, --test's split,
     the run directory (a new run into one that holds a run is refused, or moved aside with ``overwrite``)
@@ -160,11 +143,11 @@ def check_before_loading(config: TrainConfig, resume: str | None = None, overwri
         RunDirectory.of(config.run_dir, config.checkpoint_dir).make_room(overwrite, log)
 
 
-def resume_checkpoint(config: TrainConfig, resume: str) -> str | None:
+def resume_checkpoint(config: FinetuneConfig, resume: str) -> str | None:
     """The checkpoint ``resume`` ("auto" or a path) continues: a checked path, or None for "auto" before the
     first checkpoint (the run then starts from scratch, as ``Trainer.train(resume="auto")`` does).
 
-    Example: ``resume_checkpoint(TrainConfig(run_dir="runs/a"), "auto")`` -> ``"runs/a/checkpoints/step-..."``
+    Example: ``resume_checkpoint(FinetuneConfig(run_dir="runs/a"), "auto")`` -> ``"runs/a/checkpoints/step-..."``
     """
     from mlx_train.run_directory import RunDirectory
 
@@ -173,7 +156,7 @@ def resume_checkpoint(config: TrainConfig, resume: str) -> str | None:
     return RunDirectory.of(config.run_dir, config.checkpoint_dir).resolve(resume)
 
 
-def _check_resume(config: TrainConfig, resume: str) -> None:
+def _check_resume(config: FinetuneConfig, resume: str) -> None:
     """Refuse a resume with a global batch or seed other than its checkpoint's (the data order and the
     position in the epoch are restored from it, counted in its batches)."""
     from mlx_train.checkpointing import load_checkpoint
@@ -193,21 +176,19 @@ def _check_resume(config: TrainConfig, resume: str) -> None:
                           "the run's own values; to train with others, start a new run without --resume")
 
 
-def prepare(cfg: TrainConfig, log: Any = print, split: AdapterSplit | None = None) -> dict[str, Any]:
-    """Load the model, add adapters and build the datasets (what :func:`finetune` trains on). With a
-    ``split`` (tensor parallelism) the model is split over the ranks and the adapters are added to
-    the split layers.
+def prepare(cfg: FinetuneConfig, log: Any = print, split: AdapterSplit | None = None,
+            task: Task | None = None) -> dict[str, Any]:
+    """Load the model, add adapters and build the datasets (what :func:`finetune` trains on) as the run's
+    ``task`` (default: the one ``cfg.train_mode`` names) builds them. With a ``split`` (tensor parallelism)
+    the model is split over the ranks and the adapters are added to the split layers.
 
     Example: ``prepare(FineTuneConfig(model="base", data="data"))["splits"]["train"]``
     """
-    from mlx_train.llm import adapters, data, loss, models
+    from mlx_train.llm import adapters, data, models
 
     if not cfg.model or not cfg.dataset:
         raise ConfigError("fine-tuning needs a base model and data: pass --model PATH and --data DIR")
-    if cfg.train_mode != "sft":  # a wrong preference setting fails before the model loads
-        from mlx_train.llm.preference import PreferenceConfig
-
-        PreferenceConfig.from_finetune(cfg)
+    task = task or task_for(cfg)  # a setting the task refuses fails before the model loads
     spec = adapters.AdapterConfig.from_mlx_lm(
         {"fine_tune_type": cfg.fine_tune_type, "num_layers": cfg.num_layers, "lora_parameters": cfg.lora_parameters})
     quantized = cfg.quantized if cfg.quantized is not None else mx.default_device() == mx.gpu
@@ -226,50 +207,16 @@ def prepare(cfg: TrainConfig, log: Any = print, split: AdapterSplit | None = Non
         split.add(model, spec)
     else:
         adapters.apply_adapters(model, spec)
-    if cfg.train_mode != "sft":
-        return _preference_parts(cfg, model, tokenizer, model_config, spec, log)
-    document_mask = loss.supports_document_mask(model)
-    if cfg.pack in (True, "best_fit") and not document_mask:
-        log("packing: this model takes no attention mask, so a token may attend to earlier documents of its "
-            "row (the loss still never crosses a document boundary)")
-    splits: dict[str, Any] = {}
-    for name in ("train", "valid", "test"):
-        if not records[name]:
-            continue
-        docs = data.tokenize(records[name], tokenizer, cfg.mask_prompt, cfg.max_seq_length,
-                             where=f"{cfg.dataset}/{name}.jsonl")
-        rows = data.SequenceDataset(docs, cfg.max_seq_length, pack=cfg.pack if name == "train" else False,
-                                    document_mask=document_mask)
-        log(data.describe_documents(name, docs, rows))
-        splits[name] = rows
+    splits = task.datasets(model, tokenizer, records, log)
     trainable, total = adapters.trainable_count(model)
-    log(f"{spec.fine_tune_type}: training {trainable:,} of {total:,} parameters ({100 * trainable / total:.3f}%)")
+    log(task.parameters_line(spec.fine_tune_type, trainable, total))
     return {"model": model, "tokenizer": tokenizer, "model_config": model_config, "spec": spec, "splits": splits}
 
 
-def _preference_parts(cfg: TrainConfig, model: Any, tokenizer: Any, model_config: dict[str, Any], spec: Any,
-                      log: Any) -> dict[str, Any]:
-    """:func:`prepare` for DPO/ORPO: preference pairs instead of documents."""
-    from mlx_train.llm import adapters, preference
-
-    splits = preference.build_splits(cfg, model, tokenizer, log)
-    trainable, total = adapters.trainable_count(model)
-    log(f"{cfg.train_mode} with {spec.fine_tune_type}: training {trainable:,} of {total:,} parameters")
-    return {"model": model, "tokenizer": tokenizer, "model_config": model_config, "spec": spec, "splits": splits}
-
-
-class PairCounter(TokenCounter):
-    """TokenCounter for preference runs: the validation line shows reward accuracy and margin."""
-
-    def on_validation_end(self, trainer: Any, logs: dict[str, Any]) -> None:
-        trainer.log(f"step {logs['step']}: val loss {logs['val_loss']:.4f}, val reward accuracy "
-                    f"{logs['val_reward_accuracy']:.3f}, val reward margin {logs['val_reward_margin']:.4f}")
-
-
-def check_tensor_parallel(config: TrainConfig) -> None:
+def check_tensor_parallel(config: FinetuneConfig, task: Task | None = None) -> None:
     """Refuse what a fine-tuning run split over its ranks (``distributed_strategy="tensor_parallel"``)
-    cannot do yet: continue from adapter files, or a DPO reference that is the model with its
-    adapters off (the split adapters cannot be switched off).
+    cannot do yet: continue from adapter files, or what its task cannot do on a split model (a DPO
+    reference that is the model with its adapters off: the split adapters cannot be switched off).
 
     Example: ``check_tensor_parallel(FineTuneConfig(train_mode="dpo", distributed_strategy="tensor_parallel"))``
     raises ConfigError.
@@ -280,15 +227,10 @@ def check_tensor_parallel(config: TrainConfig) -> None:
         raise ConfigError("--resume-adapter-file cannot go with --strategy tensor_parallel: the adapters would be "
                           "added before the model is split. Continue a run with --resume, or use --strategy "
                           "data_parallel")
-    if (config.train_mode == "dpo" and not config.reference_free and not config.reference_model_path
-            and config.fine_tune_type != "full"):
-        raise ConfigError(f"--train-mode dpo with {config.fine_tune_type} and --strategy tensor_parallel: the DPO "
-                          "reference is the model with its adapters off, which a split model cannot do. Pass "
-                          "--reference-model-path BASE (the reference then is that model, loaded whole on every "
-                          "rank) or --reference-free, or use --strategy data_parallel")
+    (task or task_for(config)).check_tensor_parallel()
 
 
-def recompute_setting(config: TrainConfig, model: Any, log: Any = print) -> TrainConfig:
+def recompute_setting(config: FinetuneConfig, model: Any, log: Any = print) -> FinetuneConfig:
     """``config``, with attention recomputation (``gradient_checkpointing: attention``, or ``auto``, finetune's
     default) turned off where ``model`` has no block with an attention module to recompute (said in the log).
 
@@ -310,17 +252,12 @@ def recompute_setting(config: TrainConfig, model: Any, log: Any = print) -> Trai
     return config.replace(gradient_checkpointing=False)
 
 
-def _loss_for(cfg: TrainConfig) -> Any:
-    from mlx_train.llm import loss, preference
-
-    if cfg.train_mode != "sft":
-        return preference.PreferenceLoss(preference.PreferenceConfig.from_finetune(cfg), chunk=cfg.loss_chunk)
-    if cfg.loss_chunk is None:
-        return loss.lm_loss
-    return functools.update_wrapper(functools.partial(loss.lm_loss, chunk=cfg.loss_chunk), loss.lm_loss)
+def _loss_for(cfg: FinetuneConfig) -> Any:
+    """The loss of the run's task (``task_for(cfg).loss()``)."""
+    return task_for(cfg).loss()
 
 
-def finetune(config: TrainConfig, callbacks: list[Any] | None = None, resume: str | None = None,
+def finetune(config: FinetuneConfig, callbacks: list[Any] | None = None, resume: str | None = None,
              overwrite: bool = False, log: Any = print, trainer_class: Any = None,
              split: AdapterSplit | None = None) -> dict[str, Any]:
     """Fine-tune ``config.model`` on ``config.dataset``; returns the trainer, model, history and final
@@ -332,6 +269,9 @@ def finetune(config: TrainConfig, callbacks: list[Any] | None = None, resume: st
     model is split over the group's ranks (``distributed_strategy="tensor_parallel"``; each rank trains on
     the whole batch and the adapters are written whole).
 
+    The run's task (``result["task"]``, from ``train_mode``) builds the rows and the loss, counts what is
+    trained (``result["trained"]``: tokens, or pairs) and adds its metrics, adapter facts and card facts.
+
     Example: ``finetune(FineTuneConfig(model="base", data="data", iters=50))["val_perplexity"]``.
     """
     from mlx_train import transforms
@@ -339,18 +279,18 @@ def finetune(config: TrainConfig, callbacks: list[Any] | None = None, resume: st
     from mlx_train.training import Trainer
 
     trainer_class = trainer_class or Trainer
+    task = task_for(config)  # picked once: the rest asks it
     check_before_loading(config, resume, overwrite, log, launched=trainer_class is not Trainer)
     if split is not None:
-        check_tensor_parallel(config)
-    parts = prepare(config, log, split)
+        check_tensor_parallel(config, task)
+    parts = prepare(config, log, split, task)
     model, splits = parts["model"], parts["splits"]
     if config.test and "test" not in splits:  # an empty test.jsonl, or a dataset without a test split
         raise ConfigError(f"--test: {config.dataset} has no test records to evaluate on; add some, or leave --test "
                           "out")
     train_rows, valid_rows = splits["train"], splits.get("valid")
     # A loader batch is a micro-batch; the Trainer takes gradient_accumulation of them per optimizer step.
-    # prompt-masked rows: the loss projects only the trained positions onto the vocabulary
-    gather = config.mask_prompt and config.train_mode == "sft"
+    gather = task.gathers_positions()
     loader = data.make_loader(train_rows, config.batch_size, seed=config.seed, num_workers=config.num_workers,
                               positions=gather)
     options = {"strategy": config.distributed_strategy} if trainer_class is not Trainer else {}
@@ -359,16 +299,15 @@ def finetune(config: TrainConfig, callbacks: list[Any] | None = None, resume: st
     # training mode, as mlx_lm.lora sets it (mlx_lm.load leaves a model in eval mode): the loss takes eval
     # mode (which the Trainer's evaluation sets) for an evaluation, and leaves out the gradient work then
     model.train()
-    trainer = trainer_class(model, loss_fn=_loss_for(config), config=_for_trainer(config), **options)
+    # The Trainer records the whole config (checkpoints, config.yaml): a resume continues the same task.
+    trainer = trainer_class(model, loss_fn=task.loss(), config=_for_trainer(config), **options)
     # Checkpoints of a run with a frozen base hold the trained parameters and this reference.
     trainer.base_model = models.base_reference(config.model) if os.path.exists(config.model) else \
         {"path": config.model}
-    counter = TokenCounter() if config.train_mode == "sft" else PairCounter()
+    counter = task.counter()
     adapter_dir = path_in_run(config, config.adapter_path)
     extra = {"model": config.model, "data": config.dataset, "max_seq_length": config.max_seq_length,
-             "seed": config.seed, "mask_prompt": config.mask_prompt, "pack": config.pack}
-    if config.train_mode != "sft":
-        extra.update({"train_mode": config.train_mode, "beta": config.beta, "dpo_loss_type": config.dpo_loss_type})
+             "seed": config.seed, "mask_prompt": config.mask_prompt, "pack": config.pack, **task.adapter_facts()}
     writer = AdapterWriter(parts["spec"], adapter_dir, extra, split)
     val = None
     eval_rows = config.eval_batch_size or config.batch_size
@@ -379,25 +318,16 @@ def finetune(config: TrainConfig, callbacks: list[Any] | None = None, resume: st
     history = trainer.train(train_dataset=loader, val_dataset=val, resume=resume,
                             callbacks=[counter, writer, *(callbacks or [])])
     result: dict[str, Any] = {"trainer": trainer, "model": model, "tokenizer": parts["tokenizer"], "history": history,
-                              "adapter_path": adapter_dir, "trained_tokens": int(counter.trained_tokens),
-                              "tokens_per_second": (sum(counter.tokens_per_second) / len(counter.tokens_per_second)
-                                                    if counter.tokens_per_second else None)}
+                              "adapter_path": adapter_dir, "task": task, **task.result_counts(counter)}
     if val is not None:
         result["val_metrics"] = trainer.evaluate(val)
         result["val_loss"] = result["val_metrics"]["loss"]
-        if config.train_mode == "sft":
-            result["val_perplexity"] = math.exp(min(result["val_loss"], 50))
+    test_rows = None
     if config.test and "test" in splits:
         test_rows = splits["test"].head(config.test_batches * eval_rows) if config.test_batches else splits["test"]
-        if config.train_mode == "sft":
-            result["test_loss"] = trainer.evaluate(test_rows.samples())["loss"]
-            result["test_perplexity"] = math.exp(min(result["test_loss"], 50))
-        else:
-            result["test_metrics"] = trainer.evaluate(data.make_loader(test_rows, eval_rows, shuffle=False,
-                                                                       num_workers=0, drop_last=False))
-            result["test_loss"] = result["test_metrics"]["loss"]
+    task.evaluate(trainer, result, test_rows, eval_rows)
     if trainer.is_main:
-        result["card"] = card.card_facts(config, result)
+        result["card"] = card.card_facts(config, result, task)
         card.write_model_card(adapter_dir, result["card"])
     return result
 

@@ -59,14 +59,12 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-#: Logits per chunk of the output projection: a chunk is this many over the vocabulary size tokens
-#: (a multiple of 32 from 64 on), at least MIN_CHUNK_TOKENS; 4M float32 logits are 16 MB (64
-#: tokens of a 49152-token vocabulary). 0 computes the full logits (the plain loss). Measured on
-#: SmolLM2-135M LoRA at batch 4: 160-token chunks peaked at 0.66x mlx-lm's memory, 64-token chunks
-#: at 0.55x, for ~2% of the step (docs/benchmarks.md, Fine-tuning).
-CHUNK_LOGITS = 1 << 22
-#: Smaller chunks save little more memory and cost time (many small matrix products).
-MIN_CHUNK_TOKENS = 32
+from mlx_train.config import finetune as config_finetune
+
+#: Logits per chunk of the output projection, and the fewest tokens a chunk has (declared with the
+#: loss_chunk setting, whose help they write; module attributes here, so a check can change them).
+CHUNK_LOGITS = config_finetune.CHUNK_LOGITS
+MIN_CHUNK_TOKENS = config_finetune.MIN_CHUNK_TOKENS
 
 
 
@@ -140,8 +138,7 @@ def chunk_tokens(vocabulary: int) -> int:
 
     Example: ``chunk_tokens(49152)`` -> ``64``.
     """
-    rows = CHUNK_LOGITS // vocabulary
-    return max(MIN_CHUNK_TOKENS, rows - rows % 32 if rows >= 64 else rows)
+    return config_finetune.chunk_tokens(vocabulary, CHUNK_LOGITS, MIN_CHUNK_TOKENS)
 
 
 def trained_positions(loss_mask: np.ndarray, multiple: int = 32) -> np.ndarray:

@@ -45,7 +45,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from mlx_train.config.train import DPO_LOSS_TYPES, TRAIN_MODES
+from mlx_train.config.finetune import DPO_LOSS_TYPES, TRAIN_MODES
 from mlx_train.errors import ConfigError, DataError
 
 METRICS = ("rewards_chosen", "rewards_rejected", "reward_accuracy", "reward_margin", "logps_chosen",
@@ -90,9 +90,9 @@ class PreferenceConfig:
 
     @classmethod
     def from_finetune(cls, cfg: Any) -> PreferenceConfig:
-        """The preference settings of a fine-tuning run's ``TrainConfig`` (its llm section).
+        """The preference settings of a fine-tuning run's ``FinetuneConfig`` (its llm section).
 
-        Example: ``PreferenceConfig.from_finetune(TrainConfig(train_mode="dpo", beta=0.5)).beta`` -> ``0.5``.
+        Example: ``PreferenceConfig.from_finetune(FinetuneConfig(train_mode="dpo", beta=0.5)).beta`` -> ``0.5``.
         """
         return cls(cfg.train_mode, float(cfg.beta), cfg.dpo_loss_type, float(cfg.label_smoothing),
                    bool(cfg.reference_free))
@@ -445,10 +445,7 @@ def build_splits(cfg: Any, model: nn.Module, tokenizer: Any, log: Any = print) -
     """
     from mlx_train.llm.models import load_model
 
-    options = PreferenceConfig.from_finetune(cfg)
-    if cfg.pack:
-        raise ConfigError(f"--pack does not apply to --train-mode {cfg.train_mode}: each reply is scored as a whole "
-                          "sequence beside its pair; drop --pack (or pack: true in the config)")
+    options = PreferenceConfig.from_finetune(cfg)  # (--pack is refused by the task, llm.tasks.Preference)
     splits: dict[str, PairDataset] = {}
     for name, (records, where) in load_pairs(cfg.data).items():
         if records:

@@ -354,7 +354,7 @@ class RunReader:
                 loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
                 if isinstance(loaded, dict):  # config.yaml is written by sections: flatten it
                     try:
-                        loaded = TrainConfig.from_dict(loaded, source=str(path)).to_dict()
+                        loaded = TrainConfig.from_saved(loaded, source=str(path)).to_dict()
                     except ConfigError:
                         pass  # keep what it says as it is: the monitor shows a run, it does not judge it
                 self._config, self._config_mtime = loaded if isinstance(loaded, dict) else {}, mtime

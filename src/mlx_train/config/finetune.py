@@ -1,0 +1,150 @@
+"""``FinetuneConfig``: the config of ``mlx-train finetune`` and ``finetune()``: the Trainer's ``TrainConfig``
+with the llm section (adapters, data rows, the task and its loss), on mlx_lm.lora's defaults.
+
+A fine-tuning setting is declared here once, like the Trainer's (``option``); given to the Trainer's
+config it is an error that says to pass it here (``TrainConfig(train_mode="dpo")``).
+
+Example::
+
+    config = FinetuneConfig(model="base", dataset="data", train_mode="dpo", beta=0.5)
+    config.batch_size, config.optimizer            # 4, "adam": mlx_lm.lora's defaults
+    FinetuneConfig.from_yaml("lora_config.yaml")   # an mlx_lm.lora file, or train's layout with llm:
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, ClassVar
+
+from mlx_train.config.launch import LaunchConfig
+from mlx_train.config.options import Invalid, option
+from mlx_train.config.sections import extends
+from mlx_train.errors import did_you_mean
+
+in_llm = partial(option, section="llm")
+
+#: The fine-tuning methods, training modes (each one a task of ``mlx_train.llm.tasks``) and DPO/CPO losses.
+FINE_TUNE_TYPES = ("lora", "dora", "full")
+TRAIN_MODES = ("sft", "dpo", "orpo", "cpo")
+DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo")
+PACKINGS = ("best_fit", "by_length")
+
+#: Logits per chunk of the loss's output projection (``mlx_train.llm.loss``): a chunk is this many over the
+#: vocabulary size tokens (a multiple of 32 from 64 on), at least MIN_CHUNK_TOKENS; 4M float32 logits are
+#: 16 MB (64 tokens of a 49152-token vocabulary). 0 computes the full logits (the plain loss). Measured on
+#: SmolLM2-135M LoRA at batch 4: 160-token chunks peaked at 0.66x mlx-lm's memory, 64-token chunks at 0.55x,
+#: for ~2% of the step (docs/benchmarks.md, Fine-tuning).
+CHUNK_LOGITS = 1 << 22
+#: Smaller chunks save little more memory and cost time (many small matrix products).
+MIN_CHUNK_TOKENS = 32
+#: The vocabulary the help of loss_chunk counts its tokens in (SmolLM2's).
+EXAMPLE_VOCABULARY = 49152
+
+
+def chunk_tokens(vocabulary: int, logits: int = CHUNK_LOGITS, minimum: int = MIN_CHUNK_TOKENS) -> int:
+    """Tokens per chunk of the output projection for this vocabulary size (see ``CHUNK_LOGITS``).
+
+    Example: ``chunk_tokens(49152)`` -> ``64``.
+    """
+    rows = logits // vocabulary
+    return max(minimum, rows - rows % 32 if rows >= 64 else rows)
+
+
+def _all_batches(value: Any) -> Any:
+    """mlx_lm.lora's ``-1`` batches means all of them: null here."""
+    return None if value == -1 and not isinstance(value, bool) else value
+
+
+def _packing(value: Any) -> Any:
+    """``pack``: true/false, or a packing by name (``best_fit``, ``by_length``; ``--pack`` alone is best_fit)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    if isinstance(value, str) and value.strip().lower() in PACKINGS:
+        return value.strip().lower()
+    raise Invalid(f"must be true, false or one of {', '.join(PACKINGS)}, got {value!r}"
+                  f"{did_you_mean(str(value), PACKINGS)}")
+
+
+def _layers(value: int, values: Mapping[str, Any]) -> str | None:
+    if value == -1 or value >= 1:
+        return None
+    return f"must be -1 (all blocks, as in mlx_lm.lora) or at least 1, got {value}"
+
+
+def _smoothing(value: float, values: Mapping[str, Any]) -> str | None:
+    if value and (values["train_mode"] == "orpo" or values["dpo_loss_type"] != "sigmoid"):
+        return "applies to the DPO sigmoid loss only; set it to 0 or use dpo_loss_type: sigmoid"
+    return None
+
+
+@extends("fine-tuning", "mlx-train finetune")
+@dataclass
+class FinetuneConfig(LaunchConfig):
+    """The config of a fine-tuning run: the Trainer's (``TrainConfig``, with the launcher's ``LaunchConfig``)
+    plus the llm section, with
+    ``mlx-train finetune``'s defaults (mlx_lm.lora's: adam at 1e-5, batch_size 4, 1000 iterations, ...)
+    for what is not given. The Trainer of a fine-tuning run records it whole (checkpoints, config.yaml);
+    what it trains is the task ``train_mode`` names (``mlx_train.llm.tasks``).
+
+    Example::
+
+        FinetuneConfig(model="base", dataset="data").learning_rate     # 1e-05
+        FinetuneConfig(model="base", dataset="data").replace(train_mode="orpo", beta=0.2)
+    """
+
+    finetune_defaults: ClassVar[bool] = True
+
+    # ----- llm: fine-tuning a language model (mlx_lm.lora's and mlx-lm-lora's names) -----
+    fine_tune_type: str = in_llm("lora", "How the base is tuned: lora, dora (adapters) or full (the blocks' weights).",
+                                 choices=FINE_TUNE_TYPES)
+    num_layers: int = in_llm(16, "Blocks to fine-tune, counted from the last (-1: all; 0 is refused). Under "
+                                 "model: a built-in model's option of that name instead.",
+                             check=_layers, shared_name=True)
+    lora_parameters: dict = in_llm({"rank": 8, "scale": 20.0, "dropout": 0.0},  # type: ignore[type-arg]
+                                   "LoRA/DoRA rank, scale, dropout and keys (mlx_lm.lora's lora_parameters).")
+    max_seq_length: int = in_llm(2048, "Longest sequence in tokens; longer documents are cut (and counted).",
+                                 minimum=1)
+    mask_prompt: bool = in_llm(False, "Train on completions only (prompt/completion and chat records).")
+    pack: bool | str = in_llm(False, "Pack the training rows: true or best_fit (several documents per row up to "
+                                     "max_seq_length, no loss or attention across them), by_length (one document a "
+                                     "row, batches of similar lengths), false.", parse=_packing)
+    loss_chunk: int | None = in_llm(None, "Tokens per chunk of the loss's output projection: the loss never holds "
+                                          "more logits than this many tokens x vocabulary (null: "
+                                          f"{CHUNK_LOGITS >> 20}M logits a chunk, {chunk_tokens(EXAMPLE_VOCABULARY)} "
+                                          f"tokens of a {EXAMPLE_VOCABULARY:,}-token vocabulary; 0: the full logits, "
+                                          "as mlx_lm.lora).", minimum=0)
+    adapter_path: str = in_llm("adapters", "Where the adapters are written (mlx-lm format); relative to run_dir.")
+    resume_adapter_file: str | None = in_llm(None, "Adapters (directory or adapters.safetensors) to start from.")
+    quantized: bool | None = in_llm(None, "Keep a quantized base quantized (QLoRA); null: keep it on a GPU, "
+                                          "dequantize to float32 on a CPU (quantized matmuls are slow there).")
+    test: bool = in_llm(False, "Evaluate on the test split (test.jsonl) after training.")
+    test_batches: int | None = in_llm(500, "Test batches (null or -1: the whole test set).", minimum=1,
+                                      parse=_all_batches)
+    train_mode: str = in_llm("sft", "sft (next-token loss), dpo, orpo or cpo (preference rows: prompt, chosen, "
+                                    "rejected).", choices=TRAIN_MODES)
+    beta: float = in_llm(0.1, "DPO: temperature of the implicit reward; ORPO: weight of the odds-ratio term.",
+                         above=0)
+    dpo_loss_type: str = in_llm("sigmoid", "DPO/CPO loss: sigmoid, hinge or ipo (YAML alias: dpo_cpo_loss_type).",
+                                choices=DPO_LOSS_TYPES, aliases={"dpo_cpo_loss_type": None})
+    label_smoothing: float = in_llm(0.0, "DPO sigmoid: share of preference labels assumed wrong (conservative "
+                                         "DPO).", minimum=0, below=0.5, check=_smoothing)
+    reference_free: bool = in_llm(False, "DPO against a uniform reference (reference log-probabilities 0).")
+    reference_model_path: str | None = in_llm(None, "DPO reference model (null: the base model; with LoRA/DoRA "
+                                                    "the adapters are switched off, with full fine-tuning its "
+                                                    "log-probabilities are computed once before training).")
+    precompute_ref_log_probs: bool = in_llm(False, "DPO with LoRA/DoRA: compute the reference log-probabilities "
+                                                   "once before training (adapters off) instead of in every step.")
+
+
+    @classmethod
+    def defaults(cls) -> dict[str, Any]:
+        """Fine-tuning's defaults: mlx_lm.lora's where it has one (adam at 1e-5, batch_size 4, 1000 iterations as
+        optimizer steps, ...), else the declared ones (what ``--help`` shows).
+
+        Example: ``FinetuneConfig.defaults()["batch_size"]`` -> ``4``.
+        """
+        return cls().to_dict()
