@@ -92,7 +92,11 @@ def section_class(cls: Any, finetune: bool) -> Any:
     """``cls``, or with ``finetune`` the config of fine-tuning runs (the one with ``finetune_defaults``)."""
     if not finetune or cls.finetune_defaults:
         return cls
-    return next(config for config in extensions() if config.finetune_defaults)
+    for config in extensions():
+        if config.finetune_defaults:
+            return config
+    raise ConfigError("the fine-tuning config is not loaded (a module imported mlx_train.config.train alone): "
+                      "use FinetuneConfig from mlx_train.config")
 
 
 def where_it_goes(name: str) -> str | None:
