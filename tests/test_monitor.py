@@ -228,6 +228,10 @@ def test_monitor_once_on_a_finished_run_prints_its_numbers(finished_run, capsys)
     assert re.search(rf"peak memory\s+{last['peak_memory_gb']:.3f} GB", out)
     assert f"latest checkpoint: checkpoints/step-{last['step']:08d}" in out and "(3 kept)" in out
     assert "where step time goes" in out and "waiting for data" in out and "checkpointing" in out
+    # One steps/s for the run: the header's, in rank 0's row; the step-time panel's is labelled as another thing.
+    header = re.search(r"· ([\d,.]+) steps/s", out).group(1)
+    assert re.search(rf"\b0\s+\S+\s+\d+\s+finished\s+\d+\s+{re.escape(header)}\s", out), out
+    assert re.search(r"[\d,.]+ steps/s of training", out)
     assert "━━ train loss" in out and "━━ val loss" in out and re.search("[\u2801-\u28ff]", out)  # curves drawn
 
 

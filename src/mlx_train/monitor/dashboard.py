@@ -179,7 +179,8 @@ def _ranks(snap: RunSnapshot) -> RenderableType:
         beat = rank.heartbeat
         style = "bold red" if rank.flagged or rank.status == "failed" else ""
         status = rank.status.upper() if rank.flagged else rank.status
-        sps = beat.get("steps_per_second")
+        # The main rank's rate is the run's (the header's): one number per run, from one definition.
+        sps = snap.steps_per_second if rank is snap.ranks[0] else beat.get("steps_per_second")
         samples = beat.get("samples_per_second")
         table.add_row(
             str(rank.rank), str(beat.get("host", "?")), str(beat.get("pid", "?")), Text(status, style=style),
@@ -221,7 +222,8 @@ def _performance(snap: RunSnapshot, width: int) -> RenderableType:
     for justify in ("left", "right", "right", "left"):
         table.add_column(justify=justify)
     table.add_row(Text("step time", style="bold"), Text(format_seconds(step), style="bold"),
-                  f"{1 / step:,.1f} steps/s" if step > 0 else "", "")
+                  f"{1 / step:,.1f} steps/s of training" if step > 0 else "",
+                  Text("(validation and checkpoints left out)", style="dim"))
     bar_width = max(width - 60, 10)
     for key in TIMING_PARTS + ("time_other",):
         share = timing[key] / step if step > 0 else 0.0
