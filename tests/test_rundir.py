@@ -108,6 +108,25 @@ def test_a_process_killed_mid_write_leaves_the_old_file(tmp_path):
     assert len(leftovers) == 1 and leftovers[0].startswith(".metrics.csv.") and leftovers[0].endswith(".tmp")
 
 
+def test_a_config_write_killed_before_its_rename_leaves_nothing_for_the_next_one(tmp_path):
+    """A kill between the temporary file and the rename leaves .config.yaml.*.tmp; the run's next config write
+    (under the run lock, the file's only writer) removes it."""
+    from mlx_train.config import TrainConfig
+
+    script = textwrap.dedent(f"""
+        import os
+        from mlx_train import rundir
+        from mlx_train.config import TrainConfig
+        os.fsync = lambda fd: os._exit(9)
+        rundir.write_config({str(tmp_path)!r}, TrainConfig())
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 9, done.stderr
+    assert [p.name for p in tmp_path.glob(".config.yaml.*.tmp")]  # the kill's leftover
+    rundir.write_config(tmp_path, TrainConfig())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml"]
+
+
 def test_log_message_goes_through_logging_to_the_console_and_the_run_log(tmp_path, capsys):
     records = []
 

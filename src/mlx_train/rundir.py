@@ -172,6 +172,7 @@ def write_config(run_dir: str | os.PathLike[str], config: Any) -> Path:
     Example: ``write_config("runs/a", trainer.config)``
     """
     path = Path(run_dir) / CONFIG_FILE
+    remove_leftovers(path)  # the run lock is held: no other writer of this file is mid-write
     try:
         atomic_write(path, config.yaml_text())
     except OSError as error:
@@ -207,6 +208,20 @@ def atomic_write(path: str | os.PathLike[str], data: bytes | str, durable: bool 
         except OSError:
             pass
         raise
+
+
+def remove_leftovers(path: str | os.PathLike[str]) -> list[Path]:
+    """Delete the temporary files an ``atomic_write`` of ``path`` killed before its rename left beside it
+    (``.NAME.*.tmp``); only for a file whose one writer is the caller. Returns what was removed."""
+    path = Path(path)
+    removed = []
+    for leftover in path.parent.glob(f".{path.name}.*.tmp"):
+        try:
+            leftover.unlink()
+            removed.append(leftover)
+        except OSError:
+            pass  # another attempt will remove it
+    return removed
 
 
 def atomic_write_json(path: str | os.PathLike[str], data: Any, durable: bool = True) -> None:
