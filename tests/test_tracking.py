@@ -162,6 +162,23 @@ def test_a_sigkilled_run_resumes_into_the_same_mlflow_run_with_each_step_once(tm
     _assert_same_metrics(mlflow_db, run.info.run_id, expected.info.run_id)
 
 
+@pytest.mark.slow
+def test_a_start_killed_before_its_first_checkpoint_leaves_no_mlflow_run_running(tmp_path, mlflow_db):
+    """Killed at step 4, before the checkpoint of step 6 recorded the MLflow run: the next start in the run
+    directory (a fresh run, as nothing was saved) ends that run as KILLED and opens its own."""
+    script = ("import sys, pathlib; sys.path.insert(0, sys.argv[1]); import test_tracking as t; "
+              "t._train(pathlib.Path(sys.argv[2]), [t.StopAt(4, 'sigkill')])")
+    proc = subprocess.run([sys.executable, "-c", script, os.path.dirname(__file__), str(tmp_path / "b")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    (killed,) = _runs(mlflow_db)
+    assert killed.info.status == "RUNNING" and not _complete_checkpoints(tmp_path / "b" / "ckpt")
+    _train(tmp_path / "b", resume="auto")
+    runs = {run.info.run_id: run.info.status for run in _runs(mlflow_db)}
+    assert runs.pop(killed.info.run_id) == "KILLED"
+    assert list(runs.values()) == ["FINISHED"]
+
+
 def test_resuming_a_run_the_mlflow_store_does_not_hold_says_which_uri(tmp_path, mlflow_db, monkeypatch, empty_store):
     with pytest.raises(TrainingInterrupted):
         _train(tmp_path / "b", [StopAt(7, "sigterm")])

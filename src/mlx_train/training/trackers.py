@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
+from mlx_train import rundir
 from mlx_train.errors import ConfigError, MLXTrainError, TrainingInterrupted
 from mlx_train.rundir import METRICS_FILE
 from mlx_train.training.callbacks import Callback
@@ -98,6 +99,10 @@ class Tracker(Callback):
         """How to fix a failed start of the tracker run (the end of the error's sentence)."""
         return "check the tracker's settings, or leave it out of report_to"
 
+    def close_orphan(self, run_id: str) -> None:
+        """End the tracker run ``run_id`` that an earlier start in this run directory left open (killed before its
+        first checkpoint recorded the id, so this start does not continue it). Nothing by default."""
+
     def replays_missing(self) -> bool:
         """Whether a resumed run sends the points up to its checkpoint that the tracker run does not hold (a kill
         can cut them off before the tracker stored them), read from the run directory's metrics.jsonl."""
@@ -114,9 +119,14 @@ class Tracker(Callback):
                                                               if config.run_dir else None)
         # A fresh start (step 0) never reuses a run; a resume continues the checkpoint's run.
         continued = self.run_id if trainer.step > 0 else None
+        started = os.path.join(config.run_dir, TRACKER_RUNS_FILE) if config.run_dir else None
         try:
+            if continued is None and started:
+                self._close_orphan(started)
             self.run_id = self.open_run(trainer, continued)
             self._open = True
+            if started:  # before any checkpoint holds the id: a start killed now can still be closed
+                _record_run(started, type(self).__name__, self.run_id)
             self.log_params(config.to_dict())
         except MLXTrainError:
             raise
@@ -158,6 +168,12 @@ class Tracker(Callback):
 
     # -- helpers ----------------------------------------------------------------------------------
 
+    def _close_orphan(self, path: str) -> None:
+        previous = rundir.read_json(path)
+        run_id = previous.get(type(self).__name__) if isinstance(previous, dict) else None
+        if isinstance(run_id, str):
+            self.close_orphan(run_id)
+
     def _replay(self, path: str, until: int) -> None:
         """Log the rows of ``metrics.jsonl`` up to step ``until`` that the tracker run lacks (``logged_until``)."""
         if not os.path.exists(path):
@@ -184,6 +200,17 @@ class Tracker(Callback):
     def _close(self, status: str) -> None:
         self._open = False
         self.close_run(status)
+
+
+#: The run directory's record of the tracker runs its starts opened ({"MLflowLogger": run id, ...}).
+TRACKER_RUNS_FILE = "tracker-runs.json"
+
+
+def _record_run(path: str, tracker: str, run_id: str) -> None:
+    record = rundir.read_json(path)
+    record = record if isinstance(record, dict) else {}
+    record[tracker] = run_id
+    rundir.atomic_write_json(path, record)
 
 
 def _param_text(value: Any) -> str:
@@ -300,6 +327,17 @@ class MLflowLogger(Tracker):
     def close_run(self, status: str) -> None:
         mlflow_status = {"finished": "FINISHED", "failed": "FAILED", "interrupted": "KILLED"}[status]
         self._client.set_terminated(self.run_id, mlflow_status)
+
+    def close_orphan(self, run_id: str) -> None:
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(self.tracking_uri)
+        try:
+            run = client.get_run(run_id)
+        except self._mlflow.exceptions.MlflowException:
+            return  # another store, or deleted: nothing left open here
+        if run.info.status == "RUNNING":
+            client.set_terminated(run_id, "KILLED")
 
 
 class WandbLogger(Tracker):
