@@ -80,11 +80,11 @@ class _Group:
 @pytest.mark.parametrize("model,rank,said", [("base.gguf", 0, True), ("base.gguf", 1, False), ("base", 0, False)])
 def test_a_gguf_base_is_said_to_load_whole_on_every_rank(monkeypatch, capsys, model, rank, said):
     from mlx_train.cli.finetune import tensor_parallel_split
-    from mlx_train.config import TrainConfig
+    from mlx_train.config import FinetuneConfig
     from mlx_train.distributed import trainer
 
     monkeypatch.setattr(trainer, "init_group", lambda backend: _Group(rank))
-    split = tensor_parallel_split(TrainConfig(model=model, distributed_strategy="tensor_parallel"))
+    split = tensor_parallel_split(FinetuneConfig(model=model, distributed_strategy="tensor_parallel"))
     assert split is not None and split.group.rank() == rank
     out = capsys.readouterr().out
     assert ("a GGUF base is dequantized as it loads, so every rank loads it whole" in out) is said
