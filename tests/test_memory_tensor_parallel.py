@@ -89,9 +89,26 @@ def test_a_plan_says_how_many_ranks_fit_and_plans_per_rank():
         for_strategy(model, 2, "fsdp")
 
 
-def test_optimize_cli_plans_per_tensor_parallel_rank(capsys):
+@pytest.fixture
+def measured_once(monkeypatch):
+    """``MemoryOptimizer.measure`` measures a model once per architecture: the commands of a test that plan
+    the same model on the same data share its measurement (tests/test_memory.py checks the measurement)."""
+    measure, profiles = MemoryOptimizer.measure, {}
+
+    def once(model, sample, **options):
+        shapes = tuple((name, v.shape) for name, v in tree_flatten(model.parameters()))
+        key = (type(model).__name__, shapes, options.get("precision"), type(options.get("optimizer")).__name__)
+        if key not in profiles:
+            profiles[key] = measure(model, sample, **options)
+        return profiles[key]
+
+    monkeypatch.setattr(MemoryOptimizer, "measure", staticmethod(once))
+    return profiles
+
+
+def test_optimize_cli_plans_per_tensor_parallel_rank(capsys, measured_once):
     common = ["optimize", "--model", "transformer", "--dataset", "text", "--batch-size", "4", "--set",
-              "model_options.dims=128", "--device-memory", "8GB"]
+              "model_options.dims=64", "--set", "model_options.num_layers=1", "--device-memory", "8GB"]
     assert main([*common, "--strategy", "tensor_parallel", "-n", "2"]) == 0
     out = capsys.readouterr().out
     assert "on 2 tensor-parallel ranks" in out and "needs 1 rank of tensor parallelism" in out
@@ -103,3 +120,4 @@ def test_optimize_cli_plans_per_tensor_parallel_rank(capsys):
     assert split_weights != whole_weights
     assert main([*common, "--strategy", "tensor_parallel", "-n", "3"]) == 2
     assert "does not split over 3 ranks" in capsys.readouterr().err
+    assert len(measured_once) == 1  # the three commands planned the same model
