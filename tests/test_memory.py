@@ -1,6 +1,7 @@
 """MemoryOptimizer: plans that are well-formed, explain themselves, and move the right way with the
 inputs; measured calibration that leaves the model alone; the optimize CLI and train --optimize-memory."""
 
+import math
 import re
 
 import mlx.core as mx
@@ -12,7 +13,7 @@ from mlx_train import ConfigError, MemoryOptimizer, TrainConfig
 from mlx_train.builtin.datasets import load_dataset
 from mlx_train.builtin.models import build_model
 from mlx_train.cli.main import main as cli
-from mlx_train.memory import HEADROOM, MemoryModel, MemoryPlan, optimizer_slots
+from mlx_train.memory import HEADROOM, MemoryModel, MemoryPlan, calibrate, optimizer_slots
 from mlx_train.training.recompute import is_checkpointed
 from mlx_train.training.state import rng_key
 
@@ -121,7 +122,9 @@ def test_measured_mode_calibrates_on_the_real_model_and_leaves_it_alone():
     mx.random.seed(0)
     model = build_model("transformer", data["info"], dims=64, num_layers=2)
     before, key = {k: np.array(v) for k, v in tree_flatten(model.parameters())}, rng_key()
-    profile = MemoryOptimizer.measure(model, data["train"], optimizer="adamw", max_batch_size=16)
+    # MemoryOptimizer.measure stops doubling after 30 s per mode, which a busy machine can reach before 16: the
+    # calibration it runs, with no time limit
+    profile = calibrate.measure(model, data["train"], optimizer="adamw", max_batch_size=16, max_seconds=math.inf)
     assert profile.source == "measured" and profile.sequence_length == data["info"]["block_size"]
     assert profile.can_checkpoint and profile.curves[False].per_sample > profile.curves[True].per_sample > 0
     assert profile.parameter_count == sum(v.size for _, v in tree_flatten(model.parameters()))
