@@ -269,32 +269,36 @@ def _wait_exec(*children, timeout=30.0):
 
 
 def test_reset_stops_only_leftover_mlx_train_processes_and_names_them(home):
-    orphan = _sleeper({"MLX_TRAIN_RUN_ID": "gone-run", "MLX_RANK": "1"})       # its supervisor is gone
-    healthy = _sleeper({"MLX_TRAIN_RUN_ID": "live-run", "MLX_RANK": "0"})      # its supervisor runs
-    unrelated = _sleeper({})                                                    # not an mlx-train process
-    unknown = _sleeper({"MLX_TRAIN_RUN_ID": "other-home-run", "MLX_RANK": "0"})  # a run this registry never saw
+    # run ids of this test process only: the same test running beside this one (in another checkout, with its own
+    # registry) must not take these processes for its own runs' and stop them
+    gone_run, live_run, old_run, other_run = (f"{name}-{os.getpid()}" for name in ("gone-run", "live-run", "old-run",
+                                                                                    "other-home-run"))
+    orphan = _sleeper({"MLX_TRAIN_RUN_ID": gone_run, "MLX_RANK": "1"})    # its supervisor is gone
+    healthy = _sleeper({"MLX_TRAIN_RUN_ID": live_run, "MLX_RANK": "0"})   # its supervisor runs
+    unrelated = _sleeper({})                                                 # not an mlx-train process
+    unknown = _sleeper({"MLX_TRAIN_RUN_ID": other_run, "MLX_RANK": "0"})  # a run this registry never saw
     supervisor = _sleeper({})
     try:
         registry.registry_dir().mkdir(parents=True)
-        live = {"pid": supervisor.pid, "kind": "supervisor", "run_id": "live-run", "run_dir": "runs/live", "ranks": 1,
+        live = {"pid": supervisor.pid, "kind": "supervisor", "run_id": live_run, "run_dir": "runs/live", "ranks": 1,
                 "start_time": processes.start_time(supervisor.pid), "started_at": time.time(), "backend": "ring"}
         write_json_atomic(registry.entry_path(supervisor.pid), live)
-        dead = {"pid": 999999, "kind": "rank", "run_id": "old-run", "start_time": 1}
+        dead = {"pid": 999999, "kind": "rank", "run_id": old_run, "start_time": 1}
         write_json_atomic(registry.entry_path(999999), dead)
-        killed = {"pid": 999998, "kind": "supervisor", "run_id": "gone-run", "start_time": 1}
+        killed = {"pid": 999998, "kind": "supervisor", "run_id": gone_run, "start_time": 1}
         write_json_atomic(registry.entry_path(999998), killed)
         _wait_exec(orphan, healthy, unrelated, unknown, supervisor)
         assert "supervised runs in progress: 1" in describe_cluster()
         lines = reset_distributed(grace=1.0)
-        assert any(f"stopped pid {orphan.pid}: rank 1 of run gone-run" in line and "its supervisor is gone" in line
+        assert any(f"stopped pid {orphan.pid}: rank 1 of run {gone_run}" in line and "its supervisor is gone" in line
                    for line in lines), lines
-        assert any("removed the stale record of rank pid 999999 of run old-run" in line for line in lines), lines
+        assert any(f"removed the stale record of rank pid 999999 of run {old_run}" in line for line in lines), lines
         assert orphan.wait(timeout=5) == -signal.SIGTERM
         assert healthy.poll() is None and unrelated.poll() is None and supervisor.poll() is None
         assert unknown.poll() is None
         lines = reset_distributed(stop_running=True, grace=1.0)
-        assert any(f"stopped pid {healthy.pid}: rank 0 of run live-run" in line for line in lines), lines
-        assert any(f"stopped pid {supervisor.pid}: supervisor of run live-run" in line for line in lines), lines
+        assert any(f"stopped pid {healthy.pid}: rank 0 of run {live_run}" in line for line in lines), lines
+        assert any(f"stopped pid {supervisor.pid}: supervisor of run {live_run}" in line for line in lines), lines
         assert unrelated.poll() is None
         assert unknown.poll() is None  # another home's run (e.g. a test running beside this one) is not ours
     finally:
