@@ -108,7 +108,7 @@ def measured_once(monkeypatch):
 
 def test_optimize_cli_plans_per_tensor_parallel_rank(capsys, measured_once):
     common = ["optimize", "--model", "transformer", "--dataset", "text", "--batch-size", "4", "--set",
-              "model_options.dims=64", "--set", "model_options.num_layers=1", "--device-memory", "8GB"]
+              "model_options.dims=32", "--set", "model_options.num_layers=1", "--device-memory", "8GB"]
     assert main([*common, "--strategy", "tensor_parallel", "-n", "2"]) == 0
     out = capsys.readouterr().out
     assert "on 2 tensor-parallel ranks" in out and "needs 1 rank of tensor parallelism" in out
