@@ -6,7 +6,7 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 
-from mlx_train.distributed.trainer import fused_average
+from mlx_train.distributed.reduction import fused_average
 from mlx_train.training.losses import Loss
 from mlx_train.training.state import LoopState
 from mlx_train.training.step import StepOptions, build_step

@@ -133,6 +133,6 @@ def test_a_one_process_train_loads_neither_the_distributed_trainer_nor_the_super
     assert done.returncode == 0, done.stderr
     loaded = json.loads(done.stdout.strip().splitlines()[-1])
     assert "mlx_train.training.trainer" in loaded and "mlx_train.run_directory" in loaded
-    unwanted = ("mlx_train.distributed.trainer", "mlx_train.distributed.rank", "mlx_train.launch.supervisor",
+    unwanted = ("mlx_train.training.distributed", "mlx_train.distributed.rank", "mlx_train.launch.supervisor",
                 "mlx_train.monitor", "mlx_train.llm", "mlx_train.testing", "mlx_train.memory", "mlx_train.export")
     assert [m for m in loaded if m.startswith(unwanted)] == []

@@ -187,7 +187,7 @@ def run(config: Any, resume: str | None = None, log: Callable[[str], None] = pri
 
     trainer_class: type[Trainer] = Trainer
     if in_group():  # a rank of a launched group
-        from mlx_train.distributed.trainer import DistributedTrainer
+        from mlx_train.training.distributed import DistributedTrainer
 
         trainer_class = DistributedTrainer
     trainer = trainer_class(model, build_optimizer(config), config=config)

@@ -1,5 +1,8 @@
-"""The distributed runtime: what each rank of a data-parallel run does, on ``mlx.core.distributed``.
+"""The topologies and the distributed runtime: where a run's work is spread, and what each rank does, on
+``mlx.core.distributed``.
 
+- ``Topology``: what the Trainer asks of where its work is spread; ``Single`` (one process), ``DataParallel``,
+  ``TensorParallel``, ``FSDP`` over a group (``init_group``).
 - ``DistributedConfig``: devices x batch per device x accumulation, backend, recovery knobs.
 - ``choose_backend`` / ``available_backends``: which backend, and why.
 - ``Hostfile``: the host files ``mlx.launch`` takes (read, write, validate).
@@ -9,7 +12,7 @@
   (``mlx_train.distributed.tensor_parallel``).
 
 Launching a group (the supervisor, ``mlx.launch``, network checks, reset) is ``mlx_train.launch``,
-one layer above: this package never imports it.
+and the Trainer is ``mlx_train.training``, layers above: this package imports neither.
 
 Example::
 
@@ -31,6 +34,8 @@ if TYPE_CHECKING:
     from mlx_train.distributed.hostfile import Host, Hostfile
     from mlx_train.distributed.rank import RankMonitor
     from mlx_train.distributed.tensor_parallel import save_gathered_adapters, shard_for_finetune, shard_model
+    from mlx_train.distributed.tensor_topology import TensorParallel
+    from mlx_train.distributed.topology import FSDP, DataParallel, Single, Topology, init_group
 
 _LAZY = {
     "DistributedConfig": "mlx_train.distributed.config",
@@ -46,11 +51,18 @@ _LAZY = {
     "shard_model": "mlx_train.distributed.tensor_parallel",
     "shard_for_finetune": "mlx_train.distributed.tensor_parallel",
     "save_gathered_adapters": "mlx_train.distributed.tensor_parallel",
+    "Topology": "mlx_train.distributed.topology",
+    "Single": "mlx_train.distributed.topology",
+    "DataParallel": "mlx_train.distributed.topology",
+    "FSDP": "mlx_train.distributed.topology",
+    "init_group": "mlx_train.distributed.topology",
+    "TensorParallel": "mlx_train.distributed.tensor_topology",
 }
 
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY)
 
-__all__ = ["DistributedConfig", "Host", "Hostfile", "ParameterChecksum", "RankMonitor", "available_backends",
-           "check_strategy", "choose_backend", "cluster_path", "load_cluster", "save_gathered_adapters",
-           "shard_for_finetune", "shard_model"]
+__all__ = ["FSDP", "DataParallel", "DistributedConfig", "Host", "Hostfile", "ParameterChecksum", "RankMonitor",
+           "Single", "TensorParallel", "Topology", "available_backends", "check_strategy", "choose_backend",
+           "cluster_path", "init_group", "load_cluster", "save_gathered_adapters", "shard_for_finetune",
+           "shard_model"]
 

@@ -24,7 +24,6 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from mlx_train.errors import ConfigError, DistributedError
-from mlx_train.training.callbacks import Callback
 
 if TYPE_CHECKING:
     from mlx_train.training.trainer import Trainer
@@ -79,7 +78,7 @@ def sync_from_rank0(model: Any, optimizer: Any, group: Any) -> None:
     mx.eval(model.parameters())
 
 
-class ParameterChecksum(Callback):
+class ParameterChecksum:
     """Every ``every`` optimizer steps, check that all ranks hold the same parameters."""
 
     def __init__(self, every: int, action: str = "raise") -> None:
@@ -123,6 +122,9 @@ class ParameterChecksum(Callback):
 
     def state_dict(self) -> dict[str, Any]:
         return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
 
 
 def _guard(trainer: Trainer, what: str) -> AbstractContextManager[None]:

@@ -255,8 +255,7 @@ class StepCommunication:
     def record(self, step: Any, batch: Any, update: bool, weighted: bool) -> list[Collective]:
         """The collectives one ``step.micro(batch, ..., update, weighted)`` makes: its objective's value and
         gradient, then (``update``) the reduction's; traced, never evaluated, and undone."""
-        from mlx_train.training.oom import array_slots
-        from mlx_train.training.state import rng_key, set_rng_key
+        from mlx_train.snapshot import array_slots, rng_key, set_rng_key
 
         slots = array_slots(step.state, [])
         saved, key = [container[name] for container, name in slots], rng_key()

@@ -49,7 +49,6 @@ from mlx_train.distributed.environment import restart_resume as restart_resume
 from mlx_train.distributed.environment import supervised as supervised
 from mlx_train.errors import DistributedError, TrainingInterrupted
 from mlx_train.rundir import HeartbeatRecord
-from mlx_train.training.callbacks import Callback
 
 if TYPE_CHECKING:
     from mlx_train.training.trainer import Trainer
@@ -93,7 +92,7 @@ def missing_ranks(directory: str | os.PathLike[str] | None, me: int, world_size:
     return found
 
 
-class RankMonitor(Callback):
+class RankMonitor:
     """Heartbeat and collective watchdog of one rank (a callback the DistributedTrainer adds).
 
     ``directory`` is the run directory (or its ``distributed/`` folder) whose
@@ -254,7 +253,7 @@ class RankMonitor(Callback):
         return {"world_size": self.world_size}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        # Restored running metrics are global sums (see DistributedTrainer._save): rank 0 keeps them.
+        # Restored running metrics are global sums (see Topology.share_running): rank 0 keeps them.
         if self.rank != 0 and self.zero_rank_metrics is not None:
             self.zero_rank_metrics()
 

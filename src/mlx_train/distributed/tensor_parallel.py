@@ -71,9 +71,9 @@ from mlx.utils import tree_flatten, tree_map_with_path
 
 from mlx_train.checkpointing.format import STEP_DIR, step_name
 from mlx_train.checkpointing.manager import CheckpointManager
+from mlx_train.distributed.reduction import Reduction
 from mlx_train.errors import CheckpointError, ConfigError
-from mlx_train.training.state import rng_key, set_rng_key
-from mlx_train.training.step import Reduction
+from mlx_train.snapshot import rng_key, set_rng_key
 
 __all__ = ["Shardable", "shard_model", "shard_layout", "is_sharded", "gather_parameters", "take_shard",
            "tensor_parallel_reduction", "replicated_agree", "ShardedCheckpoints", "write_shard", "read_shard",

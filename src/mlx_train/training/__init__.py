@@ -16,8 +16,8 @@ from mlx_train._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from mlx_train.data.loader import DataLoader
-    from mlx_train.distributed.trainer import DistributedTrainer
     from mlx_train.training.callbacks import Callback, EarlyStopping, ModelCheckpoint, ReduceLROnPlateau
+    from mlx_train.training.distributed import DistributedTrainer
     from mlx_train.training.ema import EMA
     from mlx_train.training.heartbeat import Heartbeat
     from mlx_train.training.loggers import MetricsLogger, ProgressBar
@@ -29,8 +29,8 @@ if TYPE_CHECKING:
 
 _LAZY = {
     "DataLoader": "mlx_train.data.loader",
-    # DistributedTrainer belongs to the distributed runtime, a layer above the training loop.
-    "DistributedTrainer": "mlx_train.distributed.trainer",
+    # A Trainer with the topology of the launched group (the topologies sit below the training loop).
+    "DistributedTrainer": "mlx_train.training.distributed",
     "Callback": "mlx_train.training.callbacks",
     "EarlyStopping": "mlx_train.training.callbacks",
     "ModelCheckpoint": "mlx_train.training.callbacks",

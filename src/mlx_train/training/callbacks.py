@@ -463,3 +463,14 @@ class ModelCheckpoint(Callback, _Monitor):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.best, self.last_saved = state["best"], state.get("last_saved")
 
+
+def best_model_checkpoint(run_dir: str | None, overwrite: bool) -> ModelCheckpoint:
+    """``fit(save_best=True)``: the best weights by ``val_loss`` in ``RUN_DIR/best_model.safetensors``, or
+    without a run directory in the current one, where a file of that name from before is refused rather than
+    replaced unless ``overwrite``."""
+    best = os.path.join(run_dir or ".", "best_model.safetensors")
+    if not (run_dir or overwrite) and os.path.exists(best):
+        raise ConfigError(f"fit(save_best=True) would replace {os.path.abspath(best)}, written before this "
+                          "run; give the run a place (Trainer(..., run_dir=...)), pass overwrite=True to "
+                          "replace it, or save_best=False")
+    return ModelCheckpoint(best, monitor="val_loss", save_best_only=True)

@@ -15,6 +15,7 @@ Example::
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -24,7 +25,7 @@ import mlx.nn as nn
 from mlx_train.data import DataLoader
 from mlx_train.errors import DataError, MLXTrainError, OutOfMemoryError
 from mlx_train.training.labels import LabelCheck
-from mlx_train.training.losses import METRIC_PREFIX, Loss, split_parts
+from mlx_train.training.losses import METRIC_PREFIX, Loss, metric_means, split_parts
 from mlx_train.training.oom import array_slots, is_out_of_memory
 from mlx_train.training.state import set_rng_key
 from mlx_train.training.step import build_eval_step, describe_shapes, split_batch
@@ -39,6 +40,22 @@ class Evaluator:
         self.precision, self.compile = precision, compile
         self.parts = 1  # each batch is split into this many parts (more after running out of memory)
         self._step: Callable[[Any, dict[str, mx.array]], dict[str, mx.array]] | None = None
+
+    def metrics(self, loader: Iterable[Any], max_batches: int | None, reduce: Callable[[Any], dict[str, float]],
+                settled: int | None = None, batch_size: int = 1) -> dict[str, float]:
+        """``val_loss`` (and ``val_accuracy``, the loss's metrics, ``val_time``) over ``loader``, the sums
+        reduced over ranks by ``reduce``. ``settled``: the micro-batch training settled on after running out of
+        memory; each evaluation batch of ``batch_size`` is then split to fit it."""
+        start = time.perf_counter()
+        if settled:
+            self.parts = max(self.parts, -(-batch_size // settled))
+        values = reduce(self.sums(loader, max_batches))
+        out = {"val_loss": values["loss_sum"] / max(values["items"], 1.0)}
+        out.update(metric_means(values, values["items"], "val_"))
+        if "correct" in values:
+            out["val_accuracy"] = values["correct"] / max(values["counted"], 1.0)
+        out["val_time"] = time.perf_counter() - start
+        return out
 
     def sums(self, loader: Iterable[Any], max_batches: int | None = None) -> dict[str, mx.array]:
         """Loss sum and item count (and accuracy counts where they apply) over ``loader``'s batches."""

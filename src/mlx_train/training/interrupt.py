@@ -29,12 +29,29 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 class StopSignals:
     """Records the first SIGTERM/SIGINT (``requested``: its number, or None); a second one raises
-    ``TrainingInterrupted`` immediately."""
+    ``TrainingInterrupted`` immediately.
 
-    def __init__(self, log: Callable[[str], None] = print, step: Callable[[], int] = lambda: 0) -> None:
-        self.log, self.step = log, step
+    In a group the ranks agree after each step (``vote``: ``vote(requested) -> any rank asked``, or None for
+    one process, where the local request decides): ``stopping`` is then the decision of the last vote.
+    """
+
+    def __init__(self, log: Callable[[str], None] = print, step: Callable[[], int] = lambda: 0,
+                 vote: Callable[[bool], bool | None] = lambda requested: None) -> None:
+        self.log, self.step, self._vote = log, step, vote
         self.requested: int | None = None
+        self.voted: bool | None = None  # the ranks' last vote (None: no vote)
         self._previous: dict[int, Any] = {}
+
+    def vote(self) -> None:
+        """After each step, on every rank: a rank that did not get the signal stops as if it had."""
+        voted = self.voted = self._vote(self.requested is not None)
+        if voted and self.requested is None:
+            self.requested = signal.SIGTERM
+
+    @property
+    def stopping(self) -> bool:
+        """Stop after this step: the last vote in a group, the local request alone."""
+        return self.voted if self.voted is not None else self.requested is not None
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():

@@ -49,9 +49,11 @@ from typing import TYPE_CHECKING, Any, cast
 import mlx.core as mx
 
 from mlx_train.device import format_bytes
+from mlx_train.distributed.topology import any_rank
 from mlx_train.errors import MLXTrainError, OutOfMemoryError
+from mlx_train.snapshot import array_slots as array_slots
+from mlx_train.snapshot import set_rng_key
 from mlx_train.training.losses import batch_size_of
-from mlx_train.training.state import set_rng_key
 
 if TYPE_CHECKING:
     from mlx_train.training.step import StepObserver
@@ -104,21 +106,6 @@ def out_of_memory(where: str, advice: str) -> Iterator[None]:
         raise OutOfMemoryError(f"out of memory during {where}: {error}. To fix: {advice}") from error
 
 
-def any_rank(flag: bool, group: Any = None) -> bool:
-    """True when ``flag`` is True on any rank of ``group``; every rank must call it (one all_sum).
-
-    Alone (no group, or a group of one) it returns ``flag`` without communicating.
-
-    Example::
-
-        over = any_rank(mx.get_peak_memory() > budget, trainer.group)   # the same answer on every rank
-    """
-    if group is None or group.size() == 1:
-        return bool(flag)
-    votes = mx.distributed.all_sum(mx.array(1 if flag else 0, dtype=mx.int32), group=group, stream=mx.cpu)
-    return bool(votes.item() > 0)  # type: ignore[operator]  # an int32 scalar
-
-
 #: Steps of each batch shape (and settings) that keep the state to undo them: the first run
 #: compiles, the second is the first at steady memory.
 WARMUP = 2
@@ -127,18 +114,6 @@ WARMUP = 2
 def _shape(batch: Any) -> tuple[Any, ...]:
     """The shape of a batch's first array: steps of the same shape need the same memory."""
     return cast("tuple[Any, ...]", (next(iter(batch.values())) if isinstance(batch, dict) else batch[0]).shape)
-
-
-def array_slots(tree: Any, out: list[Any]) -> list[Any]:
-    """``(container, key)`` of every array in the step state, in a fixed order (``mx.random.state`` is
-    not a list: its key is saved apart)."""
-    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, list) else ()
-    for key, value in items:
-        if isinstance(value, mx.array):
-            out.append((tree, key))
-        elif isinstance(value, (dict, list)):
-            array_slots(value, out)
-    return out
 
 
 @dataclass

@@ -8,12 +8,15 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from functools import lru_cache
+from typing import Any, cast
 
 import numpy as np
 
 from mlx_train.config import Every, TrainConfig, parse_every
 from mlx_train.data import DataLoader
+from mlx_train.training.state import summed_over_ranks
 
 
 class Cadence:
@@ -82,3 +85,54 @@ def nonfinite_inputs(batch: Any) -> str:
         return ""
     listed = ", ".join(str(i) for i in sorted(bad)[:5])
     return f"; the batch's samples at positions {listed}{' ...' if len(bad) > 5 else ''} hold NaN/Inf values"
+
+
+def epochs_for(loader: Any, config: TrainConfig) -> int:
+    """``epochs: null``: as many passes as ``max_steps`` needs (a loader of unknown length: until max_steps)."""
+    per_epoch = length_of(loader)
+    return math.ceil((config.max_steps or 1) / per_epoch) if per_epoch else 2**62
+
+
+@lru_cache(maxsize=8)
+def summed_keys(keys: tuple[str, ...]) -> tuple[str, ...]:
+    """The running sums that are summed over ranks (and reported), of a step's running keys (the same every
+    report: found once)."""
+    return tuple(k for k in keys if summed_over_ranks(k))
+
+
+def step_periods(every: Cadences) -> tuple[int, ...]:
+    """The step cadences' periods (report, validation, save counted in steps), found once per run."""
+    return tuple(c.step_n for c in (every.report, every.validate, every.save) if c.step_n)
+
+
+def next_due(periods: tuple[int, ...], step: int) -> float:
+    """The next step after ``step`` at which a report, validation or save is due (``periods``: the step
+    cadences, ``step_periods``)."""
+    if len(periods) == 1:
+        return (step // periods[0] + 1) * periods[0]
+    return min((step // n + 1) * n for n in periods) if periods else math.inf
+
+
+def micro_loader(loader: Any, config: TrainConfig) -> Any:
+    """A user's DataLoader yields micro-batches: one step takes ``gradient_accumulation`` of them (any other
+    iterable gives one optimizer step per item, as it is)."""
+    accumulation = config.gradient_accumulation
+    if not isinstance(loader, DataLoader) or accumulation == 1:
+        return loader
+    return loader.replace(batch_size=loader.batch_size * accumulation)
+
+
+def train_loader(dataset: Any, config: TrainConfig) -> DataLoader:
+    """The training loader of ``dataset`` (a DataLoader's batch is a micro-batch, as in ``fit``)."""
+    if isinstance(dataset, DataLoader):
+        return cast(DataLoader, micro_loader(dataset, config))
+    return DataLoader(dataset, batch_size=config.batch_size * config.gradient_accumulation, shuffle=config.shuffle,
+                      num_workers=config.num_workers, drop_last=config.drop_last, seed=config.seed)
+
+
+def eval_loader(dataset: Any, config: TrainConfig) -> Any:
+    """The evaluation loader of ``dataset`` (a DataLoader as it is)."""
+    if isinstance(dataset, DataLoader):
+        return dataset
+    return DataLoader(dataset, batch_size=config.eval_batch_size or config.batch_size, shuffle=False,
+                      num_workers=config.num_workers, drop_last=False, seed=config.seed)

@@ -40,6 +40,10 @@ from mlx_train import __version__
 from mlx_train.checkpointing.format import salvage_history, write_history_chunk
 from mlx_train.checkpointing.storage import split_location
 from mlx_train.errors import CheckpointError
+from mlx_train.snapshot import has_frozen_parameters as has_frozen_parameters
+from mlx_train.snapshot import rng_key as rng_key
+from mlx_train.snapshot import saved_parameters as saved_parameters
+from mlx_train.snapshot import set_rng_key as set_rng_key
 from mlx_train.training.losses import METRIC_PREFIX, WINDOW_PREFIX
 
 
@@ -72,28 +76,6 @@ def summed_over_ranks(key: str) -> bool:
 
 #: History entries (per key) a checkpoint's trainer_state.json holds at most; older ones are in chunk files.
 HISTORY_CHUNK = 64
-
-
-def rng_key() -> list[int]:
-    """The global MLX PRNG key as two Python ints."""
-    return [int(v) for v in mx.random.state[0].tolist()]  # type: ignore[index]  # a list; stubs say object
-
-
-def set_rng_key(key: list[int]) -> None:
-    """Set the global MLX PRNG key to exactly ``key`` (seed() maps a 64-bit seed to [hi, lo])."""
-    mx.random.seed((int(key[0]) << 32) | int(key[1]))
-
-
-def has_frozen_parameters(model: Any) -> bool:
-    """True when some of the model's parameters are frozen (not trained)."""
-    return len(tree_flatten(model.trainable_parameters())) != len(tree_flatten(model.parameters()))
-
-
-def saved_parameters(model: Any) -> dict[str, mx.array]:
-    """The parameters a checkpoint holds: all of them, or only the trainable ones when some are frozen
-    (a LoRA fine-tune then saves megabytes, not the whole base model)."""
-    tree = model.trainable_parameters() if has_frozen_parameters(model) else model.parameters()
-    return dict(tree_flatten(tree))
 
 
 def assign_leaves(tree: Any, flat: dict[str, mx.array]) -> None:

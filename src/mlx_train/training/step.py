@@ -29,10 +29,14 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_map
 
+from mlx_train.distributed.reduction import Reduction
 from mlx_train.errors import DataError
 from mlx_train.training.extensions import StepExtension
 from mlx_train.training.losses import METRIC_PREFIX, WINDOW_PREFIX, Loss, add_metrics, count_correct
 from mlx_train.training.state import assign_leaves, zero
+
+__all__ = ["Reduction", "StepObserver", "StepOptions", "TrainStep", "average_gradients", "build_eval_step",
+           "build_step", "describe_shapes", "split_batch"]
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
@@ -47,23 +51,6 @@ class StepOptions:
     loss_scale_window: int = 1000
     compile: bool = True
     nonfinite: str = "raise"  # a NaN/Inf loss or gradient: "raise"/"stop" (flagged), "skip" (update undone)
-
-
-@dataclass(frozen=True)
-class Reduction:
-    """How gradients are combined across processes (inside the compiled update).
-
-    ``reduce(grads, n_items) -> (grads, n_items)`` averages gradients and the item counts that
-    weight them; ``clip(grads, max_norm) -> (grads, norm)`` replaces the global-norm clip (sharded
-    models); ``before_update()`` runs in Python before the update is dispatched (a watchdog);
-    ``state`` holds arrays that ``reduce`` reads and writes, captured with the step's state (the
-    ranks' stop vote, summed with the gradients).
-    """
-
-    reduce: Callable[[Any, mx.array | None], tuple[Any, mx.array | None]]
-    clip: Callable[[Any, float | None], tuple[Any, mx.array | None]] | None = None
-    before_update: Callable[[], None] | None = None
-    state: dict[str, mx.array] | None = None
 
 
 class StepObserver(Protocol):
