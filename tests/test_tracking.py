@@ -320,8 +320,8 @@ class PauseBeforeFlush(Callback):
     def on_report(self, trainer, logs):
         if not (self.checkpoint and os.path.isdir(self.checkpoint[1])):
             return
-        ((_, _, steps, _),) = _wandb_runs(pathlib.Path(os.environ["WANDB_DIR"]))
-        if max(steps, default=0) < self.checkpoint[0]:
+        ((run_id, _, steps, _),) = _wandb_runs(pathlib.Path(os.environ["WANDB_DIR"]))
+        if run_id is not None and max(steps, default=0) < self.checkpoint[0]:  # the run's id is on disk
             pathlib.Path(self.ready).touch()
             while True:
                 signal.pause()
