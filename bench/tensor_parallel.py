@@ -61,7 +61,7 @@ def build(name: str, group):
     """The model, split when ``group`` has several ranks (before anything of it is evaluated)."""
     import mlx.core as mx
 
-    from mlx_train.distributed import tensor_parallel
+    from mlx_train.llm import tensor_parallel as llm_tensor_parallel
 
     if name == "smollm2":
         from mlx_train.llm.gguf import load_gguf
@@ -69,14 +69,14 @@ def build(name: str, group):
         model, _, config = load_gguf(smollm2_path())
         vocab = config["vocab_size"]
         if group.size() > 1:
-            tensor_parallel.shard_model(model, group)  # attention split unevenly by key/value groups
+            llm_tensor_parallel.shard_language_model(model, group)  # attention split unevenly by key/value groups
     else:
         from mlx_lm.models.llama import Model, ModelArgs
 
         mx.random.seed(0)
         model, vocab = Model(ModelArgs.from_dict(SYNTHETIC)), SYNTHETIC["vocab_size"]
         if group.size() > 1:
-            tensor_parallel.shard_model(model, group)
+            llm_tensor_parallel.shard_language_model(model, group)
     mx.eval(model.parameters())
     return model, vocab
 
@@ -90,7 +90,7 @@ def worker(args) -> None:
     import numpy as np
     from mlx.utils import tree_flatten
 
-    from mlx_train.distributed import tensor_parallel
+    from mlx_train.distributed import tensor
     from mlx_train.llm.adapters import AdapterConfig, apply_adapters
     from mlx_train.training import Callback, DistributedTrainer, Trainer
 
@@ -102,7 +102,7 @@ def worker(args) -> None:
     model.train()
     mx.eval(model.parameters())
     build_peak = mx.get_peak_memory()
-    layout = tensor_parallel.shard_layout(model)
+    layout = tensor.shard_layout(model)
     split = sum(v.nbytes for k, v in tree_flatten(model.parameters()) if k in layout)
     replicated = sum(v.nbytes for k, v in tree_flatten(model.parameters()) if k not in layout)  # no copy kept:
     # the trainer replaces the replicated arrays with rank 0's
@@ -179,15 +179,16 @@ def load_worker(args) -> None:
     import mlx.core as mx
     from mlx_lm.utils import load_model
 
-    from mlx_train.distributed import tensor_parallel
+    from mlx_train.distributed import tensor
+    from mlx_train.llm import tensor_parallel as llm_tensor_parallel
 
     group = mx.distributed.init()
     lazy = args.workload == "lazy"
     mx.reset_peak_memory()
     model, _ = load_model(Path(args.base), lazy=lazy)
     if group.size() > 1:
-        tensor_parallel.shard_model(model, group)
-    tensor_parallel.materialize(model)
+        llm_tensor_parallel.shard_language_model(model, group)
+    tensor.materialize(model)
     with open(f"{args.out}.rank{group.rank()}.json", "w") as f:
         json.dump({"rank": group.rank(), "load_peak": mx.get_peak_memory(), "active": mx.get_active_memory()}, f)
 

@@ -103,7 +103,8 @@ class _Two:
 
 def test_checkpoint_adapters_join_rank_0_s_slices_with_the_other_ranks_files(tmp_path):
     """At a checkpoint only rank 0 runs the callbacks: it joins its slices with those rank 1 wrote beside it."""
-    from mlx_train.distributed.tensor_parallel import TensorParallelAdapters, write_shard
+    from mlx_train.distributed.tensor import write_shard
+    from mlx_train.llm.tensor_parallel import TensorParallelAdapters
 
     model = _Split(2)
     model.weight, model.norm = mx.arange(6, dtype=mx.float32).reshape(2, 3), mx.ones((3,))

@@ -19,7 +19,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from mlx_train.builtin.models import MLP, CharTransformerLM
-from mlx_train.distributed import tensor_parallel
+from mlx_train.distributed import tensor
 from mlx_train.distributed.backends import check_strategy
 from mlx_train.errors import CheckpointError, ConfigError
 from mlx_train.training.state import rng_key, set_rng_key
@@ -81,7 +81,7 @@ def test_strategy_is_a_key_of_the_yaml_distributed_section(tmp_path):
 
 def test_a_model_without_shard_is_refused_with_the_protocol():
     with pytest.raises(ConfigError, match=r"MLP has no shard\(group\) method.*shard_linear"):
-        tensor_parallel.shard_model(MLP(8, (16,), 4), _Pair())
+        tensor.shard_model(MLP(8, (16,), 4), _Pair())
 
 
 def test_heads_that_do_not_split_over_the_ranks_are_refused_before_sharding():
@@ -95,17 +95,17 @@ def test_heads_that_do_not_split_over_the_ranks_are_refused_before_sharding():
             return 4
 
     with pytest.raises(ConfigError, match=r"n_kv_heads is 2: 2 attention heads do not split over 4 processes"):
-        tensor_parallel.shard_model(model, Four())
-    assert not tensor_parallel.is_sharded(model)
+        tensor.shard_model(model, Four())
+    assert not tensor.is_sharded(model)
 
 
 def test_the_layout_names_every_split_parameter_and_its_axis():
     model = CharTransformerLM(vocab_size=20, dims=16, num_heads=2, num_layers=1, block_size=8)
     group = mx.distributed.init()
-    tensor_parallel.shard_model(model, group)  # a group of one: nothing to split
-    assert tensor_parallel.shard_layout(model) == {}
+    tensor.shard_model(model, group)  # a group of one: nothing to split
+    assert tensor.shard_layout(model) == {}
     model.shard(group)  # the protocol itself splits even over one process
-    layout = tensor_parallel.shard_layout(model)
+    layout = tensor.shard_layout(model)
     assert layout["layers.0.attention.query_proj.weight"] == 0
     assert layout["layers.0.attention.query_proj.bias"] == 0
     assert layout["layers.0.attention.out_proj.weight"] == 1
@@ -116,11 +116,11 @@ def test_the_layout_names_every_split_parameter_and_its_axis():
 
 def test_take_shard_splits_on_the_recorded_axis():
     full = {"w": mx.arange(24).reshape(4, 6), "b": mx.arange(3)}
-    mine = tensor_parallel.take_shard(full, {"w": 1}, rank=1, size=2)
+    mine = tensor.take_shard(full, {"w": 1}, rank=1, size=2)
     assert mine["w"].tolist() == full["w"][:, 3:].tolist()
     assert mine["b"] is full["b"]
     with pytest.raises(ConfigError, match="w has 6 entries on axis 1, which do not split into 4 equal slices"):
-        tensor_parallel.take_shard(full, {"w": 1}, rank=0, size=4)
+        tensor.take_shard(full, {"w": 1}, rank=0, size=4)
 
 
 def test_reshard_joins_the_slices_of_two_ranks_and_cuts_a_whole_checkpoint(tmp_path):
@@ -128,27 +128,27 @@ def test_reshard_joins_the_slices_of_two_ranks_and_cuts_a_whole_checkpoint(tmp_p
              "optimizer": {"w.m": mx.arange(8.0).reshape(2, 4) * 10, "b.m": mx.zeros(3), "step": mx.array(5)},
              "trainer": {"scale": mx.array(1.0)}}
     layout = {"w": 1}
-    mine = [tensor_parallel.take_shard(whole[g], tensor_parallel.optimizer_layout(whole[g], layout)
+    mine = [tensor.take_shard(whole[g], tensor.optimizer_layout(whole[g], layout)
                                        if g == "optimizer" else layout, 0, 2) for g in ("model", "optimizer")]
-    rank1 = [tensor_parallel.take_shard(whole[g], tensor_parallel.optimizer_layout(whole[g], layout)
+    rank1 = [tensor.take_shard(whole[g], tensor.optimizer_layout(whole[g], layout)
                                         if g == "optimizer" else layout, 1, 2) for g in ("model", "optimizer")]
     directory = tmp_path / "ckpt"
-    tensor_parallel.write_shard(str(directory), 4, 1, *rank1)
+    tensor.write_shard(str(directory), 4, 1, *rank1)
     checkpoint = str(directory / "step-00000004")
     saved = {"step": 4, "tensor_parallel": {"world_size": 2, "layout": layout}}
     rank0_arrays = {"model": mine[0], "optimizer": mine[1], "trainer": whole["trainer"]}
     # the same two ranks: each its own slices, the other groups from rank 0's checkpoint
-    again = tensor_parallel.reshard(checkpoint, rank0_arrays, saved, layout, rank=1, size=2)
+    again = tensor.reshard(checkpoint, rank0_arrays, saved, layout, rank=1, size=2)
     assert again["model"]["w"].tolist() == [[2.0, 3.0], [6.0, 7.0]] and "trainer" in again
     # one process: the slices joined
-    joined = tensor_parallel.reshard(checkpoint, rank0_arrays, saved, {}, rank=0, size=1)
+    joined = tensor.reshard(checkpoint, rank0_arrays, saved, {}, rank=0, size=1)
     for group in ("model", "optimizer"):
         assert all(mx.array_equal(joined[group][k], v) for k, v in whole[group].items()), group
     # a whole checkpoint (no record) cut for rank 1 of 2
-    cut = tensor_parallel.reshard(checkpoint, whole, {"step": 4}, layout, rank=1, size=2)
+    cut = tensor.reshard(checkpoint, whole, {"step": 4}, layout, rank=1, size=2)
     assert cut["optimizer"]["w.m"].tolist() == [[20.0, 30.0], [60.0, 70.0]]
     with pytest.raises(CheckpointError, match="rank 2's slices .* are missing"):
-        tensor_parallel.reshard(checkpoint, rank0_arrays, {**saved, "tensor_parallel": {"world_size": 3,
+        tensor.reshard(checkpoint, rank0_arrays, {**saved, "tensor_parallel": {"world_size": 3,
                                                                                          "layout": layout}},
                                 {}, rank=0, size=1)
 

@@ -1,6 +1,7 @@
 """Communication time of tensor-parallel steps: the collectives inside the forward and backward passes are
-counted from the step's own code (exact bytes and calls, checked against the model's shapes) and timed on
-the group; 2 ranks launched for real on 127.0.0.1. Data-parallel and one-process reports are unchanged."""
+counted from the step's own code through the collectives seam (exact bytes and calls, checked against the
+model's shapes) and timed on the group; 2 ranks launched for real on 127.0.0.1. Data-parallel and
+one-process reports are unchanged."""
 
 import json
 import os
@@ -14,7 +15,7 @@ import mlx_train  # noqa: F401  (before mlx.core: BLAS preload)
 import mlx.core as mx
 import pytest
 
-from mlx_train.distributed import comm
+from mlx_train.distributed import collectives
 from mlx_train.distributed.comm import Collective, StepCommunication, recording_collectives, time_collectives
 from mlx_train.monitor.dashboard import format_seconds
 
@@ -30,18 +31,55 @@ FLOAT32, VOTE, CLIP_NORM, GUARD_VOTE = 4, 4, 4, 8  # bytes: an activation elemen
 # -- one process --------------------------------------------------------------------------------
 
 
-def test_recording_lists_each_collective_with_its_shape_and_puts_mlx_back():
-    originals = [getattr(mx.distributed, name) for name in comm.RECORDED]
+def test_recording_lists_each_collective_made_through_the_seam_and_rebinds_nothing():
+    names = ("all_sum", "all_max", "all_min", "all_gather", "sum_scatter")
+    originals = [getattr(mx.distributed, name) for name in names]
     x = mx.ones((3, 5), dtype=mx.float16)
     with recording_collectives() as seen:
-        mx.distributed.all_sum(x)
-        mx.distributed.all_gather(mx.ones((2,), dtype=mx.int32))
+        assert [getattr(mx.distributed, name) for name in names] == originals  # MLX is left as it is
+        collectives.all_sum(x)
+        collectives.all_gather(mx.ones((2,), dtype=mx.int32))
+        mx.distributed.all_sum(x)  # made directly, not through the seam: not listed
     assert seen == [Collective("all_sum", (3, 5), mx.float16), Collective("all_gather", (2,), mx.int32)]
     assert [c.nbytes for c in seen] == [30, 8]
-    assert [getattr(mx.distributed, name) for name in comm.RECORDED] == originals
-    with pytest.raises(ValueError, match="inside"), recording_collectives():
+    with pytest.raises(ValueError, match="inside"), recording_collectives() as failed:
         raise ValueError("inside")
-    assert [getattr(mx.distributed, name) for name in comm.RECORDED] == originals
+    collectives.all_max(x)  # after the block: listed nowhere
+    assert failed == [] and len(seen) == 2
+
+
+def test_mlx_sharded_linears_are_tracked_with_the_same_arrays_results_and_gradients():
+    import mlx.nn as nn
+    from mlx.nn.layers.distributed import shard_linear
+    from mlx.utils import tree_flatten
+
+    from mlx_train.distributed.tensor import track_collectives, untracked_modules
+    from mlx_train.distributed.tensor.linears import TrackedAllToShardedLinear, TrackedShardedToAllLinear
+
+    group = mx.distributed.init()
+    mx.random.seed(0)
+    model = nn.Sequential(shard_linear(nn.Linear(8, 16), "all-to-sharded", group=group), nn.ReLU(),
+                          shard_linear(nn.Linear(16, 4, bias=False), "sharded-to-all", group=group))
+    model.layers[0].freeze(keys=["bias"])
+    x = mx.random.normal((3, 8))
+
+    def loss(params, model):
+        model.update(params)
+        return mx.sum(model(x) ** 2)
+
+    before = mx.value_and_grad(loss)(model.trainable_parameters(), model)
+    weights = [model.layers[0].weight, model.layers[2].weight]
+    assert sorted(untracked_modules(model)) == ["layers.0", "layers.2"]
+    assert track_collectives(model) == 2 and untracked_modules(model) == []
+    assert type(model.layers[0]) is TrackedAllToShardedLinear and type(model.layers[2]) is TrackedShardedToAllLinear
+    assert model.layers[0].weight is weights[0] and model.layers[2].weight is weights[1]  # nothing copied
+    assert [k for k, _ in tree_flatten(model.trainable_parameters())] == ["layers.0.weight", "layers.2.weight"]
+    with recording_collectives() as seen:
+        after = mx.value_and_grad(loss)(model.trainable_parameters(), model)
+    assert seen == [Collective("all_sum", (3, 4), mx.float32)]  # the sharded-to-all output (a group of one)
+    assert mx.array_equal(before[0], after[0]).item()
+    for (_, a), (_, b) in zip(tree_flatten(before[1]), tree_flatten(after[1]), strict=True):
+        assert mx.array_equal(a, b).item()
 
 
 def test_a_lone_process_spends_no_time_communicating():
@@ -92,6 +130,36 @@ def test_counting_a_steps_collectives_leaves_its_training_unchanged():
     assert sorted(counting.calls) == [(((5, 8), (5,)), False, True), (((5, 8), (5,)), True, True),
                                       (((6, 8), (6,)), False, True), (((6, 8), (6,)), True, True)]
     assert sum(counting.tally.values()) == 8 and counting.tally[(((6, 8), (6,)), True, True)] == 3
+
+
+def test_quantized_sharded_linears_are_tracked_frozen_with_the_same_results():
+    import mlx.nn as nn
+    from mlx.nn.layers.distributed import shard_linear
+    from mlx.utils import tree_flatten
+
+    from mlx_train.distributed.tensor import track_collectives
+    from mlx_train.distributed.tensor.linears import (
+        TrackedQuantizedAllToShardedLinear,
+        TrackedQuantizedShardedToAllLinear,
+    )
+
+    group = mx.distributed.init()
+    mx.random.seed(0)
+    up, down = nn.QuantizedLinear(64, 64, bias=True), nn.QuantizedLinear(64, 64, bias=False)
+    model = nn.Sequential(shard_linear(up, "all-to-sharded", group=group), nn.ReLU(),
+                          shard_linear(down, "sharded-to-all", group=group))
+    x = mx.random.normal((2, 64))
+    before = model(x)
+    arrays = dict(tree_flatten(model.parameters()))
+    assert track_collectives(model) == 2
+    assert [type(m) for m in (model.layers[0], model.layers[2])] == [TrackedQuantizedAllToShardedLinear,
+                                                                      TrackedQuantizedShardedToAllLinear]
+    assert all(v is arrays[k] for k, v in tree_flatten(model.parameters()))
+    assert tree_flatten(model.trainable_parameters()) == []  # MLX's quantized layers are frozen: still so
+    with recording_collectives() as seen:
+        after = model(x)
+    assert seen == [Collective("all_sum", (2, 64), mx.float32)]
+    assert mx.array_equal(before, after).item()
 
 
 # -- two processes -------------------------------------------------------------------------------

@@ -81,9 +81,9 @@ class _Group:
 def test_a_gguf_base_is_said_to_load_whole_on_every_rank(monkeypatch, capsys, model, rank, said):
     from mlx_train.cli.finetune import tensor_parallel_split
     from mlx_train.config import FinetuneConfig
-    from mlx_train.distributed import trainer
+    from mlx_train.distributed import topology
 
-    monkeypatch.setattr(trainer, "init_group", lambda backend: _Group(rank))
+    monkeypatch.setattr(topology, "init_group", lambda backend: _Group(rank))
     split = tensor_parallel_split(FinetuneConfig(model=model, distributed_strategy="tensor_parallel"))
     assert split is not None and split.group.rank() == rank
     out = capsys.readouterr().out

@@ -21,9 +21,10 @@ import tp_uneven_run  # noqa: E402  (imports mlx_train first: BLAS preload)
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
-from mlx_train.distributed import tensor_parallel  # noqa: E402
-from mlx_train.distributed.tensor_parallel import Split  # noqa: E402
+from mlx_train.distributed import tensor  # noqa: E402
+from mlx_train.distributed.tensor import Split  # noqa: E402
 from mlx_train.errors import ConfigError  # noqa: E402
+from mlx_train.llm import tensor_parallel as llm_tensor_parallel  # noqa: E402
 
 SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
 ENV = {**os.environ, "OPENBLAS_NUM_THREADS": "1",
@@ -38,9 +39,9 @@ from test_tensor_parallel_vocab import _launcher, _Rank  # noqa: E402
 
 
 def test_the_lower_ranks_keep_one_group_more():
-    assert tensor_parallel.group_counts(3, 2) == [2, 1]
-    assert tensor_parallel.group_counts(5, 3) == [2, 2, 1]
-    assert tensor_parallel.group_counts(4, 2) == [2, 2]
+    assert tensor.group_counts(3, 2) == [2, 1]
+    assert tensor.group_counts(5, 3) == [2, 2, 1]
+    assert tensor.group_counts(4, 2) == [2, 2]
 
 
 @pytest.mark.parametrize("rank", [0, 1])
@@ -49,7 +50,7 @@ def test_attention_that_does_not_divide_is_split_by_whole_key_value_groups(rank)
     assert (config["num_attention_heads"], config["num_key_value_heads"]) == (9, 3)
     whole = {name: np.array(getattr(model.model.layers[0].self_attn, name).weight)
              for name in ("q_proj", "k_proj", "v_proj", "o_proj")}
-    layout = tensor_parallel.shard_model(model, _Rank(rank))
+    layout = llm_tensor_parallel.shard_language_model(model, _Rank(rank))
     attention = model.model.layers[0].self_attn
     groups = [2, 1][rank]  # of 3 groups: 2 on rank 0, 1 on rank 1; each 3 query heads of size 8
     assert (attention.n_heads, attention.n_kv_heads) == (3 * groups, groups)
@@ -59,7 +60,7 @@ def test_attention_that_does_not_divide_is_split_by_whole_key_value_groups(rank)
     assert np.array_equal(np.array(attention.v_proj.weight), whole["v_proj"][kv_rows])
     assert np.array_equal(np.array(attention.o_proj.weight), whole["o_proj"][:, q_rows])
     q, o = layout[f"{ATTENTION}.q_proj.weight"], layout[f"{ATTENTION}.o_proj.weight"]
-    assert (int(q), q.sizes) == (0, (48, 24)) and (int(o), o.sizes) == (1, (48, 24))
+    assert (q.axis, q.sizes) == (0, (48, 24)) and (o.axis, o.sizes) == (1, (48, 24))
     assert layout[f"{ATTENTION}.k_proj.weight"].sizes == (16, 8)
     up = layout["model.layers.0.mlp.up_proj.weight"]  # the MLP divides: equal slices, a plain axis
     assert up == 0 and not isinstance(up, Split)
@@ -73,42 +74,42 @@ def test_fewer_key_value_groups_than_ranks_are_still_refused():
             return 4
 
     with pytest.raises(ConfigError, match=r"self_attn.n_heads is 9: 9 attention heads do not split over 4 processes"):
-        tensor_parallel.shard_model(model, Four(0))
-    assert not tensor_parallel.is_sharded(model)
+        llm_tensor_parallel.shard_language_model(model, Four(0))
+    assert not tensor.is_sharded(model)
 
 
 def test_unequal_slices_are_cut_recorded_and_read_back():
     full = {"w": mx.arange(24).reshape(6, 4), "b": mx.arange(3)}
     layout = {"w": Split(0, (4, 2))}
-    assert tensor_parallel.take_shard(full, layout, 0, 2)["w"].tolist() == full["w"][:4].tolist()
-    assert tensor_parallel.take_shard(full, layout, 1, 2)["w"].tolist() == full["w"][4:].tolist()
-    record = tensor_parallel.layout_record({**layout, "v": 1})
+    assert tensor.take_shard(full, layout, 0, 2)["w"].tolist() == full["w"][:4].tolist()
+    assert tensor.take_shard(full, layout, 1, 2)["w"].tolist() == full["w"][4:].tolist()
+    record = tensor.layout_record({**layout, "v": 1})
     assert json.loads(json.dumps(record)) == {"layout": {"w": 0, "v": 1}, "sizes": {"w": [4, 2]}}
-    back = tensor_parallel.layout_from_record(record)
+    back = tensor.layout_from_record(record)
     assert back["w"].sizes == (4, 2) and back["v"] == 1 and not isinstance(back["v"], Split)
-    assert tensor_parallel.layout_from_record({"world_size": 2, "layout": {"w": 0}}) == {"w": 0}  # older
+    assert tensor.layout_from_record({"world_size": 2, "layout": {"w": 0}}) == {"w": 0}  # older
     with pytest.raises(ConfigError, match=r"w has 6 entries on axis 0, but its recorded slices \[4, 1\] add up"):
-        tensor_parallel.take_shard(full, {"w": Split(0, (4, 1))}, 0, 2)
+        tensor.take_shard(full, {"w": Split(0, (4, 1))}, 0, 2)
     with pytest.raises(ConfigError, match=r"w is split unevenly in 2 slices \[4, 2\]; it cannot be cut into 3"):
-        tensor_parallel.take_shard(full, layout, 0, 3)
+        tensor.take_shard(full, layout, 0, 3)
 
 
 def test_reshard_joins_unequal_slices_of_two_ranks(tmp_path):
     whole = {"model": {"w": mx.arange(12.0).reshape(2, 6)},
              "optimizer": {"w.m": mx.arange(12.0).reshape(2, 6) * 10, "step": mx.array(3)}}
     layout = {"w": Split(1, (4, 2))}
-    parts = [{g: tensor_parallel.take_shard(whole[g], tensor_parallel.optimizer_layout(whole[g], layout)
+    parts = [{g: tensor.take_shard(whole[g], tensor.optimizer_layout(whole[g], layout)
                                             if g == "optimizer" else layout, r, 2) for g in whole} for r in (0, 1)]
     directory = tmp_path / "ckpt"
-    tensor_parallel.write_shard(str(directory), 3, 1, parts[1]["model"], parts[1]["optimizer"])
-    saved = {"step": 3, "tensor_parallel": {"world_size": 2, **tensor_parallel.layout_record(layout)}}
+    tensor.write_shard(str(directory), 3, 1, parts[1]["model"], parts[1]["optimizer"])
+    saved = {"step": 3, "tensor_parallel": {"world_size": 2, **tensor.layout_record(layout)}}
     checkpoint = str(directory / "step-00000003")
-    joined = tensor_parallel.reshard(checkpoint, parts[0], saved, {}, rank=0, size=1)
+    joined = tensor.reshard(checkpoint, parts[0], saved, {}, rank=0, size=1)
     for group in whole:
         assert all(mx.array_equal(joined[group][k], v) for k, v in whole[group].items()), group
-    mine = tensor_parallel.reshard(checkpoint, parts[0], saved, layout, rank=1, size=2)  # the same layout
+    mine = tensor.reshard(checkpoint, parts[0], saved, layout, rank=1, size=2)  # the same layout
     assert mine["model"]["w"].tolist() == whole["model"]["w"][:, 4:].tolist()
-    cut = tensor_parallel.reshard(checkpoint, whole, {"step": 3}, layout, rank=1, size=2)  # a whole checkpoint
+    cut = tensor.reshard(checkpoint, whole, {"step": 3}, layout, rank=1, size=2)  # a whole checkpoint
     assert cut["optimizer"]["w.m"].tolist() == (whole["optimizer"]["w.m"][:, 4:]).tolist()
 
 

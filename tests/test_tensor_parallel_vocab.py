@@ -21,8 +21,8 @@ import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 import numpy as np  # noqa: E402
 
-from mlx_train.distributed import tensor_parallel  # noqa: E402
-from mlx_train.distributed.tensor_parallel import VocabParallelEmbedding, VocabParallelHead  # noqa: E402
+from mlx_train.distributed.tensor import VocabParallelEmbedding, VocabParallelHead  # noqa: E402
+from mlx_train.llm import tensor_parallel as llm_tensor_parallel  # noqa: E402
 from mlx_train.llm.loss import output_head  # noqa: E402
 
 SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
@@ -56,7 +56,7 @@ def _launcher():
 def test_a_tied_embedding_is_split_by_rows_and_stays_the_head():
     model, _ = llm_tiny.make_model(96, seed=0, tie=True)
     whole = np.array(model.model.embed_tokens.weight)
-    layout = tensor_parallel.shard_model(model, _Rank(1))
+    layout = llm_tensor_parallel.shard_language_model(model, _Rank(1))
     embedding = model.model.embed_tokens
     assert isinstance(embedding, VocabParallelEmbedding) and "lm_head" not in model
     assert layout["model.embed_tokens.weight"] == 0
@@ -70,7 +70,7 @@ def test_an_untied_head_is_split_with_the_embedding_and_frozen_stays_frozen():
     whole = np.array(model.lm_head.weight)
     model.freeze()
     model.lm_head.unfreeze()
-    layout = tensor_parallel.shard_model(model, _Rank(0))
+    layout = llm_tensor_parallel.shard_language_model(model, _Rank(0))
     assert isinstance(model.lm_head, VocabParallelHead) and layout["lm_head.weight"] == 0
     assert np.array_equal(np.array(model.lm_head.weight), whole[:48])
     assert layout["model.embed_tokens.weight"] == 0
@@ -82,7 +82,7 @@ def test_an_untied_head_is_split_with_the_embedding_and_frozen_stays_frozen():
 
 def test_a_vocabulary_that_does_not_divide_stays_replicated():
     model, _ = llm_tiny.make_model(97, seed=0, tie=False)
-    layout = tensor_parallel.shard_model(model, _Rank())
+    layout = llm_tensor_parallel.shard_language_model(model, _Rank())
     assert type(model.model.embed_tokens) is nn.Embedding and type(model.lm_head) is nn.Linear
     assert not any(k.startswith(("model.embed_tokens", "lm_head")) for k in layout)
     assert layout["model.layers.0.mlp.down_proj.weight"] == 1  # the blocks are split all the same
@@ -97,10 +97,10 @@ def test_an_already_split_model_gets_its_vocabulary_split_once():
         layer.mlp.up_proj = shard_linear(layer.mlp.up_proj, "all-to-sharded", group=group)
         layer.mlp.gate_proj = shard_linear(layer.mlp.gate_proj, "all-to-sharded", group=group)
         layer.mlp.down_proj = shard_linear(layer.mlp.down_proj, "sharded-to-all", group=group)
-    layout = tensor_parallel.shard_model(model, group)
+    layout = llm_tensor_parallel.shard_language_model(model, group)
     assert layout["model.embed_tokens.weight"] == 0 and "model.layers.0.self_attn.q_proj.weight" not in layout
     embedding = model.model.embed_tokens
-    assert tensor_parallel.shard_model(model, group) == layout and model.model.embed_tokens is embedding
+    assert llm_tensor_parallel.shard_language_model(model, group) == layout and model.model.embed_tokens is embedding
 
 
 # -- two ranks --------------------------------------------------------------------------------
@@ -206,10 +206,10 @@ def test_the_planner_counts_the_vocabulary_only_over_the_ranks_it_divides_by():
 
 def test_a_vocabulary_left_whole_is_named_in_one_line():
     model, _ = llm_tiny.make_model(97, seed=0)
-    tensor_parallel.shard_model(model, _Rank())
-    assert tensor_parallel.replicated_vocabulary(model, _Rank()) == (
+    llm_tensor_parallel.shard_language_model(model, _Rank())
+    assert llm_tensor_parallel.replicated_vocabulary(model, _Rank()) == (
         "the vocabulary (97 rows) does not divide by 2 ranks: the token embedding and output head stay whole on "
         "every rank")
     model, _ = llm_tiny.make_model(96, seed=0)
-    tensor_parallel.shard_model(model, _Rank())
-    assert tensor_parallel.replicated_vocabulary(model, _Rank()) is None
+    llm_tensor_parallel.shard_language_model(model, _Rank())
+    assert llm_tensor_parallel.replicated_vocabulary(model, _Rank()) is None

@@ -298,6 +298,23 @@ def has_plain_head(model: nn.Module) -> bool:
     return head_reason(model) is None
 
 
+def logits_head(model: nn.Module) -> nn.Module | None:
+    """The module that gives the logits of an mlx-lm model with a plain head (:func:`has_plain_head`) from
+    ``model.model(...)``: its ``lm_head``, or the tied token embedding; None for other models.
+
+    Example: ``logits_head(model) is model.lm_head``
+    """
+    if not type(model).__module__.startswith("mlx_lm.models.") or not isinstance(model.get("model"), nn.Module):
+        return None
+    if not has_plain_head(model):
+        return None
+    if "lm_head" in model and not getattr(getattr(model, "args", None), "tie_word_embeddings", False):
+        head: nn.Module = model["lm_head"]
+        return head
+    embedding = model["model"].get("embed_tokens")
+    return embedding if isinstance(embedding, nn.Module) else None
+
+
 def head_reason(model: nn.Module) -> str | None:
     """Why the loss cannot project ``model``'s logits in chunks (None when it can: :func:`has_plain_head`)."""
     cls = type(model)

@@ -23,7 +23,7 @@ import mlx.nn as nn  # noqa: E402
 import mlx.optimizers as optim  # noqa: E402
 import numpy as np  # noqa: E402
 
-from mlx_train.distributed import tensor_parallel  # noqa: E402
+from mlx_train.llm import tensor_parallel as llm_tensor_parallel  # noqa: E402
 from mlx_train.llm.adapters import AdapterConfig, apply_adapters  # noqa: E402
 from mlx_train.training import Callback, DistributedTrainer, Trainer  # noqa: E402
 
@@ -56,7 +56,7 @@ def main():
     model, _ = llm_tiny.make_model(VOCAB, seed=0)
     spec = AdapterConfig(args.mode, num_layers=2, rank=4, scale=2.0)
     if group.size() > 1 and not args.data_parallel:
-        tensor_parallel.shard_for_finetune(model, spec, group)
+        llm_tensor_parallel.shard_for_finetune(model, spec, group)
     else:
         apply_adapters(model, spec)
     tokens = np.random.default_rng(0).integers(0, VOCAB, size=(BATCH * STEPS, args.length + 1)).astype(np.int32)

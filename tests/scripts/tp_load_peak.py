@@ -14,9 +14,9 @@ import mlx_train  # noqa: F401  (BLAS preload before mlx)
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from mlx_train.distributed.tensor_parallel import shard_for_finetune
 from mlx_train.llm.adapters import AdapterConfig
 from mlx_train.llm.models import load_model
+from mlx_train.llm.tensor_parallel import shard_for_finetune
 
 directory, mode, out = sys.argv[1], sys.argv[2], sys.argv[3]
 group = mx.distributed.init()

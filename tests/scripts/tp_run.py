@@ -27,7 +27,8 @@ import mlx.optimizers as optim  # noqa: E402
 import numpy as np  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
-from mlx_train.distributed import tensor_parallel  # noqa: E402
+from mlx_train.distributed import tensor  # noqa: E402
+from mlx_train.llm import tensor_parallel as llm_tensor_parallel  # noqa: E402
 from mlx_train.llm.adapters import AdapterConfig, apply_adapters, save_adapters  # noqa: E402
 from mlx_train.training import Callback, DistributedTrainer, Trainer  # noqa: E402
 
@@ -69,7 +70,7 @@ def main():
     model, _ = llm_tiny.make_model(VOCAB, seed=0)
     spec = AdapterConfig(args.mode, num_layers=2, rank=4, scale=2.0)
     if group.size() > 1:
-        tensor_parallel.shard_for_finetune(model, spec, group)
+        llm_tensor_parallel.shard_for_finetune(model, spec, group)
     else:
         apply_adapters(model, spec)
     tokens = np.random.default_rng(0).integers(0, VOCAB, size=(160, 17)).astype(np.int32)
@@ -84,19 +85,20 @@ def main():
         trainer = Trainer(model, optim.Adam(LR), **options)
     trainer.train((tokens[:, :-1], tokens[:, 1:]), epochs=1, callbacks=[record], checkpoint_dir=args.checkpoint_dir,
                   resume=args.resume)
-    layout = tensor_parallel.shard_layout(model)
+    layout = tensor.shard_layout(model)
     trained = dict(tree_flatten(model.trainable_parameters()))
-    whole = tensor_parallel.gather_parameters(trained, layout, group)
+    whole = tensor.gather_parameters(trained, layout, group)
     adapters = os.path.join(args.out, "adapters")
     if group.size() > 1:
-        tensor_parallel.save_gathered_adapters(model, spec, adapters, group)
+        llm_tensor_parallel.save_gathered_adapters(model, spec, adapters, group)
     else:
         save_adapters(model, spec, adapters)
     optimizer_state = {k: v.shape for k, v in tree_flatten(trainer.optimizer.state) if hasattr(v, "shape")}
     with open(os.path.join(args.out, f"rank-{group.rank()}.json"), "w") as f:
         json.dump({"shapes": {k: list(v.shape) for k, v in trained.items()},
                    "optimizer_shapes": {k: list(v) for k, v in optimizer_state.items()},
-                   "layout": layout, "differing": tensor_parallel.replicated_agree(model, layout, group)}, f)
+                   "layout": tensor.layout_record(layout)["layout"],  # {path: axis}
+                   "differing": tensor.replicated_agree(model, layout, group)}, f)
     if group.rank() == 0:
         mx.save_safetensors(os.path.join(args.out, "trained.safetensors"), whole)
         with open(os.path.join(args.out, "losses.json"), "w") as f:

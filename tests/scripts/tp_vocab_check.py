@@ -20,8 +20,9 @@ import mlx.nn as nn  # noqa: E402
 import numpy as np  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
-from mlx_train.distributed import tensor_parallel  # noqa: E402
+from mlx_train.distributed import tensor  # noqa: E402
 from mlx_train.llm import loss as llm_loss  # noqa: E402
+from mlx_train.llm import tensor_parallel as llm_tensor_parallel  # noqa: E402
 from mlx_train.llm.adapters import AdapterConfig, apply_adapters  # noqa: E402
 from mlx_train.llm.preference import PreferenceConfig, PreferenceLoss  # noqa: E402
 
@@ -38,7 +39,7 @@ def largest(a, b):
 def make(tie, train, split, group):
     model, _ = llm_tiny.make_model(VOCAB, seed=0, tie=tie)
     if split:
-        tensor_parallel.shard_model(model, group)
+        llm_tensor_parallel.shard_language_model(model, group)
     if train == "lora":
         apply_adapters(model, AdapterConfig("lora", num_layers=2, rank=4))
         mx.random.seed(7)  # LoRA's B starts at 0: give it values (whole, then this rank's slice)
@@ -75,7 +76,7 @@ def compare(results, name, group, layout, whole_model, split_model, fn):
     value_w, grads_w = grads_of(whole_model, fn)
     value_s, grads_s = grads_of(split_model, fn)
     mx.eval(value_s, grads_s)
-    gathered = tensor_parallel.gather_parameters(grads_s, layout, group)
+    gathered = tensor.gather_parameters(grads_s, layout, group)
     results[name] = max([largest(value_w, value_s)] + [largest(grads_w[k], gathered[k]) for k in grads_w])
     results[name + " keys"] = sorted(grads_w) == sorted(gathered)
 
@@ -114,7 +115,7 @@ def main():
             if train == "all":
                 whole.unfreeze()
                 split.unfreeze()
-            layout = tensor_parallel.shard_layout(split)
+            layout = tensor.shard_layout(split)
             layouts[f"{tie} {train}"] = layout
             tag = f"{'tied' if tie else 'untied'} {train}"
             for chunk in (16, 0):

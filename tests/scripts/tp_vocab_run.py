@@ -27,8 +27,9 @@ import mlx.optimizers as optim  # noqa: E402
 import numpy as np  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
-from mlx_train.distributed import tensor_parallel  # noqa: E402
+from mlx_train.distributed import tensor  # noqa: E402
 from mlx_train.llm import loss as llm_loss  # noqa: E402
+from mlx_train.llm import tensor_parallel as llm_tensor_parallel  # noqa: E402
 from mlx_train.llm.adapters import AdapterConfig, apply_adapters  # noqa: E402
 from mlx_train.training import Callback, DistributedTrainer, Trainer  # noqa: E402
 
@@ -60,7 +61,7 @@ def main():
     model, _ = llm_tiny.make_model(VOCAB, seed=0, tie=not args.untied)
     spec = AdapterConfig("full" if args.mode == "all" else args.mode, num_layers=2, rank=4, scale=2.0)
     if group.size() > 1:
-        tensor_parallel.shard_for_finetune(model, spec, group)
+        llm_tensor_parallel.shard_for_finetune(model, spec, group)
     else:
         apply_adapters(model, spec)
     if args.mode == "all":
@@ -78,13 +79,14 @@ def main():
     else:
         trainer = Trainer(model, optim.Adam(LR), **options)
     trainer.train(data, epochs=1, callbacks=[record], checkpoint_dir=args.checkpoint_dir, resume=args.resume)
-    layout = tensor_parallel.shard_layout(model)
+    layout = tensor.shard_layout(model)
     params = dict(tree_flatten(model.parameters()))
-    whole = tensor_parallel.gather_parameters(params, layout, group)
+    whole = tensor.gather_parameters(params, layout, group)
     with open(os.path.join(args.out, f"rank-{group.rank()}.json"), "w") as f:
-        json.dump({"layout": layout, "shapes": {k: list(v.shape) for k, v in params.items()},
+        json.dump({"layout": tensor.layout_record(layout)["layout"],  # {path: axis}
+                   "shapes": {k: list(v.shape) for k, v in params.items()},
                    "trainable": sorted(k for k, _ in tree_flatten(model.trainable_parameters())),
-                   "differing": tensor_parallel.replicated_agree(model, layout, group)}, f)
+                   "differing": tensor.replicated_agree(model, layout, group)}, f)
     if group.rank() == 0:
         mx.save_safetensors(os.path.join(args.out, "trained.safetensors"), whole)
         with open(os.path.join(args.out, "losses.json"), "w") as f:

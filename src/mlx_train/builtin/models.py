@@ -196,7 +196,7 @@ class CharTransformerLM(nn.Module):
 
     def shard(self, group: Any = None) -> None:
         """Split every block over ``group`` for tensor parallelism (the protocol of
-        ``mlx_train.distributed.tensor_parallel``, as mlx-lm's ``Model.shard``); the embeddings, the
+        ``mlx_train.distributed.tensor``, as mlx-lm's ``Model.shard``); the embeddings, the
         final norm and the output head stay whole on every rank.
 
         Example: ``model.shard(mx.distributed.init())`` in each of the launched processes.

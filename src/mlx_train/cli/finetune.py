@@ -187,8 +187,8 @@ def main(args: argparse.Namespace) -> int:
 def tensor_parallel_split(config: Any) -> Any:
     """On a rank of a launched group: the ``TensorParallelAdapters`` of a ``distributed_strategy:
     tensor_parallel`` run over the group (None for another strategy, or a group of one)."""
-    from mlx_train.distributed.tensor_parallel import finetune_split
     from mlx_train.distributed.topology import init_group
+    from mlx_train.llm.tensor_parallel import finetune_split
 
     if config.distributed_strategy != "tensor_parallel":
         return None

@@ -87,8 +87,9 @@ def measure_split(model: Any, most: int = 64) -> Any:
 
     from mlx.utils import tree_flatten
 
-    from mlx_train.distributed.tensor_parallel import Shardable, shard_model
+    from mlx_train.distributed.tensor import Shardable
     from mlx_train.errors import ConfigError
+    from mlx_train.llm.tensor_parallel import shard_language_model
     from mlx_train.memory import TensorSplit
 
     shardable = isinstance(model, Shardable)  # (a test that does not narrow the model's type)
@@ -96,12 +97,12 @@ def measure_split(model: Any, most: int = 64) -> Any:
         return None
     whole = dict(tree_flatten(model.parameters()))
     trainable = {key for key, _ in tree_flatten(model.trainable_parameters())}
-    layout: dict[str, int] = {}
+    layout: dict[str, Any] = {}
     ranks: list[int] = []
     size = 2
     while size <= most:
         try:
-            found = shard_model(copy.deepcopy(model), _Stand_in_group(size))
+            found = shard_language_model(copy.deepcopy(model), _Stand_in_group(size))
         except ConfigError:  # heads or widths that do not divide: nor will they by a larger power of two
             break
         # split at every rank count listed: a vocabulary that divides by 2 but not by 4 splits only over 2

@@ -8,8 +8,8 @@
 - ``Hostfile``: the host files ``mlx.launch`` takes (read, write, validate).
 - ``RankMonitor``: a rank's heartbeat and collective watchdog; ``ParameterChecksum``: every K
   steps the ranks compare a checksum of their parameters.
-- ``shard_model`` / ``shard_for_finetune`` / ``save_gathered_adapters``: tensor parallelism
-  (``mlx_train.distributed.tensor_parallel``).
+- ``shard_model``: tensor parallelism (``mlx_train.distributed.tensor``; fine-tuning on a split model is
+  ``mlx_train.llm.tensor_parallel``).
 
 Launching a group (the supervisor, ``mlx.launch``, network checks, reset) is ``mlx_train.launch``,
 and the Trainer is ``mlx_train.training``, layers above: this package imports neither.
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from mlx_train.distributed.config import DistributedConfig, cluster_path, load_cluster
     from mlx_train.distributed.hostfile import Host, Hostfile
     from mlx_train.distributed.rank import RankMonitor
-    from mlx_train.distributed.tensor_parallel import save_gathered_adapters, shard_for_finetune, shard_model
+    from mlx_train.distributed.tensor import shard_model
     from mlx_train.distributed.tensor_topology import TensorParallel
     from mlx_train.distributed.topology import FSDP, DataParallel, Single, Topology, init_group
 
@@ -48,9 +48,7 @@ _LAZY = {
     "Hostfile": "mlx_train.distributed.hostfile",
     "RankMonitor": "mlx_train.distributed.rank",
     "ParameterChecksum": "mlx_train.distributed.checksum",
-    "shard_model": "mlx_train.distributed.tensor_parallel",
-    "shard_for_finetune": "mlx_train.distributed.tensor_parallel",
-    "save_gathered_adapters": "mlx_train.distributed.tensor_parallel",
+    "shard_model": "mlx_train.distributed.tensor",
     "Topology": "mlx_train.distributed.topology",
     "Single": "mlx_train.distributed.topology",
     "DataParallel": "mlx_train.distributed.topology",
@@ -63,6 +61,5 @@ __getattr__, __dir__ = lazy_exports(__name__, _LAZY)
 
 __all__ = ["FSDP", "DataParallel", "DistributedConfig", "Host", "Hostfile", "ParameterChecksum", "RankMonitor",
            "Single", "TensorParallel", "Topology", "available_backends", "check_strategy", "choose_backend",
-           "cluster_path", "init_group", "load_cluster", "save_gathered_adapters", "shard_for_finetune",
-           "shard_model"]
+           "cluster_path", "init_group", "load_cluster", "shard_model"]
 

@@ -6,18 +6,21 @@ Data parallelism (``estimate_step_comm_seconds``): a step all-reduces its gradie
 the group (``time_all_sum``).
 
 Tensor parallelism (``StepCommunication``): the all-reduces run inside the model's forward and backward
-passes (MLX's ``ShardedToAllLinear`` sums its output, ``AllToShardedLinear`` its input's gradient, the
-sharded adapters their rank-``r`` activations), so they depend on the model, the batch shape, which
-inputs need a gradient, gradient checkpointing and accumulation. They are *counted exactly*: the first
-time a micro-batch shape is seen, the step's own objective and gradient (and, for the update, the
-reduction's vote and clipping norm) are traced once more, lazily and never evaluated, with
-``mx.distributed``'s collectives recorded (``recording_collectives``): every collective the step's code
-issues, with the shape and dtype of what it moves. That list is then *replayed* on the group (the same
-operations on zero arrays of the same shapes, one after the other, each evaluated before the next; the
-median of 3 replays, ``time_collectives``), and each later step of that shape is charged the measured
-time. What is *estimated*: that the collectives take inside the step what they take replayed alone
-(inside the step they may wait for a slower rank, or overlap and compete with computation, which
-this does not see). No per-step host work beyond reading the batch's shapes.
+passes (a split layer sums its output, or its input's gradient; the sharded adapters their rank-``r``
+activations; the split vocabulary its lookup, gathered logits and log-softmax), so they depend on the model,
+the batch shape, which inputs need a gradient, gradient checkpointing and accumulation. They are *counted
+exactly*: every layer of a split model makes its collectives through one seam
+(``distributed.collectives``: MLX's own functions, listed while a recording is active in the calling
+context; nothing of MLX is replaced). The first time a micro-batch shape is seen, the step's own objective and
+gradient (and, for the update, the reduction's vote and clipping norm) are traced once more, lazily and never
+evaluated, inside ``recording_collectives``: every collective the step makes, with the shape and dtype of what
+it moves. That list is then *replayed* on the group (the same operations on zero arrays of the same shapes,
+one after the other, each evaluated before the next; the median of 3 replays, ``time_collectives``), and each
+later step of that shape is charged the measured time. What is *estimated*: that the collectives take inside
+the step what they take replayed alone (inside the step they may wait for a slower rank, or overlap and
+compete with computation, which this does not see). Not counted: collectives a model's own code makes with
+``mx.distributed`` directly (``distributed.tensor.untracked_modules`` names split layers of unknown types).
+No per-step host work beyond reading the batch's shapes.
 
 Example::
 
@@ -25,21 +28,24 @@ Example::
     timing = time_all_sum(group, nbytes=8 * 2**20)     # AllReduceTiming(latency_s=..., bandwidth=...)
     timing.seconds_for(4 * 10**6)                        # estimated seconds to all-reduce 4 MB
     with recording_collectives() as seen:               # [Collective("all_sum", (8, 64, 576), float32), ...]
-        loss_and_grad(model.trainable_parameters())      # built, not evaluated
+        loss_and_grad(model.trainable_parameters())      # a split model's step: built, not evaluated
     time_collectives(seen, group)                        # seconds to run them one after the other
 """
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
+
+from mlx_train.distributed.collectives import Collective, recording_collectives
+
+__all__ = ["AllReduceTiming", "time_all_sum", "gradient_bytes", "estimate_step_comm_seconds", "Collective",
+           "recording_collectives", "time_collectives", "StepComm", "StepCommunication"]
 
 BUCKET_BYTES = 32 * 2**20  # nn.average_gradients' default all_reduce_size
 
@@ -112,57 +118,6 @@ def estimate_step_comm_seconds(model: Any, group: Any) -> float:
 
 
 # -- the collectives of a tensor-parallel step ---------------------------------------------------
-
-#: The ``mx.distributed`` collectives that ``recording_collectives`` records (and ``time_collectives`` replays).
-RECORDED = ("all_sum", "all_max", "all_min", "all_gather", "sum_scatter")
-
-
-@dataclass(frozen=True)
-class Collective:
-    """One collective call: the operation and the shape and dtype of the array it is given.
-
-    Example: ``Collective("all_sum", (8, 64, 576), mx.float32).nbytes  # 1179648``
-    """
-
-    op: str
-    shape: tuple[int, ...]
-    dtype: mx.Dtype
-
-    @property
-    def nbytes(self) -> int:
-        """The bytes of the array given to the collective (what each rank contributes)."""
-        return math.prod(self.shape) * self.dtype.size
-
-
-@contextmanager
-def recording_collectives() -> Iterator[list[Collective]]:
-    """Record every ``mx.distributed.all_sum`` / ``all_max`` / ``all_min`` / ``all_gather`` / ``sum_scatter``
-    called (from Python) in the block, in call order; the calls still happen. MLX's sharded layers and their
-    gradients (custom VJPs run when the gradient graph is built) look these functions up at each call, so
-    building a step's graph inside the block lists all its collectives without evaluating anything.
-
-    Example::
-
-        with recording_collectives() as seen:
-            mx.value_and_grad(loss)(params)
-        sum(c.nbytes for c in seen)
-    """
-    seen: list[Collective] = []
-    originals = {name: getattr(mx.distributed, name) for name in RECORDED}
-
-    def recorder(name: str, function: Callable[..., mx.array]) -> Callable[..., mx.array]:
-        def call(x: mx.array, *args: Any, **kwargs: Any) -> mx.array:
-            seen.append(Collective(name, tuple(x.shape), x.dtype))
-            return function(x, *args, **kwargs)
-        return call
-
-    for name, function in originals.items():
-        setattr(mx.distributed, name, recorder(name, function))
-    try:
-        yield seen
-    finally:
-        for name, function in originals.items():
-            setattr(mx.distributed, name, function)
 
 
 def time_collectives(collectives: Sequence[Collective], group: Any, repeats: int = 3) -> float:

@@ -1,5 +1,5 @@
 """Tensor parallelism as a topology: every rank holds a slice of each split matrix and trains on the
-whole batch; checkpoints hold each rank's slices (see ``mlx_train.distributed.tensor_parallel``).
+whole batch; checkpoints hold each rank's slices (see ``mlx_train.distributed.tensor``).
 
 Example::
 
@@ -21,7 +21,8 @@ from mlx_train.config import TrainConfig
 from mlx_train.distributed.comm import Collective, StepCommunication
 
 # The tensor-parallel functions, by name: the one place this topology reaches them.
-from mlx_train.distributed.tensor_parallel import (
+from mlx_train.distributed.tensor import (
+    Layout,
     ShardedCheckpoints,
     prune_shards,
     reshard,
@@ -33,6 +34,7 @@ from mlx_train.distributed.tensor_parallel import (
 from mlx_train.distributed.topology import Group
 from mlx_train.errors import CheckpointError, ConfigError
 from mlx_train.snapshot import saved_parameters
+from mlx_train.transforms import logits_head
 
 __all__ = ["GUARD_VOTE", "TensorParallel"]
 
@@ -47,10 +49,10 @@ class TensorParallel(Group):
 
     strategy = "tensor_parallel"
 
-    def __init__(self, group: Any, layout: dict[str, int] | None = None) -> None:
+    def __init__(self, group: Any, layout: Layout | None = None) -> None:
         super().__init__(group)
         #: The split axis of each sharded parameter (``tensor_parallel.shard_layout``).
-        self.layout: dict[str, int] = dict(layout or {})
+        self.layout: Layout = dict(layout or {})
         #: The collectives inside the steps, counted and timed for time_comm.
         self.step_communication: StepCommunication | None = None
 
@@ -64,7 +66,7 @@ class TensorParallel(Group):
         model = super().prepare(model, config)
         if not self._split:
             return model
-        self.layout.update(shard_model(model, self.group))
+        self.layout.update(shard_model(model, self.group, head=logits_head))  # an mlx-lm model's vocabulary too
         mx.eval(model.parameters())  # collectives pending in lazy parameters run first, in the same order
         replicated = [k for k, _ in tree_flatten(model.parameters()) if k not in self.layout]
         from mlx_train.distributed.checksum import broadcast_from_rank0

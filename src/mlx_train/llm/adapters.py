@@ -29,6 +29,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from mlx_train.distributed import collectives
 from mlx_train.errors import ConfigError
 
 ADAPTER_FILE = "adapters.safetensors"
@@ -118,7 +119,7 @@ def _generic_lora(model: nn.Module, spec: AdapterConfig) -> int:
     return converted
 
 
-class _ShardedAdapter(nn.Module):
+class _ShardedAdapter(nn.Module, collectives.Tracked):
     """LoRA (and the base of DoRA) on a linear layer split over a group by tensor parallelism.
 
     The low-rank factors are split with their base: for a layer whose output is split
@@ -154,14 +155,14 @@ class _ShardedAdapter(nn.Module):
 
     @property
     def split_sizes(self) -> tuple[int, ...] | None:
-        """Each rank's size on the split axis when the base layer's slices are unequal (``tensor_parallel``'s
+        """Each rank's size on the split axis when the base layer's slices are unequal (``distributed.tensor``'s
         uneven attention), else None."""
         sizes: tuple[int, ...] | None = getattr(self.linear, "split_sizes", None)
         return sizes
 
     @property
     def sharded_axes(self) -> dict[str, int | None]:
-        """The axis of each own parameter split over the group (``tensor_parallel`` reads it)."""
+        """The axis of each own parameter split over the group (``distributed.tensor.shard_layout`` reads it)."""
         return {"lora_a": None, "lora_b": 1, "m": 0} if self.output_sharded else {"lora_a": 0, "lora_b": None,
                                                                                   "m": None}
 
@@ -181,11 +182,9 @@ class _ShardedAdapter(nn.Module):
     def _low_rank(self, x: mx.array) -> mx.array:
         h = self.dropout(x) @ self.lora_a
         if self.output_sharded:  # every rank's slice of the output adds to the gradient of h
-            from mlx.nn.layers.distributed import sum_gradients
-
-            h = sum_gradients(self.group)(h)
+            h = collectives.sum_gradients(self.group)(h)
         else:  # every rank holds part of the input: h is the sum of the parts
-            h = mx.distributed.all_sum(h, group=self.group)
+            h = collectives.all_sum(h, group=self.group)
         return h @ self.lora_b
 
 
@@ -232,17 +231,15 @@ class ShardedDoRALinear(_ShardedAdapter):
     def _row_norm(self, weight: mx.array) -> mx.array:
         squares = mx.sum(mx.square(weight), axis=1)
         if not self.output_sharded:
-            squares = mx.distributed.all_sum(squares, group=self.group)
+            squares = collectives.all_sum(squares, group=self.group)
         return mx.sqrt(squares)
 
     def __call__(self, x: mx.array) -> mx.array:
-        from mlx.nn.layers.distributed import sum_gradients
-
         w: mx.array = self.linear.weight
         if self.output_sharded:
-            y: mx.array = sum_gradients(self.group)(x) @ w.T
+            y: mx.array = collectives.sum_gradients(self.group)(x) @ w.T
         else:
-            y = mx.distributed.all_sum(x @ w.T, group=self.group)
+            y = collectives.all_sum(x @ w.T, group=self.group)
         out = y + (self.scale * self._low_rank(x)).astype(x.dtype)
         adapted = w + (self.scale * self.lora_b.T) @ self.lora_a.T
         denom = mx.stop_gradient(self._row_norm(adapted))

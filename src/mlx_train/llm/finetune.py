@@ -69,7 +69,7 @@ def _for_trainer(config: FinetuneConfig) -> FinetuneConfig:
 
 class AdapterSplit(Protocol):
     """How the adapters of a model split over the ranks of a group are added and written whole
-    (tensor parallelism; ``mlx_train.distributed.tensor_parallel.TensorParallelAdapters`` is the one in use).
+    (tensor parallelism; ``mlx_train.llm.tensor_parallel.TensorParallelAdapters`` is the one in use).
 
     Example: ``finetune(config, trainer_class=DistributedTrainer, split=TensorParallelAdapters(group))``
     """

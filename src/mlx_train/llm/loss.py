@@ -34,10 +34,10 @@ prompt tokens cost nothing in the head. Other models get the full logits, as bef
 ``CHUNK_LOGITS = 0`` turns chunking off everywhere (``lm_loss(..., chunk=0)``, the ``loss_chunk``
 option of ``mlx-train finetune``, for one loss).
 
-A head split by vocabulary over a tensor-parallel group (``distributed.tensor_parallel.shard_vocabulary``;
-it has ``local_logits``, ``vocab_offset`` and ``group``) is run the same way on each rank's slice of the
-vocabulary: the log-softmax normaliser is a logsumexp over the group (the maximum all-reduced with
-``all_max``, the sum of exponentials with ``all_sum``) and the target's logit comes from the rank that
+A head split by vocabulary over a tensor-parallel group (a ``distributed.tensor.VocabularySlice``, which
+``shard_vocabulary`` puts in: ``local_logits``, ``vocab_offset`` and ``group``) is run the same way on each
+rank's slice of the vocabulary: the log-softmax normaliser is a logsumexp over the group (the maximum
+all-reduced with ``all_max``, the sum of exponentials with ``all_sum``) and the target's logit comes from the rank that
 holds it (``all_sum`` of the masked slices); the hidden states' gradient is summed over the group.
 Without chunking the model's own call gathers the whole logits. A pass that is never
 differentiated can say so (``grad=False``: reference passes do); ``lm_loss`` on a model in
@@ -60,6 +60,8 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from mlx_train.config import finetune as config_finetune
+from mlx_train.distributed import collectives
+from mlx_train.distributed.tensor.layers import VocabularySlice
 
 #: Logits per chunk of the output projection, and the fewest tokens a chunk has (declared with the
 #: loss_chunk setting, whose help they write; module attributes here, so a check can change them).
@@ -123,14 +125,13 @@ def output_head(model: nn.Module) -> tuple[nn.Module, Callable[[mx.array], mx.ar
     Example: ``module, project = output_head(model); logits = project(model.model(tokens))``.
     """
     from mlx_train.llm.models import is_mlx_lm_model
-    from mlx_train.transforms import has_plain_head
+    from mlx_train.transforms import logits_head
 
-    if not is_mlx_lm_model(model) or not isinstance(model.get("model"), nn.Module) or not has_plain_head(model):
+    module = logits_head(model) if is_mlx_lm_model(model) else None
+    if module is None:
         return None
-    if "lm_head" in model and not getattr(getattr(model, "args", None), "tie_word_embeddings", False):
-        return model["lm_head"], model["lm_head"]
-    embedding = model["model"].get("embed_tokens")
-    return (embedding, embedding.as_linear) if embedding is not None else None
+    project: Callable[[mx.array], mx.array] = module if module is model.get("lm_head") else module.as_linear
+    return module, project
 
 
 def chunk_tokens(vocabulary: int) -> int:
@@ -185,14 +186,14 @@ def _target_logits_vjp(primals: list[mx.array], cotangents: list[mx.array],
 
 
 def vocab_split(head: nn.Module) -> tuple[int, Any] | None:
-    """``(first vocabulary row, group)`` of a head split by vocabulary over a tensor-parallel group (one with
-    ``local_logits``, ``vocab_offset`` and ``group``), None for a whole head.
+    """``(first vocabulary row, group)`` of a head split by vocabulary over a tensor-parallel group (a
+    ``distributed.tensor.VocabularySlice``), None for a whole head.
 
     Example: ``vocab_split(model.model.embed_tokens)`` -> ``(24576, group)`` on rank 1 of 2 for SmolLM2.
     """
-    if not callable(getattr(head, "local_logits", None)):
+    if not isinstance(head, VocabularySlice):
         return None
-    return int(head.vocab_offset), head.group
+    return head.vocab_offset, head.group
 
 
 def split_target_and_norm(logits: mx.array, targets: mx.array, offset: int, group: Any) -> tuple[mx.array, mx.array]:
@@ -202,12 +203,12 @@ def split_target_and_norm(logits: mx.array, targets: mx.array, offset: int, grou
 
     Example: ``score, norm = split_target_and_norm(local, targets, rank * rows, group); logp = score - norm``
     """
-    peak = mx.stop_gradient(mx.distributed.all_max(mx.max(logits, axis=-1), group=group))
-    total = mx.distributed.all_sum(mx.sum(mx.exp(logits - peak[..., None]), axis=-1), group=group)
+    peak = mx.stop_gradient(collectives.all_max(mx.max(logits, axis=-1), group=group))
+    total = collectives.all_sum(mx.sum(mx.exp(logits - peak[..., None]), axis=-1), group=group)
     local = targets - offset
     inside = (local >= 0) & (local < logits.shape[-1])
     picked = mx.take_along_axis(logits, mx.where(inside, local, 0)[..., None], axis=-1).squeeze(-1)
-    score = mx.distributed.all_sum(mx.where(inside, picked, mx.zeros_like(picked)), group=group)
+    score = collectives.all_sum(mx.where(inside, picked, mx.zeros_like(picked)), group=group)
     return score, peak + mx.log(total)
 
 

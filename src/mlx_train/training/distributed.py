@@ -31,7 +31,7 @@ class DistributedTrainer(Trainer):
     ``strategy="data_parallel"``: every rank holds the whole model; gradients are averaged
     across ranks inside the compiled step. ``strategy="tensor_parallel"``: the model is split with
     its ``shard(group)`` method (mlx-lm's models, the built-in transformer; see
-    ``mlx_train.distributed.tensor_parallel``): every rank holds a slice of each split matrix and
+    ``mlx_train.distributed.tensor``): every rank holds a slice of each split matrix and
     its optimizer state and trains on the whole batch; checkpoints hold each rank's slices (tensor x
     data parallelism is not supported: the whole group is one tensor-parallel group).
     ``strategy="fsdp"``: MLX's ``nn.fully_shard`` keeps a shard of the parameters and optimizer
