@@ -130,7 +130,9 @@ def output_head(model: nn.Module) -> tuple[nn.Module, Callable[[mx.array], mx.ar
     module = logits_head(model) if is_mlx_lm_model(model) else None
     if module is None:
         return None
-    project: Callable[[mx.array], mx.array] = module if module is model.get("lm_head") else module.as_linear
+    if module is model.get("lm_head"):
+        return module, module
+    project: Callable[[mx.array], mx.array] = module.as_linear
     return module, project
 
 
