@@ -130,9 +130,8 @@ def output_head(model: nn.Module) -> tuple[nn.Module, Callable[[mx.array], mx.ar
     module = logits_head(model) if is_mlx_lm_model(model) else None
     if module is None:
         return None
-    if module is model.get("lm_head"):
-        return module, module
-    project: Callable[[mx.array], mx.array] = module.as_linear
+    tied = module is not model.get("lm_head")
+    project: Callable[[mx.array], mx.array] = module.as_linear if tied else module
     return module, project
 
 
