@@ -73,7 +73,8 @@ SPEC_FIELDS = {
     # llm: mlx-train finetune
     "fine_tune_type": ("str", "lora"), "num_layers": ("int", 16),
     "lora_parameters": ("dict", {"rank": 8, "scale": 20.0, "dropout": 0.0}), "max_seq_length": ("int", 2048),
-    "mask_prompt": ("bool", False), "pack": ("bool | str", False), "loss_chunk": ("int | None", None),
+    "mask_prompt": ("bool", False), "assistant_only_loss": ("bool", False), "train_on_tool_calls": ("bool", True),
+    "train_on_reasoning": ("bool", True), "pack": ("bool | str", False), "loss_chunk": ("int | None", None),
     "adapter_path": ("str", "adapters"),
     "resume_adapter_file": ("str | None", None), "quantized": ("bool | None", None), "test": ("bool", False),
     "test_batches": ("int | None", 500), "train_mode": ("str", "sft"), "beta": ("float", 0.1),

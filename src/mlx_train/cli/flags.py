@@ -83,7 +83,9 @@ def add_flags(parser: argparse.ArgumentParser, flags: dict[str, str], notes: dic
         default = "none" if field.default in (None, "") else field.default
         text = f"{field.help} (default: {default}{choices}{(notes or {}).get(name, '')})".replace("%", "%%")
         names = (flag, *FLAG_ALIASES.get(flag, ()))
-        if is_switch(name):
+        if is_switch(name) and field.default is True:  # on by default: --no-NAME turns it off
+            parser.add_argument(*names, dest=name, action=argparse.BooleanOptionalAction, default=None, help=text)
+        elif is_switch(name):
             parser.add_argument(*names, dest=name, action="store_true", default=None, help=text)
         elif field.type == "bool | str":  # a switch that may name its kind: --pack, --pack by_length
             parser.add_argument(*names, dest=name, nargs="?", const=True, default=None, type=_flag_type(name, config),
@@ -194,7 +196,8 @@ def command_line_changes(args: argparse.Namespace, base: Any, flags: dict[str, s
     for flag, name in (flags or FLAGS).items():
         value = getattr(args, name, None)
         if value is not None:
-            changes[name] = (value, flag if is_switch(name) else f"{flag} {value}")
+            switch = flag if value is True else f"--no-{flag[2:]}"
+            changes[name] = (value, switch if is_switch(name) else f"{flag} {value}")
     for flag, key in ITERATION_FLAGS.items():
         value = getattr(args, key, None)
         if value is not None:

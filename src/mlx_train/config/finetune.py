@@ -69,6 +69,19 @@ def _packing(value: Any) -> Any:
                   f"{did_you_mean(str(value), PACKINGS)}")
 
 
+def _one_mask(value: bool, values: Mapping[str, Any]) -> str | None:
+    if value and values["mask_prompt"]:
+        return ("and mask_prompt exclude each other: assistant_only_loss trains every assistant turn, mask_prompt "
+                "only the last message (mlx_lm.lora's meaning); choose one")
+    return None
+
+
+def _needs_assistant_only(value: bool, values: Mapping[str, Any]) -> str | None:
+    if not value and not values["assistant_only_loss"]:
+        return "false applies with assistant_only_loss only (the other modes train whole messages); set that too"
+    return None
+
+
 def _layers(value: int, values: Mapping[str, Any]) -> str | None:
     if value == -1 or value >= 1:
         return None
@@ -108,7 +121,18 @@ class FinetuneConfig(LaunchConfig):
                                    "LoRA/DoRA rank, scale, dropout and keys (mlx_lm.lora's lora_parameters).")
     max_seq_length: int = in_llm(2048, "Longest sequence in tokens; longer documents are cut (and counted).",
                                  minimum=1)
-    mask_prompt: bool = in_llm(False, "Train on completions only (prompt/completion and chat records).")
+    mask_prompt: bool = in_llm(False, "Train on completions only (prompt/completion and chat records): as "
+                                      "mlx_lm.lora, only the last message of a conversation.")
+    assistant_only_loss: bool = in_llm(False, "Train every assistant turn of chat and prompt/completion records, and "
+                                              "nothing else (TRL's assistant_only_loss): from the template's "
+                                              "{% generation %} markers, else by rendering turn by turn.",
+                                       check=_one_mask)
+    train_on_tool_calls: bool = in_llm(True, "With assistant_only_loss: train assistant messages that carry "
+                                             "tool_calls (false: leave those messages out of the loss).",
+                                       check=_needs_assistant_only)
+    train_on_reasoning: bool = in_llm(True, "With assistant_only_loss: train the reasoning (reasoning_content, "
+                                            "<think> blocks) of assistant turns (false: only the rest of the reply).",
+                                      check=_needs_assistant_only)
     pack: bool | str = in_llm(False, "Pack the training rows: true or best_fit (several documents per row up to "
                                      "max_seq_length, no loss or attention across them), by_length (one document a "
                                      "row, batches of similar lengths), false.", parse=_packing)

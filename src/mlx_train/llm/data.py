@@ -4,9 +4,10 @@ Records are ``{"text": ...}``, ``{"prompt": ..., "completion": ...}`` or chat
 ``{"messages": [...]}`` (rendered with the tokenizer's chat template), read from a directory of
 ``train.jsonl``/``valid.jsonl``/``test.jsonl`` or a Hugging Face ``datasets`` dataset.
 
-A document is its tokens plus ``offset``, the first token that is trained on (after the prompt
-when masking). A :class:`SequenceDataset` row holds one document, or several when packed (up to
-``max_seq_length`` tokens). A row is a dict of numpy arrays, already shifted for next-token
+A document is its tokens plus its loss mask: which tokens are trained on (all, those after the
+prompt with ``mask_prompt``, the assistant turns with ``assistant_only_loss``: ``mlx_train.llm.chat_masks``).
+A :class:`SequenceDataset` row holds one document, or several when packed (up to ``max_seq_length``
+tokens). A row is a dict of numpy arrays, already shifted for next-token
 prediction: ``inputs``, ``targets``, ``loss_mask`` (1 where the target is trained on: never the
 prompt, never the first token of the next document) and, when packed, ``segments`` (1, 2, ...
 per document, 0 for padding) so attention can stay inside a document.
@@ -46,6 +47,7 @@ from typing import Any
 import numpy as np
 
 from mlx_train.errors import ConfigError, DataError
+from mlx_train.llm.chat_masks import Supervision, encode_chat, last_turn_start
 
 PAD_MULTIPLE = 8
 #: Trained positions per row are padded to a multiple of this (few distinct shapes to compile).
@@ -169,6 +171,15 @@ def _chat(tokenizer: Any, messages: list[Record], tools: Any = None, add_generat
     return list(tokens)
 
 
+def _messages(record: Record, kind: str) -> list[Record]:
+    """The conversation of a chat or prompt/completion record."""
+    if kind == "completion":
+        return [{"role": "user", "content": record["prompt"]}, {"role": "assistant", "content": record["completion"]}]
+    if not record["messages"]:
+        raise DataError("a chat record has an empty messages list")
+    return list(record["messages"])
+
+
 def encode_record(record: Record, tokenizer: Any, mask_prompt: bool) -> tuple[list[int], int]:
     """``(tokens, offset)`` of one record: ``offset`` is the first token that is trained on.
 
@@ -187,13 +198,7 @@ def encode_record(record: Record, tokenizer: Any, mask_prompt: bool) -> tuple[li
         if eos is not None and (not tokens or tokens[-1] != eos):
             tokens.append(eos)
         return tokens, 0
-    if kind == "completion":
-        messages = [{"role": "user", "content": record["prompt"]},
-                    {"role": "assistant", "content": record["completion"]}]
-    else:
-        messages = record["messages"]
-        if not messages:
-            raise DataError("a chat record has an empty messages list")
+    messages = _messages(record, kind)
     tools = record.get("tools")
     tokens = _chat(tokenizer, messages, tools)
     if not mask_prompt:
@@ -203,50 +208,110 @@ def encode_record(record: Record, tokenizer: Any, mask_prompt: bool) -> tuple[li
                         "only the last message, as mlx_lm.lora does) would train that message; end the conversation "
                         "with the assistant's reply, or train without --mask-prompt")
     prompt = _chat(tokenizer, messages[:-1], tools, add_generation_prompt=messages[-1].get("role") == "assistant")
+    if tokens[:len(prompt)] != prompt:  # a generation prompt that is no prefix: mlx-lm's offset would be wrong
+        return tokens, last_turn_start(tokenizer, messages, tools)
     return tokens, len(prompt)
+
+
+def encode_masked(record: Record, tokenizer: Any, supervision: Supervision) -> tuple[list[int], np.ndarray]:
+    """``(tokens, mask)`` of one record: ``mask[t]`` (uint8) is 1 where token ``t`` is trained (as a target), as
+    ``supervision`` chooses (``mlx_train.llm.chat_masks``); ``mask_prompt`` keeps mlx_lm.lora's one offset.
+
+    Example: ``encode_masked({"messages": [...]}, tokenizer, Supervision(assistant_only_loss=True))``.
+    """
+    if not supervision.assistant_only_loss:
+        tokens, offset = encode_record(record, tokenizer, supervision.mask_prompt)
+        mask = np.zeros(len(tokens), dtype=np.uint8)
+        mask[offset:] = 1
+        return tokens, mask
+    kind = record_format(record)
+    _check_types(record, kind)
+    if kind == "text":
+        raise DataError("--assistant-only-loss needs prompt/completion or chat records; {\"text\": ...} records "
+                        "have no assistant turn")
+    return encode_chat(_messages(record, kind), tokenizer, supervision, record.get("tools"))
+
+
+def left_out_by_mask_prompt(record: Record, tokenizer: Any, mask: np.ndarray) -> tuple[int, int]:
+    """``(assistant tokens, of them left out)`` of a chat record with several assistant turns trained with
+    mlx-lm's ``mask_prompt`` (only the last one); ``(0, 0)`` for other records."""
+    messages = record.get("messages")
+    if not isinstance(messages, list) or sum(m.get("role") == "assistant" for m in messages) < 2:
+        return 0, 0
+    _, every = encode_chat(messages, tokenizer, Supervision(assistant_only_loss=True), record.get("tools"))
+    if len(every) != len(mask):
+        return 0, 0
+    assistant = int(every[1:].sum())
+    return assistant, int((every[1:] & (1 - mask[1:])).sum())
 
 
 @dataclass
 class Documents:
-    """Tokenized documents: ``tokens[i]`` (int32) and ``offsets[i]``; ``truncated`` counts the
-    documents cut to ``max_seq_length``."""
+    """Tokenized documents: ``tokens[i]`` (int32) and ``masks[i]`` (uint8, 1 where the token is trained as a
+    target; given, or built from ``offsets[i]``, the first trained token); ``truncated`` counts the documents cut
+    to ``max_seq_length``; ``assistant_tokens``/``left_out`` count, for multi-turn chats trained with
+    ``mask_prompt``, their assistant tokens and those the loss leaves out.
+
+    Example: ``Documents([np.arange(5, dtype=np.int32)], offsets=[2]).masks[0]`` -> ``[0 0 1 1 1]``.
+    """
 
     tokens: list[np.ndarray]
-    offsets: list[int]
+    offsets: list[int] | None = None
     truncated: int = 0
     max_seq_length: int | None = None
+    masks: list[np.ndarray] | None = None
+    assistant_tokens: int = 0
+    left_out: int = 0
     lengths: np.ndarray = field(init=False)
 
     def __post_init__(self) -> None:
         self.lengths = np.array([len(t) for t in self.tokens], dtype=np.int64)
+        if self.masks is None:
+            offsets = self.offsets or [0] * len(self.tokens)
+            self.masks = [(np.arange(len(t)) >= o).astype(np.uint8) for t, o in zip(self.tokens, offsets, strict=True)]
+        if self.offsets is None:
+            self.offsets = [int(np.argmax(m)) if m.any() else len(m) for m in self.masks]
 
     def __len__(self) -> int:
         return len(self.tokens)
 
+    @property
+    def trained_tokens(self) -> int:
+        """Targets the loss trains over all documents (a document's first token is never a target)."""
+        return int(sum(int(m[1:].sum()) for m in self.masks or ()))
 
-def tokenize(records: Sequence[Record], tokenizer: Any, mask_prompt: bool = False,
+
+def tokenize(records: Sequence[Record], tokenizer: Any, mask_prompt: bool | Supervision = False,
              max_seq_length: int | None = None, where: str = "data") -> Documents:
-    """Tokenize ``records``; documents longer than ``max_seq_length`` tokens are cut to it and
-    counted in ``Documents.truncated``.
+    """Tokenize ``records`` with their loss masks (``mask_prompt``: a bool, mlx_lm.lora's flag, or a
+    :class:`~mlx_train.llm.chat_masks.Supervision`); documents longer than ``max_seq_length`` tokens are cut to
+    it and counted in ``Documents.truncated``. A chat record whose mask trains nothing is an error.
 
-    Example: ``docs = tokenize(records, tokenizer, max_seq_length=2048); docs.truncated``.
+    Example: ``docs = tokenize(records, tokenizer, Supervision(assistant_only_loss=True), max_seq_length=2048)``.
     """
-    tokens, offsets, truncated = [], [], 0
+    supervision = mask_prompt if isinstance(mask_prompt, Supervision) else Supervision(mask_prompt=bool(mask_prompt))
+    tokens, masks, truncated, assistant, left_out = [], [], 0, 0, 0
     places = records if isinstance(records, Records) else Records(records, where)
     for i, record in enumerate(records):
         try:
-            ids, offset = encode_record(record, tokenizer, mask_prompt)
+            ids, mask = encode_masked(record, tokenizer, supervision)
+            if supervision.masks and len(ids) >= 2 and not mask[1:].any():
+                raise DataError(f"{supervision.flag} trains no token of this record (the chat template leaves "
+                                "nothing of the assistant's reply); check it with mlx-train inspect-data")
+            if supervision.mask_prompt:
+                counts = left_out_by_mask_prompt(record, tokenizer, mask)
+                assistant, left_out = assistant + counts[0], left_out + counts[1]
         except DataError as error:
             raise DataError(f"{places.place(i)}: {error}") from None
         if max_seq_length is not None and len(ids) > max_seq_length:
-            ids, truncated = ids[:max_seq_length], truncated + 1
-        if len(ids) < 2 or offset >= len(ids):
+            ids, mask, truncated = ids[:max_seq_length], mask[:max_seq_length], truncated + 1
+        if len(ids) < 2 or not mask[1:].any():
             continue  # nothing to predict (an empty text, or a prompt that fills the whole window)
         tokens.append(np.asarray(ids, dtype=np.int32))
-        offsets.append(int(offset))
+        masks.append(mask)
     if not tokens:
         raise DataError(f"{where}: no record has a token to train on ({len(records)} records)")
-    return Documents(tokens, offsets, truncated, max_seq_length)
+    return Documents(tokens, None, truncated, max_seq_length, masks, assistant, left_out)
 
 
 def pack_documents(lengths: np.ndarray, capacity: int) -> list[list[int]]:
@@ -315,8 +380,7 @@ class SequenceDataset:
     @property
     def trained_tokens(self) -> int:
         """Targets that count in the loss over the whole dataset."""
-        docs = self.documents
-        return int(sum(len(t) - max(o, 1) for t, o in zip(docs.tokens, docs.offsets, strict=False)))
+        return self.documents.trained_tokens
 
     def head(self, count: int) -> SequenceDataset:
         """The first ``count`` rows (all when ``count`` < 0), e.g. to validate on a few batches."""
@@ -338,11 +402,11 @@ class SequenceDataset:
         loss_mask = np.zeros(n, dtype=np.int32)
         segments = np.zeros(n, dtype=np.int32)
         start = 0
+        masks: list[np.ndarray] = docs.masks  # type: ignore[assignment]  # built in Documents.__post_init__
         for segment, i in enumerate(self.rows[index], 1):
             length = len(docs.tokens[i])
             # input position start+j predicts token j+1 of this document (j+1 < length)
-            first = start + max(docs.offsets[i], 1) - 1
-            loss_mask[first:start + length - 1] = 1
+            loss_mask[start:start + length - 1] = masks[i][1:]
             segments[start:start + length] = segment  # the slice stops at n by itself
             start += length
         sample = {"inputs": row[:-1], "targets": row[1:], "loss_mask": loss_mask}
@@ -407,6 +471,10 @@ def make_loader(dataset: Any, batch_size: int, seed: int = 0, shuffle: bool = Tr
 def describe_documents(name: str, documents: Documents, rows: SequenceDataset | None = None) -> str:
     """One line about a split: documents, tokens, truncation, packing."""
     text = f"{name}: {len(documents)} documents, {int(documents.lengths.sum())} tokens"
+    if documents.left_out:
+        text += (f"; --mask-prompt leaves {documents.left_out} of the {documents.assistant_tokens} assistant tokens "
+                 "of multi-turn chats out of the loss (mlx_lm.lora's meaning: only the last message trains; "
+                 "--assistant-only-loss trains every assistant turn)")
     if documents.truncated:
         text += (f"; {documents.truncated} truncated to max_seq_length={documents.max_seq_length} tokens "
                  "(raise --max-seq-length or split long documents to keep them whole)")

@@ -172,7 +172,8 @@ _PREFERENCE_SETTINGS = ("beta", "dpo_loss_type", "label_smoothing", "reference_f
 
 class SFT(Task):
     """Supervised fine-tuning: the next-token loss on documents, chats or prompt/completion rows
-    (optionally packed, or on completions only with ``mask_prompt``).
+    (optionally packed; on the last message only with ``mask_prompt``, on every assistant turn with
+    ``assistant_only_loss``: ``mlx_train.llm.chat_masks``).
 
     Example: ``SFT(FinetuneConfig(model="base", dataset="data")).loss()`` is ``lm_loss``.
     """
@@ -186,8 +187,10 @@ class SFT(Task):
     def datasets(self, model: Any, tokenizer: Any, records: dict[str, Any],
                  log: Callable[[str], None]) -> dict[str, Any]:
         from mlx_train.llm import data, loss
+        from mlx_train.llm.chat_masks import Supervision
 
         cfg = self.config
+        supervision = Supervision.from_finetune(cfg)
         document_mask = loss.supports_document_mask(model)
         if cfg.pack in (True, "best_fit") and not document_mask:
             log("packing: this model takes no attention mask, so a token may attend to earlier documents of its "
@@ -196,7 +199,7 @@ class SFT(Task):
         for name in ("train", "valid", "test"):
             if not records[name]:
                 continue
-            docs = data.tokenize(records[name], tokenizer, cfg.mask_prompt, cfg.max_seq_length,
+            docs = data.tokenize(records[name], tokenizer, supervision, cfg.max_seq_length,
                                  where=f"{cfg.dataset}/{name}.jsonl")
             rows = data.SequenceDataset(docs, cfg.max_seq_length, pack=cfg.pack if name == "train" else False,
                                         document_mask=document_mask)
@@ -212,7 +215,8 @@ class SFT(Task):
         return functools.update_wrapper(functools.partial(loss.lm_loss, chunk=self.config.loss_chunk), loss.lm_loss)
 
     def gathers_positions(self) -> bool:
-        return bool(self.config.mask_prompt)  # prompt-masked rows: the loss projects only the trained positions
+        # masked rows (prompt, non-assistant turns): the loss projects only the trained positions
+        return bool(self.config.mask_prompt or self.config.assistant_only_loss)
 
     def result_counts(self, counter: Counter) -> dict[str, Any]:
         counts = super().result_counts(counter)
