@@ -190,3 +190,27 @@ def test_a_multi_turn_run_trains_every_assistant_token_and_is_never_nan(tmp_path
     losses = result["history"]["train_loss"]
     assert all(math.isfinite(v) for v in losses) and math.isfinite(result["val_loss"])
     assert result["val_loss"] < math.log(len(tokenizer._tokenizer))  # it learned something from the start
+
+
+def test_inspect_data_marks_the_trained_tokens_and_counts(tmp_path, capsys):
+    from mlx_train.cli.main import main
+    from mlx_train.llm.models import save_model
+
+    tokenizer = ct.make_tokenizer(ct.unmarked(ct.QWEN))
+    model, config = llm_tiny.make_model(len(tokenizer._tokenizer), seed=0)
+    save_model(model, tokenizer, config, str(tmp_path / "base"))
+    records = list(ct.CONVERSATIONS.values())
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    docs = tokenize(records, tokenizer, EVERY_TURN)
+    assert main(["inspect-data", "--model", str(tmp_path / "base"), "--data", str(tmp_path / "data"), "-n", "1",
+                 "--assistant-only-loss"]) == 0
+    out = capsys.readouterr().out
+    assert "train.jsonl:1: 113 tokens, 41 trained" in out
+    assert ("<|im_start|>assistant\n[[Two plus two is four.<|im_end|>]]\n<|im_start|>user\nAnd the capital of France?"
+            in out)
+    assert "train.jsonl:2" not in out
+    assert (f"train: 4 records, {int(docs.lengths.sum())} tokens, {docs.trained_tokens} trained" in out)
+    assert main(["inspect-data", "--model", str(tmp_path / "base"), "--data", str(tmp_path / "data"), "-n", "0",
+                 "--mask-prompt"]) == 0
+    assert "--mask-prompt leaves 121 of the 209 assistant tokens" in capsys.readouterr().out

@@ -45,6 +45,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export": ("mlx_train.cli.export", "export a checkpoint's model to ONNX, an MLX function (.mlxfn) or safetensors"),
     "finetune": ("mlx_train.cli.finetune",
                  "fine-tune a language model (LoRA, DoRA or full; mlx_lm.lora's flags and YAML files)"),
+    "inspect-data": ("mlx_train.cli.inspect_data",
+                     "show what fine-tuning trains: records with their trained tokens marked, and the counts"),
 }
 
 

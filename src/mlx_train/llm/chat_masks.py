@@ -234,3 +234,16 @@ def last_turn_start(tokenizer: Any, messages: Sequence[Message], tools: Any = No
         return len(offsets)
     first = np.flatnonzero(spans_to_mask(offsets, spans))
     return int(first[0]) if len(first) else len(offsets)
+
+
+def trained_segments(tokenizer: Any, tokens: Sequence[int], mask: np.ndarray) -> list[tuple[str, bool]]:
+    """The text of ``tokens`` in runs of ``(text, trained)``; a document's first token is never trained (it
+    is no target), whatever its mask says.
+
+    Example: ``trained_segments(tokenizer, tokens, mask)`` -> ``[("<|im_start|>user\\nhi...", False), ("yo", True)]``.
+    """
+    trained = np.asarray(mask, dtype=bool).copy()
+    trained[:1] = False
+    edges = [0, *(np.flatnonzero(np.diff(trained.astype(np.int8))) + 1).tolist(), len(tokens)]
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    return [(hf.decode(list(tokens[a:b])), bool(trained[a])) for a, b in zip(edges, edges[1:], strict=False) if b > a]
