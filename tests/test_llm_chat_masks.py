@@ -214,3 +214,18 @@ def test_inspect_data_marks_the_trained_tokens_and_counts(tmp_path, capsys):
     assert main(["inspect-data", "--model", str(tmp_path / "base"), "--data", str(tmp_path / "data"), "-n", "0",
                  "--mask-prompt"]) == 0
     assert "--mask-prompt leaves 121 of the 209 assistant tokens" in capsys.readouterr().out
+
+
+def test_preference_replies_start_where_the_reply_does_on_a_no_prefix_template(tokenizers):
+    from mlx_train.llm.preference import encode_pair
+
+    row = {"prompt": "What is two plus two?", "chosen": "Four.", "rejected": "Five."}
+    chosen, rejected, start = encode_pair(row, tokenizers["qwen"][1])
+    prompt = tokenizers["qwen"][1].apply_chat_template([{"role": "user", "content": row["prompt"]}],
+                                                       add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert start == len(prompt)  # a prefix: the prompt's length, as before
+    tokenizer = tokenizers["qwen3"][1]
+    chosen, rejected, start = encode_pair(row, tokenizer)
+    decode = tokenizer._tokenizer.decode
+    assert (decode(chosen[start:]), decode(rejected[start:])) == ("Four.<|im_end|>\n", "Five.<|im_end|>\n")
+    assert chosen[:start] == rejected[:start]

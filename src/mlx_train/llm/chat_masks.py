@@ -224,16 +224,16 @@ def encode_chat(messages: Sequence[Message], tokenizer: Any, supervision: Superv
     return tokens, mask
 
 
-def last_turn_start(tokenizer: Any, messages: Sequence[Message], tools: Any = None) -> int:
-    """The first token of the last (assistant) message, by turn alignment: ``mask_prompt``'s offset where the
-    template's generation prompt is not a prefix of the conversation (mlx-lm's offset is wrong there)."""
+def reply_start(tokenizer: Any, messages: Sequence[Message], tools: Any = None, first: int = -1) -> int:
+    """The first token of the assistant's reply from message ``first`` on (default: the last message), by turn
+    alignment: ``mask_prompt``'s offset, and a preference reply's start, where the template's generation prompt
+    is not a prefix of the conversation (an offset counted from the generation prompt is wrong there)."""
+    first = first % len(messages)
     text = render(tokenizer, messages, tools)
     _, offsets = token_offsets(tokenizer, text)
-    spans = [span for i, span in assistant_spans(tokenizer, messages, tools, text) if i == len(messages) - 1]
-    if not spans:
-        return len(offsets)
-    first = np.flatnonzero(spans_to_mask(offsets, spans))
-    return int(first[0]) if len(first) else len(offsets)
+    spans = [span for i, span in assistant_spans(tokenizer, messages, tools, text) if i >= first]
+    trained = np.flatnonzero(spans_to_mask(offsets, spans[:1]))
+    return int(trained[0]) if len(trained) else len(offsets)
 
 
 def trained_segments(tokenizer: Any, tokens: Sequence[int], mask: np.ndarray) -> list[tuple[str, bool]]:

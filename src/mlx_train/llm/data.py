@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from mlx_train.errors import ConfigError, DataError
-from mlx_train.llm.chat_masks import Supervision, encode_chat, last_turn_start
+from mlx_train.llm.chat_masks import Supervision, encode_chat, reply_start
 
 PAD_MULTIPLE = 8
 #: Trained positions per row are padded to a multiple of this (few distinct shapes to compile).
@@ -209,7 +209,7 @@ def encode_record(record: Record, tokenizer: Any, mask_prompt: bool) -> tuple[li
                         "with the assistant's reply, or train without --mask-prompt")
     prompt = _chat(tokenizer, messages[:-1], tools, add_generation_prompt=messages[-1].get("role") == "assistant")
     if tokens[:len(prompt)] != prompt:  # a generation prompt that is no prefix: mlx-lm's offset would be wrong
-        return tokens, last_turn_start(tokenizer, messages, tools)
+        return tokens, reply_start(tokenizer, messages, tools)
     return tokens, len(prompt)
 
 

@@ -143,6 +143,7 @@ def encode_pair(record: dict[str, Any], tokenizer: Any, where: str = "row") -> t
 
     Example: ``chosen, rejected, n = encode_pair({"prompt": "2+2?", "chosen": "4", "rejected": "5"}, tokenizer)``.
     """
+    from mlx_train.llm.chat_masks import reply_start
     from mlx_train.llm.data import _chat
 
     prompt_messages, chosen, rejected = pair_messages(record, where)
@@ -152,12 +153,19 @@ def encode_pair(record: dict[str, Any], tokenizer: Any, where: str = "row") -> t
         sequences = [_chat(tokenizer, prompt_messages + reply, tools) for reply in (chosen, rejected)]
     except DataError as error:
         raise DataError(f"{where}: {error}") from None
-    for side, tokens in zip(SIDES, sequences, strict=True):
-        if tokens[:len(prompt)] != prompt:
-            raise DataError(f"{where}: the chat template renders the prompt differently when the {side} reply "
-                            "follows it, so the reply tokens cannot be told apart; use a template whose "
-                            "generation prompt is a prefix of the full conversation")
-    return sequences[0], sequences[1], len(prompt)
+    if all(tokens[:len(prompt)] == prompt for tokens in sequences):
+        return sequences[0], sequences[1], len(prompt)
+    # a generation prompt that is no prefix of the conversation: find where each reply starts, turn by turn
+    try:
+        starts = [reply_start(tokenizer, prompt_messages + reply, tools, first=len(prompt_messages))
+                  for reply in (chosen, rejected)]
+    except DataError as error:
+        raise DataError(f"{where}: {error}") from None
+    if starts[0] != starts[1] or sequences[0][:starts[0]] != sequences[1][:starts[1]]:
+        raise DataError(f"{where}: the chat template renders the prompt differently before the chosen and the "
+                        "rejected reply, so the two cannot be scored from the same prompt tokens; use a template "
+                        "that renders the prompt the same whatever follows it")
+    return sequences[0], sequences[1], starts[0]
 
 
 class PairDataset:
