@@ -61,7 +61,8 @@ def test_tool_calls_and_reasoning_are_chosen(tokenizers):
                                    Supervision(assistant_only_loss=True, train_on_tool_calls=False), tools["tools"])
         assert decode_trained(tokenizer, tokens, mask) == "It is sunny in Paris today.<|im_end|>"
         reasoning = ct.CONVERSATIONS["reasoning"]["messages"]
-        tokens, mask = encode_chat(reasoning, tokenizer, Supervision(assistant_only_loss=True, train_on_reasoning=False))
+        no_reasoning = Supervision(assistant_only_loss=True, train_on_reasoning=False)
+        tokens, mask = encode_chat(reasoning, tokenizer, no_reasoning)
         assert decode_trained(tokenizer, tokens, mask) == "Two plus two is four.<|im_end|>Five.<|im_end|>"
         tokens, mask = encode_chat(reasoning, tokenizer, EVERY_TURN)
         assert decode_trained(tokenizer, tokens, mask) == (
@@ -80,7 +81,7 @@ def test_mask_prompt_equals_mlx_lm_lora(tokenizers, template):
         their_tokens, offset = theirs.process(theirs[i])
         assert encode_record(record, tokenizer, mask_prompt=True) == (list(their_tokens), offset)
     docs = tokenize(records, tokenizer, mask_prompt=True)
-    for i, record in enumerate(records):
+    for i in range(len(records)):
         their_tokens, offset = theirs.process(theirs[i])
         assert docs.masks[i].tolist() == [int(j >= offset) for j in range(len(their_tokens))]
 
@@ -108,7 +109,8 @@ def test_mask_prompt_says_how_many_assistant_tokens_it_leaves_out(tokenizers):
     last = tokenizer._tokenizer.encode("The capital of France is Paris, and the capital of Italy is Rome.<|im_end|>")
     assert docs.assistant_tokens == int(every.sum()) == len(first) + len(last) == 41
     assert docs.left_out == len(first) == 9
-    assert "--mask-prompt leaves 9 of the 41 assistant tokens of multi-turn chats out" in describe_documents("train", docs)
+    line = describe_documents("train", docs)
+    assert "--mask-prompt leaves 9 of the 41 assistant tokens of multi-turn chats out" in line
     every_turn = tokenize([record], tokenizer, EVERY_TURN)
     assert every_turn.left_out == 0 and every_turn.trained_tokens == 41
 
