@@ -19,6 +19,7 @@ import llm_tiny  # noqa: E402
 
 from mlx_train.config import FinetuneConfig  # noqa: E402
 from mlx_train.errors import ConfigError, DataError  # noqa: E402
+from mlx_train.llm import data  # noqa: E402
 from mlx_train.llm.chat_masks import Supervision, encode_chat  # noqa: E402
 from mlx_train.llm.data import SequenceDataset, describe_documents, encode_record, load_records, tokenize  # noqa: E402
 
@@ -100,7 +101,7 @@ def test_mask_prompt_on_a_template_whose_generation_prompt_is_no_prefix(tokenize
     assert tokenizer._tokenizer.decode(tokens[offset:]) == "Hi.<|im_end|>\n"
 
 
-def test_mask_prompt_says_how_many_assistant_tokens_it_leaves_out(tokenizers):
+def test_mask_prompt_says_how_many_assistant_tokens_it_leaves_out(tokenizers, monkeypatch):
     tokenizer = tokenizers["qwen"][1]
     record = ct.CONVERSATIONS["two_turns"]
     docs = tokenize([record], tokenizer, mask_prompt=True)
@@ -110,9 +111,13 @@ def test_mask_prompt_says_how_many_assistant_tokens_it_leaves_out(tokenizers):
     assert docs.assistant_tokens == int(every.sum()) == len(first) + len(last) == 41
     assert docs.left_out == len(first) == 9
     line = describe_documents("train", docs)
-    assert "--mask-prompt leaves 9 of the 41 assistant tokens of multi-turn chats out" in line
+    assert "--mask-prompt leaves 9 of the 41 assistant tokens of 1 multi-turn chat out of the loss" in line
     every_turn = tokenize([record], tokenizer, EVERY_TURN)
     assert every_turn.left_out == 0 and every_turn.trained_tokens == 41
+    monkeypatch.setattr(data, "LEFT_OUT_SAMPLE", 2)  # counted on a sample: each is rendered turn by turn again
+    three = tokenize([record, record, record, {"prompt": "hi", "completion": "yo"}], tokenizer, mask_prompt=True)
+    assert (three.multi_turn, three.left_out, three.assistant_tokens) == (2, 18, 82)
+    assert "leaves 18 of the 82 assistant tokens of the first 2 multi-turn chats" in describe_documents("t", three)
 
 
 def test_packed_rows_keep_the_masks_aligned(tokenizers):

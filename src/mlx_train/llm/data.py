@@ -53,6 +53,8 @@ PAD_MULTIPLE = 8
 #: Trained positions per row are padded to a multiple of this (few distinct shapes to compile).
 POSITION_MULTIPLE = 32
 SPLITS = ("train", "valid", "test")
+#: Multi-turn chats whose assistant tokens left out by mask_prompt are counted (each is rendered turn by turn again).
+LEFT_OUT_SAMPLE = 1000
 PACKINGS = ("best_fit", "by_length")
 
 #: One jsonl record (``{"text": ...}``, ``{"prompt": ..., "completion": ...}``, ``{"messages": [...]}``) or one row.
@@ -249,8 +251,8 @@ def left_out_by_mask_prompt(record: Record, tokenizer: Any, mask: np.ndarray) ->
 class Documents:
     """Tokenized documents: ``tokens[i]`` (int32) and ``masks[i]`` (uint8, 1 where the token is trained as a
     target; given, or built from ``offsets[i]``, the first trained token); ``truncated`` counts the documents cut
-    to ``max_seq_length``; ``assistant_tokens``/``left_out`` count, for multi-turn chats trained with
-    ``mask_prompt``, their assistant tokens and those the loss leaves out.
+    to ``max_seq_length``; ``assistant_tokens``/``left_out`` count, for the first ``multi_turn`` multi-turn chats
+    trained with ``mask_prompt`` (at most ``LEFT_OUT_SAMPLE``), their assistant tokens and those the loss leaves out.
 
     Example: ``Documents([np.arange(5, dtype=np.int32)], offsets=[2]).masks[0]`` -> ``[0 0 1 1 1]``.
     """
@@ -262,6 +264,7 @@ class Documents:
     masks: list[np.ndarray] | None = None
     assistant_tokens: int = 0
     left_out: int = 0
+    multi_turn: int = 0
     lengths: np.ndarray = field(init=False)
 
     def __post_init__(self) -> None:
@@ -290,7 +293,7 @@ def tokenize(records: Sequence[Record], tokenizer: Any, mask_prompt: bool | Supe
     Example: ``docs = tokenize(records, tokenizer, Supervision(assistant_only_loss=True), max_seq_length=2048)``.
     """
     supervision = mask_prompt if isinstance(mask_prompt, Supervision) else Supervision(mask_prompt=bool(mask_prompt))
-    tokens, masks, truncated, assistant, left_out = [], [], 0, 0, 0
+    tokens, masks, truncated, assistant, left_out, counted = [], [], 0, 0, 0, 0
     places = records if isinstance(records, Records) else Records(records, where)
     for i, record in enumerate(records):
         try:
@@ -298,9 +301,9 @@ def tokenize(records: Sequence[Record], tokenizer: Any, mask_prompt: bool | Supe
             if supervision.masks and len(ids) >= 2 and not mask[1:].any():
                 raise DataError(f"{supervision.flag} trains no token of this record (the chat template leaves "
                                 "nothing of the assistant's reply); check it with mlx-train inspect-data")
-            if supervision.mask_prompt:
+            if supervision.mask_prompt and counted < LEFT_OUT_SAMPLE:  # a sample: it renders every turn again
                 counts = left_out_by_mask_prompt(record, tokenizer, mask)
-                assistant, left_out = assistant + counts[0], left_out + counts[1]
+                assistant, left_out, counted = assistant + counts[0], left_out + counts[1], counted + (counts[0] > 0)
         except DataError as error:
             raise DataError(f"{places.place(i)}: {error}") from None
         if max_seq_length is not None and len(ids) > max_seq_length:
@@ -311,7 +314,7 @@ def tokenize(records: Sequence[Record], tokenizer: Any, mask_prompt: bool | Supe
         masks.append(mask)
     if not tokens:
         raise DataError(f"{where}: no record has a token to train on ({len(records)} records)")
-    return Documents(tokens, None, truncated, max_seq_length, masks, assistant, left_out)
+    return Documents(tokens, None, truncated, max_seq_length, masks, assistant, left_out, counted)
 
 
 def pack_documents(lengths: np.ndarray, capacity: int) -> list[list[int]]:
@@ -473,7 +476,8 @@ def describe_documents(name: str, documents: Documents, rows: SequenceDataset | 
     text = f"{name}: {len(documents)} documents, {int(documents.lengths.sum())} tokens"
     if documents.left_out:
         text += (f"; --mask-prompt leaves {documents.left_out} of the {documents.assistant_tokens} assistant tokens "
-                 "of multi-turn chats out of the loss (mlx_lm.lora's meaning: only the last message trains; "
+                 f"of {'the first ' if documents.multi_turn == LEFT_OUT_SAMPLE else ''}{documents.multi_turn} multi-turn "
+                 f"chat{'s' if documents.multi_turn != 1 else ''} out of the loss (mlx_lm.lora's meaning: only the last message trains; "
                  "--assistant-only-loss trains every assistant turn)")
     if documents.truncated:
         text += (f"; {documents.truncated} truncated to max_seq_length={documents.max_seq_length} tokens "
