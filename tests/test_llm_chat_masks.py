@@ -197,6 +197,8 @@ def test_a_multi_turn_run_trains_every_assistant_token_and_is_never_nan(tmp_path
     losses = result["history"]["train_loss"]
     assert all(math.isfinite(v) for v in losses) and math.isfinite(result["val_loss"])
     assert result["val_loss"] < math.log(len(tokenizer._tokenizer))  # it learned something from the start
+    facts = json.loads((tmp_path / "run" / "adapters" / "adapter_config.json").read_text())
+    assert (facts["assistant_only_loss"], facts["train_on_tool_calls"], facts["train_on_reasoning"]) == (True,) * 3
 
 
 def test_inspect_data_marks_the_trained_tokens_and_counts(tmp_path, capsys):

@@ -120,6 +120,9 @@ FIXED_ON_RESUME: dict[str, str] = {
     "max_seq_length": _DATA_ORDER + ", of rows cut at that length",
     "pack": _DATA_ORDER + ", of rows packed that way",
     "mask_prompt": "the rows and their trained tokens were built with it",
+    "assistant_only_loss": "the rows and their trained tokens were built with it",
+    "train_on_tool_calls": "the rows and their trained tokens were built with it",
+    "train_on_reasoning": "the rows and their trained tokens were built with it",
     "train_mode": "the checkpoint's run was trained with that loss",
 }
 

@@ -214,6 +214,16 @@ class SFT(Task):
             return loss.lm_loss
         return functools.update_wrapper(functools.partial(loss.lm_loss, chunk=self.config.loss_chunk), loss.lm_loss)
 
+    def adapter_facts(self) -> dict[str, Any]:
+        cfg = self.config
+        if not cfg.assistant_only_loss:
+            return {}
+        return {"assistant_only_loss": True, "train_on_tool_calls": cfg.train_on_tool_calls,
+                "train_on_reasoning": cfg.train_on_reasoning}
+
+    def card_hyperparameters(self) -> dict[str, Any]:
+        return self.adapter_facts()
+
     def gathers_positions(self) -> bool:
         # masked rows (prompt, non-assistant turns): the loss projects only the trained positions
         return bool(self.config.mask_prompt or self.config.assistant_only_loss)
