@@ -208,7 +208,7 @@ def test_inspect_data_marks_the_trained_tokens_and_counts(tmp_path, capsys):
     tokenizer = ct.make_tokenizer(ct.unmarked(ct.QWEN))
     model, config = llm_tiny.make_model(len(tokenizer._tokenizer), seed=0)
     save_model(model, tokenizer, config, str(tmp_path / "base"))
-    records = list(ct.CONVERSATIONS.values())
+    records = [ct.CONVERSATIONS[name] for name in ("two_turns", "three_turns", "tools", "reasoning")]
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     docs = tokenize(records, tokenizer, EVERY_TURN)

@@ -111,6 +111,10 @@ CONVERSATIONS = {
         {"role": "assistant", "content": "All that glitters is not gold."},
         {"role": "user", "content": "To be or not to be?"},
         {"role": "assistant", "content": "That is the question."}]},
+    "assistant_first": {"messages": [
+        {"role": "assistant", "content": "Hello there! How are you today?"},
+        {"role": "user", "content": "I am fine, thank you."},
+        {"role": "assistant", "content": "That is the question."}]},
     "tools": {"tools": [WEATHER], "messages": [
         {"role": "user", "content": "What is the weather in Paris?"},
         {"role": "assistant", "content": "", "tool_calls": [_call("weather", {"city": "Paris"})]},

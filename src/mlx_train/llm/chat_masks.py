@@ -146,11 +146,14 @@ def assistant_spans(tokenizer: Any, messages: Sequence[Message], tools: Any, tex
     for i, message in enumerate(messages):
         if message.get("role") != "assistant":
             continue
-        before = render(tokenizer, messages[:i], tools, add_generation_prompt=True) if i else ""
         after = render(tokenizer, messages[: i + 1], tools)
-        start = _common_prefix(before, after)
-        if start < len(before):  # the generation prompt is no prefix of the turn: the turn's header ends first
-            start = min(start, _header_end(tokenizer, messages[:i], tools))
+        if i == 0:  # a conversation that opens with the assistant: no generation prompt to compare with
+            start = _header_end(tokenizer, [], tools)
+        else:
+            before = render(tokenizer, messages[:i], tools, add_generation_prompt=True)
+            start = _common_prefix(before, after)
+            if start < len(before):  # the generation prompt is no prefix of the turn: the turn's header ends first
+                start = min(start, _header_end(tokenizer, messages[:i], tools))
         turn = after[start:].rstrip()
         if not turn:
             continue  # an empty turn has nothing to train

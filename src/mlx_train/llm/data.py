@@ -475,9 +475,10 @@ def describe_documents(name: str, documents: Documents, rows: SequenceDataset | 
     """One line about a split: documents, tokens, truncation, packing."""
     text = f"{name}: {len(documents)} documents, {int(documents.lengths.sum())} tokens"
     if documents.left_out:
-        text += (f"; --mask-prompt leaves {documents.left_out} of the {documents.assistant_tokens} assistant tokens "
-                 f"of {'the first ' if documents.multi_turn == LEFT_OUT_SAMPLE else ''}{documents.multi_turn} multi-turn "
-                 f"chat{'s' if documents.multi_turn != 1 else ''} out of the loss (mlx_lm.lora's meaning: only the last message trains; "
+        n = documents.multi_turn
+        chats = f"{'the first ' if n == LEFT_OUT_SAMPLE else ''}{n} multi-turn chat{'s' if n != 1 else ''}"
+        text += (f"; --mask-prompt leaves {documents.left_out} of the {documents.assistant_tokens} assistant tokens of "
+                 f"{chats} out of the loss (mlx_lm.lora's meaning: only the last message trains; "
                  "--assistant-only-loss trains every assistant turn)")
     if documents.truncated:
         text += (f"; {documents.truncated} truncated to max_seq_length={documents.max_seq_length} tokens "
