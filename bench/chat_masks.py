@@ -9,11 +9,14 @@ SmolLM2-style templates, no download):
       loss masks must be identical (a checksum), so the compiled step sees the same batches
   (b) tokenising with --assistant-only-loss: from {% generation %} markers and turn by turn, per template
   (c) assistant tokens: trained by --assistant-only-loss, and left out by --mask-prompt
+  (e) with --speed STEPS: SFT tokens/s of a tiny llama with --mask-prompt on 1-3-turn chats (ChatML), this
+      checkout against --against, each in its own process, alternating for --rounds rounds
   (d) with --train: a tiny llama fine-tuned both ways on multi-turn chats (Gemma-style template): the loss
       on the earlier assistant turns and on the last one, before and after; NaN anywhere is reported
 
     python bench/chat_masks.py                       # this checkout only
     python bench/chat_masks.py --against /work/main/src --records 2000 --train 30
+    python bench/chat_masks.py --against /work/main/src --speed 40 --rounds 3
 """
 
 from __future__ import annotations
@@ -67,10 +70,33 @@ def data_path(n: int) -> dict:
             "checksum": checksum}
 
 
-def run_with(src: str, n: int) -> dict:
+def speed(steps: int) -> dict:
+    """(e), in this process: the SFT run's trained tokens/s (its mean report) with mask_prompt."""
+    import tempfile
+
+    sys.path.insert(0, SCRIPTS)
+    import llm_tiny
+
+    from mlx_train.llm.finetune import FineTuneConfig, finetune
+
+    with tempfile.TemporaryDirectory() as tmp:
+        llm_tiny.write_model_dir(os.path.join(tmp, "base"))
+        os.makedirs(os.path.join(tmp, "data"))
+        for split in ("train", "valid"):
+            with open(os.path.join(tmp, "data", f"{split}.jsonl"), "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in records(64))
+        with contextlib.redirect_stdout(io.StringIO()):
+            result = finetune(FineTuneConfig(model=os.path.join(tmp, "base"), data=os.path.join(tmp, "data"),
+                                             iters=steps, batch_size=8, num_layers=2, steps_per_report=steps // 4,
+                                             steps_per_eval=10 * steps, mask_prompt=True, seed=0,
+                                             run_dir=os.path.join(tmp, "run")), log=lambda line: None)
+    return {"tokens_per_second": result["tokens_per_second"], "trained": result["trained_tokens"]}
+
+
+def run_with(src: str, n: int, steps: int = 0) -> dict:
     env = {**os.environ, "PYTHONPATH": src}
-    out = subprocess.run([sys.executable, __file__, "--worker", "--records", str(n)], env=env, check=True,
-                         capture_output=True, text=True).stdout
+    out = subprocess.run([sys.executable, __file__, "--worker", "--records", str(n), "--speed", str(steps)], env=env,
+                         check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -158,10 +184,25 @@ def main() -> None:
     parser.add_argument("--records", type=int, default=1000)
     parser.add_argument("--against", help="another checkout's src directory to compare (a) with")
     parser.add_argument("--train", type=int, default=0, metavar="STEPS", help="(d): fine-tune this many steps")
+    parser.add_argument("--speed", type=int, default=0, metavar="STEPS", help="(e): SFT tokens/s over this many steps")
+    parser.add_argument("--rounds", type=int, default=3, help="(e): alternating rounds")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(data_path(args.records)))
+        print(json.dumps(speed(args.speed) if args.speed else data_path(args.records)))
+        return
+    if args.speed:
+        sources = {"this checkout": os.path.join(HERE, "..", "src"), **({args.against: args.against} if args.against
+                                                                       else {})}
+        rates: dict[str, list[float]] = {name: [] for name in sources}
+        for _ in range(args.rounds):
+            for name, src in sources.items():
+                result = run_with(src, args.records, args.speed)
+                rates[name].append(result["tokens_per_second"])
+        print(f"(e) SFT, tiny llama, --mask-prompt, {args.speed} steps of 8 chats: trained tokens/s, median of "
+              f"{args.rounds} rounds ({result['trained']} tokens a run)")
+        for name, values in rates.items():
+            print(f"  {name}: {sorted(values)[len(values) // 2]:.0f}  (all: {', '.join(f'{v:.0f}' for v in values)})")
         return
     ours = run_with(os.path.join(HERE, "..", "src"), args.records)
     print(f"(a) {args.records} records, --mask-prompt: tokenise, build each row (per-step work), rows' masks")
