@@ -164,8 +164,12 @@ def test_records_that_train_nothing_are_errors_with_their_line(tmp_path, tokeniz
         tokenize([ending_on_user], tokenizer, mask_prompt=True)
 
 
-def test_the_options_are_declared_and_checked():
+def test_the_options_are_declared_and_checked(tmp_path):
     assert FinetuneConfig(assistant_only_loss=True, train_on_reasoning=False).train_on_reasoning is False
+    (tmp_path / "lora.yaml").write_text("model: m\ndata: d\nassistant_only_loss: true\ntrain_on_tool_calls: false\n")
+    from_yaml = FinetuneConfig.from_yaml(str(tmp_path / "lora.yaml"))  # an mlx_lm.lora-style file, TRL's key
+    assert (from_yaml.assistant_only_loss, from_yaml.train_on_tool_calls, from_yaml.train_on_reasoning) == (
+        True, False, True)
     with pytest.raises(ConfigError, match="assistant_only_loss.*and mask_prompt exclude each other"):
         FinetuneConfig(assistant_only_loss=True, mask_prompt=True)
     with pytest.raises(ConfigError, match="train_on_tool_calls.*applies with assistant_only_loss only"):
