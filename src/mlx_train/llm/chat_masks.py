@@ -171,22 +171,26 @@ def assistant_spans(tokenizer: Any, messages: Sequence[Message], tools: Any, tex
     return found
 
 
-def _marked_spans(tokenizer: Any, messages: Sequence[Message], tools: Any,
-                  offsets: Sequence[Span]) -> list[tuple[int, Span]]:
-    """Assistant spans from the template's generation markers (transformers' assistant mask), each given
-    to its assistant message in order."""
+def _marked(tokenizer: Any, messages: Sequence[Message],
+            tools: Any) -> tuple[list[int], list[Span], list[tuple[int, Span]]]:
+    """``(tokens, their character spans, assistant spans)`` from the template's generation markers (transformers'
+    assistant mask, one rendering), each span given to its assistant message in order."""
     hf = getattr(tokenizer, "_tokenizer", tokenizer)
-    out = hf.apply_chat_template(list(messages), tools=tools, tokenize=True, return_dict=True,
-                                 return_assistant_tokens_mask=True)
-    marked = np.asarray(out["assistant_masks"], dtype=np.uint8)
-    if len(marked) != len(offsets):
-        raise DataError("the chat template's generation markers gave a mask of another length than its tokens")
+    try:
+        out = hf.apply_chat_template(list(messages), tools=tools, tokenize=True, return_dict=True,
+                                     return_assistant_tokens_mask=True,
+                                     tokenizer_kwargs={"return_offsets_mapping": True})
+    except Exception as error:  # noqa: BLE001 - jinja raises what the template raises (raise_exception, ...)
+        raise DataError(f"the chat template failed on {len(messages)} messages: {type(error).__name__}: "
+                        f"{error}") from None
+    offsets = [(int(a), int(b)) for a, b in out["offset_mapping"]]
+    marked = np.asarray(out["assistant_masks"], dtype=np.int8)
     edges = np.flatnonzero(np.diff(np.concatenate([[0], marked, [0]])))
-    runs = [(int(offsets[a][0]), int(offsets[b - 1][1])) for a, b in zip(edges[::2], edges[1::2], strict=True)]
+    runs = [(offsets[a][0], offsets[b - 1][1]) for a, b in zip(edges[::2], edges[1::2], strict=True)]
     owners = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
     if len(runs) != len(owners):  # not one block a message: keep the spans, owned by no message
-        return [(-1, span) for span in runs]
-    return list(zip(owners, runs, strict=True))
+        return list(out["input_ids"]), offsets, [(-1, span) for span in runs]
+    return list(out["input_ids"]), offsets, list(zip(owners, runs, strict=True))
 
 
 def reasoning_spans(messages: Sequence[Message], text: str) -> list[Span]:
@@ -210,11 +214,11 @@ def encode_chat(messages: Sequence[Message], tokenizer: Any, supervision: Superv
     if not any(m.get("role") == "assistant" for m in messages):
         raise DataError("the conversation has no assistant message, so --assistant-only-loss trains nothing in it; "
                         "add the assistant's reply or drop the record")
-    text = render(tokenizer, messages, tools)
-    tokens, offsets = token_offsets(tokenizer, text)
-    if has_generation_markers(tokenizer):
-        spans = _marked_spans(tokenizer, messages, tools, offsets)
+    if has_generation_markers(tokenizer) and getattr(getattr(tokenizer, "_tokenizer", tokenizer), "is_fast", False):
+        tokens, offsets, spans = _marked(tokenizer, messages, tools)
     else:
+        text = render(tokenizer, messages, tools)
+        tokens, offsets = token_offsets(tokenizer, text)
         spans = assistant_spans(tokenizer, messages, tools, text)
     if not supervision.train_on_tool_calls:
         if any(owner < 0 for owner, _ in spans):
@@ -223,7 +227,7 @@ def encode_chat(messages: Sequence[Message], tokenizer: Any, supervision: Superv
         spans = [(owner, span) for owner, span in spans if not messages[owner].get("tool_calls")]
     mask = spans_to_mask(offsets, [span for _, span in spans])
     if not supervision.train_on_reasoning:
-        mask &= 1 - spans_to_mask(offsets, reasoning_spans(messages, text))
+        mask &= 1 - spans_to_mask(offsets, reasoning_spans(messages, render(tokenizer, messages, tools)))
     return tokens, mask
 
 
