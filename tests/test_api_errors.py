@@ -70,3 +70,56 @@ def test_callbacks_with_the_right_signature_or_flexible_ones_pass():
             pass
 
     assert len(CallbackList([Ours(), Flexible()]).callbacks) == 2
+
+
+def test_an_optimizer_by_name_trains_like_the_object():
+    x, y = _data()
+    weights = []
+    for optimizer in ("adam", optim.Adam(learning_rate=1e-3)):
+        mx.random.seed(0)
+        model = nn.Linear(4, 2)
+        Trainer(model, optimizer, batch_size=8, seed=0).train((x, y), epochs=2)
+        weights.append(np.array(model.weight))
+    assert np.array_equal(weights[0], weights[1])
+
+
+def test_an_optimizer_that_is_neither_an_object_nor_a_name():
+    with pytest.raises(ConfigError, match=r"optimizer must be an mlx\.optimizers\.Optimizer .* got dict"):
+        Trainer(nn.Linear(4, 2), {"lr": 1e-3})
+    with pytest.raises(ConfigError, match=r"adamm"):
+        Trainer(nn.Linear(4, 2), "adamm")
+
+
+@pytest.mark.parametrize("epochs, message", [
+    (0, r"^epochs=0 trains nothing: give epochs >= 1, or leave it out to train the config's epochs \(10\)$"),
+    (-2, r"^epochs=-2 trains nothing"),
+    ("3", r"^epochs must be a whole number >= 1, or None for the config's epochs \(10\); got str '3'$"),
+    (2.5, r"got float 2\.5"),
+])
+def test_epochs_that_train_nothing_or_are_not_numbers(epochs, message):
+    x, y = _data()
+    trainer = Trainer(nn.Linear(4, 2), optim.SGD(0.1), batch_size=8)
+    with pytest.raises(ConfigError, match=message):
+        trainer.train((x, y), epochs=epochs)
+    with pytest.raises(ConfigError, match=message):
+        trainer.fit([(mx.array(x), mx.array(y))], epochs=epochs)
+    assert trainer.step == 0
+    assert len(Trainer(nn.Linear(4, 2), optim.SGD(0.1), batch_size=8).train((x, y), epochs=np.int64(1))
+               ["train_loss"]) == 1  # a NumPy integer is a whole number
+
+
+def test_an_all_frozen_model_is_refused_before_training():
+    x, y = _data()
+    model = nn.Linear(4, 2)
+    model.freeze()
+    with pytest.raises(ConfigError, match=r"the model \(Linear\) has no trainable parameters: every parameter is "
+                                          r"frozen.*model\.unfreeze\(\)"):
+        Trainer(model, optim.SGD(0.1), batch_size=8).train((x, y), epochs=1)
+
+
+def test_fit_save_best_without_validation_says_no_best_model_is_kept(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    x, y = _data()
+    with pytest.warns(UserWarning, match=r"fit\(save_best=True\) without a val_loader keeps no best model"):
+        Trainer(nn.Linear(4, 2), optim.SGD(0.1), batch_size=8).fit([(mx.array(x), mx.array(y))], epochs=1)
+    assert not (tmp_path / "best_model.safetensors").exists()

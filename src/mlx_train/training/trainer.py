@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import warnings
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from typing import Any
@@ -17,6 +18,7 @@ from mlx_train.config import TrainConfig
 from mlx_train.distributed.topology import Single, Topology
 from mlx_train.errors import ConfigError, TrainingInterrupted
 from mlx_train.run_directory import RunDirectory
+from mlx_train.training import checks
 from mlx_train.training.batches import Batches
 from mlx_train.training.callbacks import CallbackList, best_model_checkpoint
 from mlx_train.training.evaluation import Evaluator
@@ -85,15 +87,11 @@ class Trainer:
         if device_config is not None and hasattr(device_config, "apply"):
             device_config.apply()
         self.device_config = device_config
-        _check_model(model)
+        checks.check_model(model)
         #: Where the work is spread (one process, data parallel, tensor parallel, FSDP).
         self.topology = topology or Single()
         self.model = model = self.topology.prepare(model, self.config)
-        if optimizer is None:
-            from mlx_train.optim import build_optimizer
-
-            optimizer = build_optimizer(self.config)
-        self.optimizer = optimizer
+        self.optimizer = optimizer = checks.optimizer_of(optimizer, self.config)
         self.loss = Loss(loss_fn)
         self.state = LoopState()
         self.state.set_loss_scale(self.config.loss_scale if self.config.precision == "float16" else 1.0)
@@ -158,6 +156,7 @@ class Trainer:
         step takes ``gradient_accumulation`` of them. A dataset that is not a DataLoader is batched with
         the config's ``batch_size`` (per micro-batch) the same way.
         """
+        checks.check_epochs(epochs, self.config)
         resume = self.topology.check_run(self.model, self.config, checkpoint_dir or self.config.checkpoint_dir,
                                          resume)
         callbacks = self.topology.callbacks(self.config) + list(callbacks or [])
@@ -190,7 +189,12 @@ class Trainer:
         with gradient accumulation each optimizer step takes ``gradient_accumulation`` of them. Other
         iterables give one optimizer step per item.
         """
+        checks.check_epochs(epochs, self.config)
         callbacks = list(callbacks or [])
+        if save_best and val_loader is None:
+            warnings.warn("fit(save_best=True) without a val_loader keeps no best model (the best is judged by "
+                          "val_loss): pass a val_loader, or save_best=False to silence this", UserWarning,
+                          stacklevel=2)
         if save_best and val_loader is not None:
             callbacks.append(best_model_checkpoint(self.config.run_dir, overwrite or self.state.step > 0))
         return self._run(micro_loader(train_loader, self.config), val_loader, epochs, self.config.checkpoint_dir,
@@ -217,6 +221,7 @@ class Trainer:
     def _run(self, loader: Iterable[Any], val_loader: Iterable[Any] | None, epochs: int | None,
              checkpoint_dir: str | None, callbacks: Any, resume: str | None, overwrite: bool = False) -> dict[str, Any]:
         cfg, state, topology = self.config, self.state, self.topology
+        checks.check_trainable(self.model)
         batches = Batches(loader)
         topology.shard(batches)  # first: epochs: null counts this rank's batches
         topology.shard(Batches(val_loader))
@@ -459,12 +464,3 @@ class Trainer:
 
     def _learning_rate(self) -> float:
         return float(self.optimizer.learning_rate.item())
-
-
-def _check_model(model: Any) -> None:
-    if not isinstance(model, nn.Module):
-        raise ConfigError(
-            f"the model must be an mlx.nn.Module, got {type(model).__name__}; wrap a function in a Module "
-            "subclass whose __call__ computes the outputs (its parameters are then found and trained)")
-
-
