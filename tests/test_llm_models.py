@@ -152,3 +152,37 @@ def test_base_reference_hashes_weights_and_caches(tmp_path, monkeypatch):
     weights["model.norm.weight"] = weights["model.norm.weight"] + 1
     mx.save_safetensors(str(tmp_path / "m" / "model.safetensors"), weights)
     assert base_reference(str(tmp_path / "m"))["sha256"] != first["sha256"]
+
+
+@pytest.mark.parametrize("base_kind", ["gguf", "directory"])
+def test_the_model_card_usage_snippet_runs_as_written(tmp_path, monkeypatch, base_kind):
+    """The card's Python snippet loads the base with something that reads it: mlx_lm.load reads a model
+    directory, not a .gguf file (mlx_train.llm.load_model does)."""
+    import re
+
+    from mlx_train.llm import AdapterConfig, apply_adapters, save_adapters
+    from mlx_train.llm.card import model_card
+
+    raw = llm_tiny.raw_tokenizer()
+    source, config = llm_tiny.make_model(raw.get_vocab_size(), seed=6)
+    base = str(tmp_path / "tiny.gguf")
+    write_gguf(base, source, config, raw)
+    if base_kind == "directory":
+        save_model(*load_model(base), str(tmp_path / "dir"))
+        base = str(tmp_path / "dir")
+    model, _, _ = load_model(base)
+    spec = AdapterConfig("lora", num_layers=1, rank=2)
+    apply_adapters(model, spec)
+    save_adapters(model, spec, str(tmp_path / "adapters"))
+    facts = {"base_model": base, "data": "data", "method": "lora", "train_mode": "sft", "hyperparameters": {},
+             "metrics": {}}
+    card = model_card(facts)
+    code = re.search(r"```python\n(.*?)```", card, re.DOTALL)[1].replace("path/to/this/directory",
+                                                                           str(tmp_path / "adapters"))
+    assert ("load_model" in code) is (base_kind == "gguf")
+    import mlx_lm
+
+    monkeypatch.setattr(mlx_lm, "generate", lambda model, tokenizer, prompt, **kw: tokenizer.encode(prompt))
+    namespace: dict = {}
+    exec(compile(code, "model card", "exec"), namespace)
+    assert namespace["model"] is not None and namespace["tokenizer"].encode("Hello")

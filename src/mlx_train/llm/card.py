@@ -65,13 +65,30 @@ def model_card(facts: dict[str, Any], fused: bool = False) -> str:
     lines += [f"| {k} | `{v}` |" for k, v in facts["hyperparameters"].items()]
     lines += ["", "## Final metrics", "", "| metric | value |", "| --- | --- |"]
     lines += [f"| {k} | {v} |" for k, v in facts["metrics"].items()]
-    lines += ["", "## Use", "", "```python", "from mlx_lm import load, generate", ""]
-    if fused:
-        lines.append('model, tokenizer = load("path/to/this/directory")')
-    else:
-        lines.append(f'model, tokenizer = load("{base}", adapter_path="path/to/this/directory")')
-    lines += ['print(generate(model, tokenizer, prompt="Hello"))', "```", ""]
+    lines += ["", "## Use", "", *_usage(base, fused)]
     return "\n".join(lines)
+
+
+def _usage(base: str, fused: bool) -> list[str]:
+    """How to load the result: mlx_lm.load reads a model directory (the fused model, or a base given as a
+    directory or repo id) but not a ``.gguf`` file, which mlx_train.llm.load_model reads."""
+    code = ["```python"]
+    if fused:
+        code += ["from mlx_lm import generate, load", "", 'model, tokenizer = load("path/to/this/directory")']
+    elif str(base).endswith(".gguf"):
+        code += ["from mlx_lm import generate", "from mlx_train.llm import load_adapters, load_model", "",
+                 "# mlx_lm.load does not read .gguf files: mlx_train.llm.load_model does",
+                 f'model, tokenizer, _ = load_model("{base}")',
+                 'load_adapters(model, "path/to/this/directory")']
+    else:
+        code += ["from mlx_lm import generate, load", "",
+                 f'model, tokenizer = load("{base}", adapter_path="path/to/this/directory")']
+    code += ['print(generate(model, tokenizer, prompt="Hello"))', "```", ""]
+    if str(base).endswith(".gguf") and not fused:
+        code += ["For `mlx_lm.generate` on the command line, fuse the adapters into a model directory first "
+                 "(`mlx-train finetune ... --fuse DIR`), or write the base as one with "
+                 "`mlx_train.llm.save_model(*load_model(BASE), DIR)`.", ""]
+    return code
 
 
 def write_model_card(directory: str, facts: dict[str, Any], fused: bool = False) -> str:
