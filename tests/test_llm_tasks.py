@@ -35,6 +35,31 @@ def test_a_task_refuses_settings_that_do_not_apply():
     with pytest.raises(ConfigError, match="--pack does not apply to --train-mode dpo"):
         task_for(FinetuneConfig(train_mode="dpo", pack=True))
     task_for(FinetuneConfig(train_mode="dpo", reference_free=True, beta=0.5))  # they apply to DPO
+    for mode in ("orpo", "cpo"):  # no reference policy: DPO's reference settings mean nothing there
+        with pytest.raises(ConfigError, match=f"--reference-model-path 'ref' does not apply to --train-mode {mode} "
+                                              r"\(it is a setting of --train-mode dpo"):
+            task_for(FinetuneConfig(train_mode=mode, reference_model_path="ref"))
+        with pytest.raises(ConfigError, match=f"--reference-free True does not apply to --train-mode {mode}"):
+            task_for(FinetuneConfig(train_mode=mode, reference_free=True))
+        with pytest.raises(ConfigError, match="--precompute-ref-log-probs True does not apply"):
+            task_for(FinetuneConfig(train_mode=mode, precompute_ref_log_probs=True))
+        task_for(FinetuneConfig(train_mode=mode, beta=0.5))
+
+
+@pytest.mark.parametrize("flags,said", [
+    (["--reference-free"], "--reference-free True does not apply to --train-mode sft"),
+    (["--train-mode", "orpo", "--reference-model-path", "ref"],
+     "--reference-model-path 'ref' does not apply to --train-mode orpo"),
+])
+def test_the_command_refuses_them_before_the_model_loads(tmp_path, capsys, flags, said):
+    from mlx_train.cli.main import main
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.jsonl").write_text('{"text": "a"}\n')
+    missing = str(tmp_path / "no-such-model")  # loading it would fail: the setting is refused first
+    assert main(["finetune", "--model", missing, "--data", str(tmp_path / "data"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert said in err and "no-such-model" not in err and "Traceback" not in err
 
 
 class _Trainer:

@@ -168,6 +168,8 @@ class Task:
 
 _PREFERENCE_SETTINGS = ("beta", "dpo_loss_type", "label_smoothing", "reference_free", "reference_model_path",
                         "precompute_ref_log_probs")
+#: DPO's reference policy: ORPO and CPO have none.
+_REFERENCE_SETTINGS = ("reference_free", "reference_model_path", "precompute_ref_log_probs")
 
 
 class SFT(Task):
@@ -253,6 +255,15 @@ class Preference(Task):
         if self.config.pack:
             raise ConfigError(f"--pack does not apply to --train-mode {self.name}: each reply is scored as a whole "
                               "sequence beside its pair; drop --pack (or pack: true in the config)")
+        super().check()
+
+    @property
+    def inapplicable(self) -> tuple[str, ...]:  # type: ignore[override]
+        """ORPO and CPO compare with no reference policy: DPO's reference settings mean nothing there."""
+        return () if self.name == "dpo" else _REFERENCE_SETTINGS
+
+    def applies_to(self, name: str) -> str:
+        return "--train-mode dpo, whose loss compares with a reference policy"
 
     def datasets(self, model: Any, tokenizer: Any, records: dict[str, Any],
                  log: Callable[[str], None]) -> dict[str, Any]:
