@@ -201,3 +201,24 @@ def test_set_merges_into_the_config_file_s_mapping(tmp_path):
     config = resolve_config(args, log=lambda message: None)
     assert isinstance(config, FinetuneConfig)
     assert config.lora_parameters == {"rank": 16, "scale": 10} and config.model_options == {"x": 1}
+
+
+@pytest.mark.parametrize("yaml_text,flags,said", [
+    ("lora_parameters:\n  rank: eight\n", [], "lora.yaml:3: lora_parameters has rank 'eight' (str), which must be a "
+     "whole number of at least 1"),
+    ("lora_parameters: {rank: 8, dropout: high}\n", [], "lora.yaml:3: lora_parameters has dropout 'high' (str), "
+     "which must be a number in [0, 1)"),
+    ("lora_parameters: 8\n", [], "lora.yaml:3: lora_parameters must be a mapping {rank, scale, dropout, keys}"),
+    ("lr_schedule: {name: cosine_decay, arguments: [1e-5, abc]}\n", [],
+     "lora.yaml:3: lr_schedule_args has 'abc' (str) at position 0, which must be a number: cosine_decay's"),
+    ("", ["--set", "lora_parameters.rank=abc"], "--set lora_parameters.rank=abc: FinetuneConfig.lora_parameters has "
+     "rank 'abc' (str), which must be a whole number"),
+    ("", ["--set", "lora_parameters.rnak=4"], "lora_parameters has unknown key 'rnak' (did you mean 'rank'?)"),
+])
+def test_a_value_of_the_wrong_type_is_a_sentence_naming_the_key(tmp_path, capsys, yaml_text, flags, said):
+    (tmp_path / "lora.yaml").write_text(f"model: base\ndata: data\n{yaml_text}")
+    assert main(["finetune", "-c", str(tmp_path / "lora.yaml"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert said in err and "unexpected error" not in err, err
+    assert FinetuneConfig(lora_parameters={"rank": "16", "scale": "2e-1"}).lora_parameters == {"rank": 16,
+                                                                                                "scale": 0.2}

@@ -82,6 +82,46 @@ def _needs_assistant_only(value: bool, values: Mapping[str, Any]) -> str | None:
     return None
 
 
+#: lora_parameters' keys (mlx_lm.lora's) -> (what the value must be, its converter from a number).
+_LORA_KEYS: dict[str, tuple[str, Any]] = {"rank": ("a whole number of at least 1", int),
+                                          "scale": ("a number", float),
+                                          "dropout": ("a number in [0, 1)", float)}
+
+
+def _lora_parameters(value: Any) -> Any:
+    """``lora_parameters``: a mapping of rank, scale, dropout (numbers; YAML may give ``1e-2`` as a string)
+    and keys (the module names to adapt, or null); raises ``Invalid`` naming the key and what it must be."""
+    from mlx_train.config.options import number
+
+    if not isinstance(value, Mapping):
+        raise Invalid(f"must be a mapping {{rank, scale, dropout, keys}}, e.g. {{rank: 8, scale: 20.0}}, got "
+                      f"{value!r} ({type(value).__name__})")
+    out = dict(value)
+    if "alpha" in out and "scale" not in out:
+        raise Invalid("has 'alpha' but mlx-lm's LoRA uses 'scale' (the multiplier of the low-rank update); "
+                      "rename it to scale")
+    unknown = sorted(str(k) for k in out if k not in (*_LORA_KEYS, "keys"))
+    if unknown:
+        raise Invalid(f"has unknown key {unknown[0]!r}{did_you_mean(unknown[0], (*_LORA_KEYS, 'keys'))}; its keys "
+                      "are rank, scale, dropout and keys")
+    for key, (expected, kind) in _LORA_KEYS.items():
+        if key not in out:
+            continue
+        given = number(out[key])
+        good = given is not None and (kind is float or (given == int(given) and given >= 1))
+        if good and key == "dropout":
+            good = 0 <= given < 1  # type: ignore[operator]
+        if not good:
+            raise Invalid(f"has {key} {out[key]!r} ({type(out[key]).__name__}), which must be {expected}; e.g. "
+                          f"lora_parameters.{key}={ {'rank': 8, 'scale': 20.0, 'dropout': 0.05}[key] }")
+        out[key] = kind(given)
+    keys = out.get("keys")
+    if keys is not None and not (isinstance(keys, list) and all(isinstance(k, str) for k in keys)):
+        raise Invalid(f"has keys {keys!r}, which must be a list of module names (e.g. [self_attn.q_proj, "
+                      "self_attn.v_proj]) or null")
+    return out
+
+
 def _layers(value: int, values: Mapping[str, Any]) -> str | None:
     if value == -1 or value >= 1:
         return None
@@ -118,7 +158,8 @@ class FinetuneConfig(LaunchConfig):
                                  "model: a built-in model's option of that name instead.",
                              check=_layers, shared_name=True)
     lora_parameters: dict = in_llm({"rank": 8, "scale": 20.0, "dropout": 0.0},  # type: ignore[type-arg]
-                                   "LoRA/DoRA rank, scale, dropout and keys (mlx_lm.lora's lora_parameters).")
+                                   "LoRA/DoRA rank, scale, dropout and keys (mlx_lm.lora's lora_parameters).",
+                                   parse=_lora_parameters)
     max_seq_length: int = in_llm(2048, "Longest sequence in tokens; longer documents are cut (and counted).",
                                  minimum=1)
     mask_prompt: bool = in_llm(False, "Train on completions only (prompt/completion and chat records): as "

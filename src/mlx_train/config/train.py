@@ -96,6 +96,11 @@ def _schedule_needed(value: list[Any], values: Mapping[str, Any]) -> str | None:
     if value and values["lr_schedule"] is None:
         return (f"is set but lr_schedule is null: also set lr_schedule (one of {', '.join(SCHEDULES)}) "
                 "or remove lr_schedule_args")
+    wrong = next((i for i, v in enumerate(value) if isinstance(v, bool) or not isinstance(v, (int, float))), None)
+    if wrong is not None:  # the schedule is called with them: a word would fail only at its first step
+        name = values["lr_schedule"]
+        return (f"has {value[wrong]!r} ({type(value[wrong]).__name__}) at position {wrong}, which must be a number: "
+                f"{name}'s arguments after the initial rate are {SCHEDULES[name][0]}, e.g. {SCHEDULES[name][1]}")
     return None
 
 
