@@ -222,3 +222,20 @@ def test_a_value_of_the_wrong_type_is_a_sentence_naming_the_key(tmp_path, capsys
     assert said in err and "unexpected error" not in err, err
     assert FinetuneConfig(lora_parameters={"rank": "16", "scale": "2e-1"}).lora_parameters == {"rank": 16,
                                                                                                 "scale": 0.2}
+
+
+def test_iters_that_leave_iterations_without_an_update_are_said(capsys):
+    """mlx_lm.lora updates every grad_accumulation_steps iterations, so --iters 3 with accumulation 2 is one update
+    there as here: the iteration left over is said, not dropped silently."""
+    with pytest.warns(UserWarning, match=r"--iters 3: iters 3 counts iterations; with gradient_accumulation 2 that "
+                                         r"is 1 optimizer step \(2 iterations\): the last 1 iteration would make no "
+                                         r"update .*give iters a multiple of 2"):
+        config = _config("finetune", "--model", "base", "--data", "data", "--iters", "3",
+                         "--grad-accumulation-steps", "2")
+    assert config.max_steps == 1
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a multiple: nothing to say
+        assert _config("finetune", "--model", "base", "--data", "data", "--iters", "4",
+                       "--grad-accumulation-steps", "2").max_steps == 2

@@ -92,7 +92,13 @@ class Iterations(Deferred):
                 raise ConfigError(f"{origin}{self.key} {self.n} counts iterations (micro-batches of batch_size "
                                   f"rows), fewer than one optimizer step of gradient_accumulation {accumulation}: "
                                   f"nothing would be trained; give {self.key} at least {accumulation}")
-            return steps  # mlx_lm.lora also makes iters // grad_accumulation_steps updates
+            if rest and self.where:  # mlx_lm.lora also makes iters // grad_accumulation_steps updates
+                warnings.warn(f"{origin}{self.key} {self.n} counts iterations; with gradient_accumulation "
+                              f"{accumulation} that is {steps} optimizer step{'s' if steps > 1 else ''} "
+                              f"({steps * accumulation} iterations): the last {rest} iteration{'s' if rest > 1 else ''}"
+                              f" would make no update (mlx_lm.lora runs {'them' if rest > 1 else 'it'} and updates "
+                              f"nothing either); give {self.key} a multiple of {accumulation}", stacklevel=2)
+            return steps
         steps = max(steps, 1)
         if rest and self.where:
             warnings.warn(f"{origin}{self.key} {self.n} counts iterations; with gradient_accumulation "
