@@ -239,3 +239,28 @@ def test_iters_that_leave_iterations_without_an_update_are_said(capsys):
         warnings.simplefilter("error")  # a multiple: nothing to say
         assert _config("finetune", "--model", "base", "--data", "data", "--iters", "4",
                        "--grad-accumulation-steps", "2").max_steps == 2
+
+
+def test_an_mlx_lm_file_whose_data_is_smaller_than_one_step_is_told_in_its_own_numbers(setup, tmp_path, capsys):
+    """2 rows, batch_size 2, grad_accumulation_steps 2: mlx_lm.lora repeats its one batch within a step; here a
+    step never takes a row twice, and the refusal says so with the file's numbers (not a global batch of 4)."""
+    (tmp_path / "two").mkdir()
+    lines = (setup / "data" / "train.jsonl").read_text().splitlines()
+    (tmp_path / "two" / "train.jsonl").write_text("\n".join(lines[:2]) + "\n")
+    (tmp_path / "two.yaml").write_text(f"model: {setup / 'base'}\ndata: {tmp_path / 'two'}\niters: 8\nbatch_size: 2\n"
+                                       "grad_accumulation_steps: 2\nnum_layers: 1\n")
+    assert main(["finetune", "-c", str(tmp_path / "two.yaml"), "--run-dir", str(tmp_path / "run")]) == 3
+    err = capsys.readouterr().err
+    assert "the training set has 2 rows, fewer than one optimizer step of batch_size 2 x grad_accumulation_steps 2 " \
+           "= 4 rows" in err and "use grad_accumulation_steps 1, or add rows" in err
+    assert "batch_size 4" not in err and "Traceback" not in err
+
+
+def test_no_validation_is_said(setup, tmp_path, capsys):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.jsonl").write_text((setup / "data" / "train.jsonl").read_text())
+    (tmp_path / "data" / "valid.jsonl").write_text("")
+    assert main(["finetune", "--model", str(setup / "base"), "--data", str(tmp_path / "data"), "--num-layers", "1",
+                 "--iters", "1", "--batch-size", "2", "--run-dir", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert "no validation: " in out and "valid.jsonl is missing or empty" in out

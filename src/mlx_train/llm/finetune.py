@@ -176,6 +176,29 @@ def _check_resume(config: FinetuneConfig, resume: str) -> None:
                           "the run's own values; to train with others, start a new run without --resume")
 
 
+def _check_one_step(config: FinetuneConfig, rows: Any, distributed: bool) -> None:
+    """Refuse a training set smaller than one optimizer step (``batch_size x gradient_accumulation`` rows),
+    in the run's own numbers: a step takes its rows from one pass over the data, never repeating a row, where
+    mlx_lm.lora loops over its batches (its step may repeat one batch). A distributed run's loader says it with
+    the ranks' numbers; batches by token budget (``pack: by_length``) hold as many rows as fit."""
+    from mlx_train.errors import DataError
+
+    if distributed or getattr(rows, "packing", None) == "by_length":
+        return
+    batch, accumulation = config.batch_size, config.gradient_accumulation
+    count, needed = len(rows), batch * accumulation
+    if count >= needed:
+        return
+    what = ("row" if count == 1 else "rows") + (" (packed)" if getattr(rows, "packed", False) else "")
+    fix = (f"batch_size {count} with grad_accumulation_steps 1" if count < batch else
+           f"grad_accumulation_steps {count // batch}{' or less' if count // batch > 1 else ''}")
+    repeat = (f"; mlx_lm.lora would repeat its one batch of {batch} rows {accumulation} times in a step, which "
+              f"makes the same update as grad_accumulation_steps 1" if batch <= count < 2 * batch else "")
+    raise DataError(f"{config.dataset}: the training set has {count} {what}, fewer than one optimizer step of "
+                    f"batch_size {batch} x grad_accumulation_steps {accumulation} = {needed} rows (a step takes its "
+                    f"rows from one pass over the data, never the same row twice{repeat}); use {fix}, or add rows")
+
+
 def prepare(cfg: FinetuneConfig, log: Any = print, split: AdapterSplit | None = None,
             task: Task | None = None) -> dict[str, Any]:
     """Load the model, add adapters and build the datasets (what :func:`finetune` trains on) as the run's
@@ -289,6 +312,10 @@ def finetune(config: FinetuneConfig, callbacks: list[Any] | None = None, resume:
         raise ConfigError(f"--test: {config.dataset} has no test records to evaluate on; add some, or leave --test "
                           "out")
     train_rows, valid_rows = splits["train"], splits.get("valid")
+    if valid_rows is None:  # as mlx_lm.lora, train without validation, and say so
+        log(f"no validation: {config.dataset} has no validation records (valid.jsonl is missing or empty), so no "
+            "validation loss is reported; add rows to valid.jsonl to validate")
+    _check_one_step(config, train_rows, trainer_class is not Trainer)
     # A loader batch is a micro-batch; the Trainer takes gradient_accumulation of them per optimizer step.
     gather = task.gathers_positions()
     loader = data.make_loader(train_rows, config.batch_size, seed=config.seed, num_workers=config.num_workers,
