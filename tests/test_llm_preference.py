@@ -520,3 +520,24 @@ def test_a_loss_can_report_extra_metrics_weighted_by_its_items():
     # 5 samples in evaluation batches of 3 and 2: the mean is over samples, not over batches
     assert trainer.evaluate((x[:5], y[:5]))["abs_error"] == pytest.approx(float(mx.abs(model(x[:5]) - y[:5]).mean()),
                                                                           rel=1e-6)
+
+
+def test_pairs_whose_chosen_reply_is_the_rejected_one_are_counted(setup, tmp_path, capsys):
+    """DPO on pairs with chosen == rejected trains at a constant 0.6931: all of them is refused, some a warning
+    with the count and the file:line of the first."""
+    from mlx_train.cli.main import main
+
+    same = [{"prompt": row["prompt"], "chosen": row["chosen"], "rejected": row["chosen"]} for row in pair_rows(4)]
+    data = write_pairs(str(tmp_path / "same"), rows=same)
+    flags = ["--model", str(setup / "base"), "--train-mode", "dpo", "--iters", "1", "--num-layers", "1",
+             "--batch-size", "2"]
+    assert main(["finetune", "--data", data, *flags, "--run-dir", str(tmp_path / "r1")]) == 3
+    err = capsys.readouterr().err
+    assert f"{data}/train.jsonl:1: in all 4 training pairs the chosen reply is the rejected one" in err
+    assert "0.6931" in err and "Traceback" not in err
+    some = pair_rows(4)
+    some[2]["rejected"] = some[2]["chosen"]
+    data = write_pairs(str(tmp_path / "some"), rows=some)
+    with pytest.warns(UserWarning, match=f"{data}/train.jsonl:3: 1 of the 4 train pairs have a chosen reply equal "
+                                         "to the rejected one"):
+        assert main(["finetune", "--data", data, *flags, "--run-dir", str(tmp_path / "r2")]) == 0

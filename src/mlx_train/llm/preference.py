@@ -445,6 +445,28 @@ def reference_logps(model: nn.Module, pairs: PairDataset, batch_size: int = 8) -
 # -- fine-tuning ---------------------------------------------------------------------------
 
 
+def check_distinct_replies(pairs: PairDataset, where: Sequence[str], split: str = "train") -> None:
+    """Say where a pair's chosen reply is its rejected one (the same tokens): the preference term has nothing to
+    compare (DPO's sigmoid loss stays at log 2 = 0.6931 on it). All of the training pairs: refused (DataError);
+    some: a warning with their count and the first one's file and line.
+
+    Example: ``check_distinct_replies(PairDataset.from_records(rows, tok, None, where), where)``.
+    """
+    import warnings
+
+    same = [i for i in range(len(pairs.chosen)) if np.array_equal(pairs.chosen[i], pairs.rejected[i])]
+    if not same:
+        return
+    total = len(pairs.chosen)
+    if len(same) == total and split == "train":
+        raise DataError(f"{where[same[0]]}: in all {total} training pairs the chosen reply is the rejected one, so "
+                        "there is no preference to learn (DPO's loss would stay at log 2 = 0.6931); give each row a "
+                        "chosen reply that differs from its rejected one")
+    warnings.warn(f"{where[same[0]]}: {len(same)} of the {total} {split} pairs have a chosen reply equal to the "
+                  "rejected one (this is the first); they add only a constant to the preference loss and count as a "
+                  "miss in the reward accuracy (chosen > rejected): fix or drop them", stacklevel=2)
+
+
 def build_splits(cfg: Any, model: nn.Module, tokenizer: Any, log: Any = print) -> dict[str, PairDataset]:
     """The preference pairs of each split of ``cfg.data``, with stored reference log-probabilities
     for full fine-tuning, a ``reference_model_path`` or ``precompute_ref_log_probs``.
@@ -459,6 +481,7 @@ def build_splits(cfg: Any, model: nn.Module, tokenizer: Any, log: Any = print) -
         if records:
             splits[name] = PairDataset.from_records(records, tokenizer, cfg.max_seq_length, where)
             log(f"{name}: {len(records)} preference pairs, {splits[name].trained_tokens} reply tokens")
+            check_distinct_replies(splits[name], where, name)
     if "train" not in splits:
         raise ConfigError(f"{cfg.data} has no training pairs (train.jsonl is missing or empty)")
     stored = cfg.fine_tune_type == "full" or cfg.reference_model_path or cfg.precompute_ref_log_probs
