@@ -264,3 +264,23 @@ def test_no_validation_is_said(setup, tmp_path, capsys):
                  "--iters", "1", "--batch-size", "2", "--run-dir", str(tmp_path / "run")]) == 0
     out = capsys.readouterr().out
     assert "no validation: " in out and "valid.jsonl is missing or empty" in out
+
+
+def test_resume_adapter_file_keeps_its_settings_and_refuses_a_conflicting_one(setup, tmp_path, capsys):
+    """--resume-adapter-file continues the file's adapters as they are: an explicit --num-layers that differs is
+    refused before the model loads; a default that differs is replaced, and the run says so."""
+    first = str(tmp_path / "first")
+    common = ["finetune", "--model", str(setup / "base"), "--data", str(setup / "data"), "--iters", "1",
+              "--batch-size", "2"]
+    assert main([*common, "--num-layers", "1", "--set", "lora_parameters.rank=4", "--adapter-path", first]) == 0
+    capsys.readouterr()
+    assert main([*common, "--num-layers", "2", "--resume-adapter-file", first, "--model", str(tmp_path / "none")]) == 2
+    err = capsys.readouterr().err
+    assert f"num_layers 2 differs from the adapters of --resume-adapter-file {first}, which have num_layers 1" in err
+    assert "none" not in err.split("num_layers 2")[0]  # refused before the (missing) model is loaded
+    assert main([*common, "--resume-adapter-file", first, "--run-dir", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert f"continuing the adapters of {first} with their own num_layers 1 (not the default 16), " \
+           "lora_parameters.rank 4 (not the default 8)" in out
+    saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["llm"]
+    assert saved["num_layers"] == 1 and saved["lora_parameters"]["rank"] == 4  # what was trained

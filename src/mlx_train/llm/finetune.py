@@ -28,9 +28,9 @@ from mlx_train.errors import ConfigError
 from mlx_train.llm.tasks import PairCounter, Task, TokenCounter, task_for
 from mlx_train.training.callbacks import Callback
 
-__all__ = ["AdapterSplit", "AdapterWriter", "FineTuneConfig", "PairCounter", "TokenCounter", "check_before_loading",
-           "check_tensor_parallel", "finetune", "fuse_model", "path_in_run", "prepare", "recompute_setting",
-           "resume_checkpoint"]
+__all__ = ["AdapterSplit", "AdapterWriter", "FineTuneConfig", "PairCounter", "TokenCounter", "adapter_file_settings",
+           "check_before_loading", "check_tensor_parallel", "finetune", "fuse_model", "path_in_run", "prepare",
+           "recompute_setting", "resume_checkpoint"]
 
 
 def FineTuneConfig(**values: Any) -> FinetuneConfig:  # noqa: N802 - the name of the class it replaces
@@ -141,6 +141,53 @@ def check_before_loading(config: FinetuneConfig, resume: str | None = None, over
         _check_resume(config, resume)
     elif config.run_dir and not launched:
         RunDirectory.of(config.run_dir, config.checkpoint_dir).make_room(overwrite, log)
+
+
+def adapter_file_settings(config: FinetuneConfig, log: Any = print) -> FinetuneConfig:
+    """``config`` with the adapters of ``resume_adapter_file`` described as they are: training continues
+    from them with their own method, blocks and LoRA parameters (their ``adapter_config.json``). A setting
+    given on purpose (not the default) that differs from theirs is refused before the model loads, where
+    mlx_lm.lora would build the configured adapters and load the file's weights into what fits; a default
+    that differs is replaced, and the log says so.
+
+    Example: ``adapter_file_settings(FineTuneConfig(resume_adapter_file="old/adapters")).num_layers`` -> the
+    adapters' num_layers.
+    """
+    from mlx_train.llm.adapters import read_adapter_config
+
+    if not getattr(config, "resume_adapter_file", None):  # (task_for says what a config must be)
+        return config
+    directory = config.resume_adapter_file
+    if directory.endswith(".safetensors"):
+        directory = os.path.dirname(directory) or "."
+    theirs = read_adapter_config(directory)
+    defaults = FinetuneConfig.defaults()
+    lora, default_lora = config.lora_parameters, defaults["lora_parameters"]
+    # name -> (the configuration's value, its default, the adapters' value)
+    settings = {"fine_tune_type": (config.fine_tune_type, defaults["fine_tune_type"], theirs.fine_tune_type),
+                "num_layers": (config.num_layers, defaults["num_layers"], theirs.num_layers)}
+    if theirs.fine_tune_type != "full":
+        for key in ("rank", "scale", "dropout"):
+            settings[f"lora_parameters.{key}"] = (lora.get(key, default_lora[key]), default_lora[key],
+                                                 getattr(theirs, key))
+    differ = {name: values for name, values in settings.items() if values[0] != values[2]}
+    chosen = [name for name, (value, default, _) in differ.items() if value != default]
+    if chosen:
+        name = chosen[0]
+        raise ConfigError(f"{name} {differ[name][0]!r} differs from the adapters of --resume-adapter-file "
+                          f"{config.resume_adapter_file}, which have {name} {differ[name][2]!r} (their "
+                          f"{os.path.join(directory, 'adapter_config.json')}): training continues those adapters "
+                          f"as they are. Leave {name} out (or give {differ[name][2]!r}), or start new adapters "
+                          "without --resume-adapter-file")
+    if not differ:
+        return config
+    said = ", ".join(f"{name} {theirs_value!r} (not the default {value!r})"
+                     for name, (value, _, theirs_value) in differ.items())
+    log(f"continuing the adapters of {config.resume_adapter_file} with their own {said}")
+    return config.replace(fine_tune_type=theirs.fine_tune_type, num_layers=theirs.num_layers,
+                          lora_parameters={**lora, **({} if theirs.fine_tune_type == "full" else
+                                                      {"rank": theirs.rank, "scale": theirs.scale,
+                                                       "dropout": theirs.dropout})})
 
 
 def resume_checkpoint(config: FinetuneConfig, resume: str) -> str | None:
@@ -302,6 +349,7 @@ def finetune(config: FinetuneConfig, callbacks: list[Any] | None = None, resume:
     from mlx_train.training import Trainer
 
     trainer_class = trainer_class or Trainer
+    config = adapter_file_settings(config, log)  # continued adapters keep their own settings
     task = task_for(config)  # picked once: the rest asks it
     check_before_loading(config, resume, overwrite, log, launched=trainer_class is not Trainer)
     if split is not None:
