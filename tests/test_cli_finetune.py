@@ -133,6 +133,13 @@ def test_finetune_run_dir_config_yaml_banner_and_bare_resume(setup, tmp_path, ca
     assert main(["finetune", "--run-dir", str(run), "--resume", "--num-layers", "2"]) == 2
     err = capsys.readouterr().err
     assert "num_layers cannot change on resume" in err and "Traceback" not in err
+    # --max-steps below the checkpoint's step would train nothing: said, not done silently
+    assert main(["finetune", "--run-dir", str(run), "--resume", "--max-steps", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "step-00000003 is at step 3, past max_steps 2: the resumed run would train nothing; give --max-steps " \
+           "above 3" in err
+    assert main(["finetune", "--run-dir", str(run), "--resume"]) == 0
+    assert "is at step 3 = max_steps: nothing is left to train" in capsys.readouterr().out
 
 
 def test_finetune_resume_without_a_run_is_one_line(tmp_path, capsys):

@@ -138,7 +138,7 @@ def check_before_loading(config: FinetuneConfig, resume: str | None = None, over
     if overwrite and resume:
         raise ConfigError("--overwrite starts the run over and --resume continues it: give one of them")
     if resume:
-        _check_resume(config, resume)
+        _check_resume(config, resume, log)
     elif config.run_dir and not launched:
         RunDirectory.of(config.run_dir, config.checkpoint_dir).make_room(overwrite, log)
 
@@ -203,15 +203,24 @@ def resume_checkpoint(config: FinetuneConfig, resume: str) -> str | None:
     return RunDirectory.of(config.run_dir, config.checkpoint_dir).resolve(resume)
 
 
-def _check_resume(config: FinetuneConfig, resume: str) -> None:
+def _check_resume(config: FinetuneConfig, resume: str, log: Any = print) -> None:
     """Refuse a resume with a global batch or seed other than its checkpoint's (the data order and the
-    position in the epoch are restored from it, counted in its batches)."""
+    position in the epoch are restored from it, counted in its batches), or a ``max_steps`` below its step
+    (nothing would train); at ``max_steps`` already, say that nothing is left to train."""
     from mlx_train.checkpointing import load_checkpoint
 
     path = resume_checkpoint(config, resume)
     if path is None:
         return
-    saved = load_checkpoint(path, groups=[])[1].get("config") or {}
+    state = load_checkpoint(path, groups=[])[1]
+    step = state.get("step")
+    if config.max_steps and isinstance(step, int) and step >= config.max_steps:
+        train_longer = f"give --max-steps above {step}, e.g. --max-steps {2 * step}, to train longer"
+        if step > config.max_steps:
+            raise ConfigError(f"{path} is at step {step}, past max_steps {config.max_steps}: the resumed run would "
+                              f"train nothing; {train_longer}, or resume an earlier checkpoint with --resume PATH")
+        log(f"{path} is at step {step} = max_steps: nothing is left to train; {train_longer}")
+    saved = state.get("config") or {}
     was = {"rows per step": saved.get("batch_size", 0) * saved.get("gradient_accumulation", 1),
            "seed": saved.get("seed")}
     now = {"rows per step": config.batch_size * config.gradient_accumulation, "seed": config.seed}
