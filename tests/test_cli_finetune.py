@@ -291,3 +291,24 @@ def test_resume_adapter_file_keeps_its_settings_and_refuses_a_conflicting_one(se
            "lora_parameters.rank 4 (not the default 8)" in out
     saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["llm"]
     assert saved["num_layers"] == 1 and saved["lora_parameters"]["rank"] == 4  # what was trained
+
+
+def test_a_run_stopped_before_its_first_checkpoint_resumes_from_its_config(setup, tmp_path, capsys):
+    """As `train --resume`: a finetune run killed before its first complete checkpoint (config.yaml, metrics, no
+    checkpoint) goes on with --resume from its config.yaml, instead of 'nothing to resume' / 'use --resume'."""
+    import shutil
+
+    run = tmp_path / "run"
+    assert main(_finetune(setup, run, "--iters", "2", "--batch-size", "2", "--lr", "1e-3")) == 0
+    shutil.rmtree(run / "checkpoints")
+    shutil.rmtree(run / "adapters")  # what a kill before the first checkpoint leaves: config.yaml, logs
+    capsys.readouterr()
+    assert main(_finetune(setup, run, "--iters", "2")) == 2  # a new start is refused, as before
+    assert "--resume" in capsys.readouterr().err
+    assert main(["finetune", "--run-dir", str(run), "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert f"resuming {run} with the configuration of {run / 'config.yaml'}" in out
+    assert "starting from scratch" in out and "finetune: 2 steps" in out
+    assert (run / "checkpoints" / "step-00000002").is_dir() and (run / "adapters" / "adapters.safetensors").is_file()
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert saved["optimizer"]["learning_rate"] == 1e-3 and saved["llm"]["num_layers"] == 1  # the run's own

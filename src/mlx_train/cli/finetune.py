@@ -150,12 +150,15 @@ def main(args: argparse.Namespace) -> int:
     from mlx_train.errors import CheckpointError
     from mlx_train.llm.finetune import finetune, fuse_model, resume_checkpoint
     from mlx_train.llm.models import is_quantized
+    from mlx_train.run_directory import RunDirectory
 
     cfg = resolve_config(args)
     if args.fuse:
         _check_fuse_target(cfg.model, args.fuse)
-    if args.resume and not supervised() and resume_checkpoint(cfg, args.resume) is None:
-        # from Python, "auto" may start a run; here it must continue one (a restarted group may have none yet)
+    if args.resume and not supervised() and resume_checkpoint(cfg, args.resume) is None and \
+            not RunDirectory.of(cfg.run_dir, cfg.checkpoint_dir).has_checkpoint_or_config():
+        # from Python, "auto" may start a run; here it must continue one: a run stopped before its first checkpoint
+        # starts again from its config.yaml (as train's), and a restarted group may have none yet
         raise CheckpointError(f"there is nothing to resume in {cfg.run_dir}: no checkpoint in "
                               f"{cfg.run_dir}/checkpoints; start a new run without --resume")
     if args.distributed:
