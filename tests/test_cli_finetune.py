@@ -312,3 +312,23 @@ def test_a_run_stopped_before_its_first_checkpoint_resumes_from_its_config(setup
     assert (run / "checkpoints" / "step-00000002").is_dir() and (run / "adapters" / "adapters.safetensors").is_file()
     saved = yaml.safe_load((run / "config.yaml").read_text())
     assert saved["optimizer"]["learning_rate"] == 1e-3 and saved["llm"]["num_layers"] == 1  # the run's own
+
+
+def test_fuse_writes_only_into_a_new_or_empty_directory_outside_the_base(setup, tmp_path):
+    from mlx_train.llm.finetune import check_fuse_target, fuse_model
+
+    (tmp_path / "models").mkdir()
+    gguf = tmp_path / "models" / "base.gguf"
+    gguf.write_bytes(b"GGUF")
+    check_fuse_target(str(gguf), str(tmp_path / "models" / "tuned"))  # beside a .gguf file: a new directory
+    (tmp_path / "empty").mkdir()
+    check_fuse_target(str(setup / "base"), str(tmp_path / "empty"))
+    with pytest.raises(ConfigError, match=r"--fuse .*base\.gguf is a file \(the base model\)"):
+        check_fuse_target(str(gguf), str(gguf))
+    with pytest.raises(ConfigError, match="is inside the base model's directory"):
+        check_fuse_target(str(setup / "base"), str(setup / "base" / "fused"))
+    with pytest.raises(ConfigError, match=r"--fuse .*models is not empty \(base\.gguf\): the fused model is written "
+                                          "only into a new or empty directory"):
+        check_fuse_target(str(setup / "base"), str(tmp_path / "models"))
+    with pytest.raises(ConfigError, match="is not empty"):  # the Python API too, before loading anything
+        fuse_model(str(setup / "base"), str(tmp_path / "no-adapters"), str(tmp_path / "models"))

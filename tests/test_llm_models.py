@@ -186,3 +186,29 @@ def test_the_model_card_usage_snippet_runs_as_written(tmp_path, monkeypatch, bas
     namespace: dict = {}
     exec(compile(code, "model card", "exec"), namespace)
     assert namespace["model"] is not None and namespace["tokenizer"].encode("Hello")
+
+
+def test_fuse_beside_a_gguf_base_as_the_guide_does(tmp_path, capsys):
+    """The fine-tuning guide's `--fuse smol-tuned` with `--model SmolLM2...gguf`: the fused directory sits beside
+    the .gguf file, which is not a model directory to protect; the result is a directory mlx_lm.load reads."""
+    import mlx_lm
+
+    from mlx_train.cli.main import main
+
+    raw = llm_tiny.raw_tokenizer()
+    source, config = llm_tiny.make_model(raw.get_vocab_size(), seed=7)
+    write_gguf(str(tmp_path / "tiny.gguf"), source, config, raw)
+    llm_tiny.write_data(str(tmp_path / "data"), "completion", n_train=8, n_valid=4)
+    code = main(["finetune", "--model", str(tmp_path / "tiny.gguf"), "--data", str(tmp_path / "data"), "--iters", "1",
+                 "--num-layers", "1", "--batch-size", "2", "--run-dir", str(tmp_path / "run"), "--fuse",
+                 str(tmp_path / "tiny-tuned")])
+    assert code == 0, capsys.readouterr().err
+    assert f"fused model: {tmp_path / 'tiny-tuned'}" in capsys.readouterr().out
+    mlx_lm.load(str(tmp_path / "tiny-tuned"))
+    # the same directory again: not empty, refused before anything trains
+    assert main(["finetune", "--model", str(tmp_path / "tiny.gguf"), "--data", str(tmp_path / "data"), "--iters",
+                 "1", "--num-layers", "1", "--batch-size", "2", "--run-dir", str(tmp_path / "run2"), "--fuse",
+                 str(tmp_path / "tiny-tuned")]) == 2
+    err = capsys.readouterr().err
+    assert f"--fuse {tmp_path / 'tiny-tuned'} is not empty (" in err and "new or empty directory" in err
+    assert not (tmp_path / "run2").exists()

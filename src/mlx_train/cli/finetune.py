@@ -127,34 +127,18 @@ def resolve_config(args: argparse.Namespace, log: Any = print) -> Any:
     return config
 
 
-def _check_fuse_target(model: str | None, fuse: str) -> None:
-    """Refuse a --fuse directory that is, or is inside, the base model's directory: the fused weights would
-    replace the base ones, whose sha256 the run's checkpoints pin, so the run could never be resumed."""
-    import os
-
-    from mlx_train.errors import ConfigError
-
-    if not model or not os.path.exists(model):  # a Hugging Face repo id: mlx-lm's cache, not a place we write
-        return
-    base = os.path.realpath(model if os.path.isdir(model) else os.path.dirname(os.path.abspath(model)))
-    target = os.path.realpath(fuse)
-    if target == base or target.startswith(base + os.sep):
-        raise ConfigError(f"--fuse {fuse} is inside the base model's directory {base}: the fused weights would "
-                          "overwrite the base that the run's checkpoints were trained on; give --fuse a new directory")
-
-
 def main(args: argparse.Namespace) -> int:
     """Run ``mlx-train finetune``; prints a summary with the validation perplexity."""
     from mlx_train.cli.train import startup_line
     from mlx_train.distributed.rank import in_group, is_main_process, supervised
     from mlx_train.errors import CheckpointError
-    from mlx_train.llm.finetune import finetune, fuse_model, resume_checkpoint
+    from mlx_train.llm.finetune import check_fuse_target, finetune, fuse_model, resume_checkpoint
     from mlx_train.llm.models import is_quantized
     from mlx_train.run_directory import RunDirectory
 
     cfg = resolve_config(args)
     if args.fuse:
-        _check_fuse_target(cfg.model, args.fuse)
+        check_fuse_target(cfg.model, args.fuse)  # before training: a refused --fuse costs nothing
     if args.resume and not supervised() and resume_checkpoint(cfg, args.resume) is None and \
             not RunDirectory.of(cfg.run_dir, cfg.checkpoint_dir).has_checkpoint_or_config():
         # from Python, "auto" may start a run; here it must continue one: a run stopped before its first checkpoint

@@ -29,8 +29,8 @@ from mlx_train.llm.tasks import PairCounter, Task, TokenCounter, task_for
 from mlx_train.training.callbacks import Callback
 
 __all__ = ["AdapterSplit", "AdapterWriter", "FineTuneConfig", "PairCounter", "TokenCounter", "adapter_file_settings",
-           "check_before_loading", "check_tensor_parallel", "finetune", "fuse_model", "path_in_run", "prepare",
-           "recompute_setting", "resume_checkpoint"]
+           "check_before_loading", "check_fuse_target", "check_tensor_parallel", "finetune", "fuse_model",
+           "path_in_run", "prepare", "recompute_setting", "resume_checkpoint"]
 
 
 def FineTuneConfig(**values: Any) -> FinetuneConfig:  # noqa: N802 - the name of the class it replaces
@@ -416,15 +416,43 @@ def finetune(config: FinetuneConfig, callbacks: list[Any] | None = None, resume:
     return result
 
 
+def check_fuse_target(model: str | None, fuse: str) -> None:
+    """Refuse a ``--fuse`` directory that is not new or empty (the fused model's files would mix with what is
+    there), or that is, or is inside, a base model's directory (the fused weights would replace the base ones,
+    whose sha256 the run's checkpoints pin). A directory beside a ``.gguf`` base is fine: nothing there is the
+    base but the file.
+
+    Example: ``check_fuse_target("SmolLM2-135M-Instruct.Q4_1.gguf", "smol-tuned")`` passes for a new directory.
+    """
+    target = os.path.realpath(fuse)
+    if model and os.path.isdir(model):  # a repo id is mlx-lm's cache, not a place we write; a file is only itself
+        base = os.path.realpath(model)
+        if target == base or target.startswith(base + os.sep):
+            raise ConfigError(f"--fuse {fuse} is inside the base model's directory {base}: the fused weights would "
+                              "overwrite the base that the run's checkpoints were trained on; give --fuse a new "
+                              "directory")
+    if os.path.exists(fuse) and not os.path.isdir(fuse):
+        which = " (the base model)" if model and target == os.path.realpath(model) else ""
+        raise ConfigError(f"--fuse {fuse} is a file{which}: --fuse writes a model directory; give it a new directory")
+    if os.path.isdir(fuse) and os.listdir(fuse):
+        shown = sorted(os.listdir(fuse))
+        raise ConfigError(f"--fuse {fuse} is not empty ({', '.join(shown[:3])}{', ...' if len(shown) > 3 else ''}): "
+                          "the fused model is written only into a new or empty directory, so that nothing of another "
+                          "model is mixed with it; give --fuse a new directory, or move that one aside first")
+
+
 def fuse_model(model_path: str, adapter_path: str, save_path: str, dequantize: bool = False) -> str:
     """Load a base model, add the adapters of ``adapter_path``, fold them in and write an mlx-lm
     model directory (``mlx_lm.load(save_path)`` reads it), with the adapters' model card when they
     have one. Works for GGUF bases too.
 
+    ``save_path`` must be a new or empty directory, outside a base model's directory (``check_fuse_target``).
+
     Example: ``fuse_model("SmolLM2-135M-Instruct.Q4_1.gguf", "runs/a/adapters", "smol-tuned")``.
     """
     from mlx_train.llm import adapters, card, models
 
+    check_fuse_target(model_path, save_path)
     model, tokenizer, config = models.load_model(model_path, quantized=not dequantize)
     adapters.load_adapters(model, adapter_path)
     adapters.fuse_adapters(model, dequantize=dequantize)
