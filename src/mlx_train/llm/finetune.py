@@ -155,9 +155,9 @@ def adapter_file_settings(config: FinetuneConfig, log: Any = print) -> FinetuneC
     """
     from mlx_train.llm.adapters import read_adapter_config
 
-    if not getattr(config, "resume_adapter_file", None):  # (task_for says what a config must be)
+    directory: str | None = getattr(config, "resume_adapter_file", None)  # (task_for says what a config must be)
+    if not directory:
         return config
-    directory = config.resume_adapter_file
     if directory.endswith(".safetensors"):
         directory = os.path.dirname(directory) or "."
     theirs = read_adapter_config(directory)
