@@ -261,6 +261,7 @@ def test_an_mlx_lm_file_whose_data_is_smaller_than_one_step_is_told_in_its_own_n
     assert "the training set has 2 rows, fewer than one optimizer step of batch_size 2 x grad_accumulation_steps 2 " \
            "= 4 rows" in err and "use grad_accumulation_steps 1, or add rows" in err
     assert "batch_size 4" not in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()  # refused before the run started: nothing written
 
 
 def test_no_validation_is_said(setup, tmp_path, capsys):

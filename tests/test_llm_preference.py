@@ -534,7 +534,7 @@ def test_pairs_whose_chosen_reply_is_the_rejected_one_are_counted(setup, tmp_pat
     assert main(["finetune", "--data", data, *flags, "--run-dir", str(tmp_path / "r1")]) == 3
     err = capsys.readouterr().err
     assert f"{data}/train.jsonl:1: in all 4 training pairs the chosen reply is the rejected one" in err
-    assert "0.6931" in err and "Traceback" not in err
+    assert "0.6931" in err and "Traceback" not in err and not (tmp_path / "r1").exists()
     some = pair_rows(4)
     some[2]["rejected"] = some[2]["chosen"]
     data = write_pairs(str(tmp_path / "some"), rows=some)
