@@ -80,4 +80,9 @@ def test_cli_tracker_error_writes_nothing_and_a_retry_works(no_wandb_login, tmp_
     assert "W&B has no API key" in err and "unexpected error" not in err
     assert not os.path.exists("r/config.yaml") and not os.path.exists("r/checkpoints")
     monkeypatch.setenv("WANDB_MODE", "disabled")  # the fix: the same command now runs
-    assert main(["train", "--epochs", "1", "--run-dir", "r", "--set", "report_to=[wandb]"]) == 0
+    try:
+        assert main(["train", "--epochs", "1", "--run-dir", "r", "--set", "report_to=[wandb]"]) == 0
+    finally:
+        import wandb
+
+        wandb.teardown()  # W&B keeps its process-wide settings (this test's HOME, disabled mode) until then
