@@ -215,6 +215,10 @@ def _alive(pids: list[int]) -> list[int]:
     return out
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["SIGINT", "SIGKILL"])
 def test_no_worker_outlives_an_interrupted_or_killed_consumer(tmp_path, how):
@@ -222,8 +226,10 @@ def test_no_worker_outlives_an_interrupted_or_killed_consumer(tmp_path, how):
     their pipe close and exit): either way no worker process is left."""
     script = os.path.join(SCRIPTS, "process_loader_consumer.py")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([SCRIPTS, *sys.path])}
+    # Ctrl-C's default action in the consumer, whatever this process inherited (a suite started in the background
+    # by a non-interactive shell ignores SIGINT, and so would the consumer).
     proc = subprocess.Popen([sys.executable, script, str(tmp_path)], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=_default_sigint)
     deadline = time.monotonic() + 60
     while len(os.listdir(tmp_path)) < 2 and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.1)

@@ -320,8 +320,11 @@ def test_live_dashboard_in_a_pseudo_terminal(live_run):
     stream = pyte.ByteStream(screen)
     env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
     env.update(TERM="xterm-256color", LANG="C.UTF-8")
+    # preexec_fn: Ctrl-C's default action in the monitor, whatever this process inherited (a suite started in the
+    # background by a non-interactive shell ignores SIGINT, and the monitor would never quit).
     child = pexpect.spawn(sys.executable, ["-m", "mlx_train", "monitor", str(live_run["run_dir"]), "--interval",
-                                           "0.2", "--performance"], dimensions=(rows, cols), env=env)
+                                           "0.2", "--performance"], dimensions=(rows, cols), env=env,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
     frames = bytearray()  # the monitor's output not yet fed to the screen: a frame starts at cursor-home
 
