@@ -352,7 +352,8 @@ def test_live_dashboard_in_a_pseudo_terminal(live_run):
         first = screen_when(lambda text: latest_step(text) is not None, "a step")
         second = screen_when(lambda text: (latest_step(text) or 0) > latest_step(first), "a later step")
         child.sendintr()
-        child.expect(pexpect.EOF, timeout=60)
+        child.expect(pexpect.EOF, timeout=600)  # only ends a monitor that does not quit
+        child.wait()  # its exit status (close() gives a process not yet reaped 0.1 s, then kills it)
     finally:
         child.close(force=True)
     Path(os.environ.get("MLX_TRAIN_SCREEN", os.devnull)).write_text(second)
