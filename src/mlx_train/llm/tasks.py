@@ -146,12 +146,14 @@ class Task:
             result["test_loss"] = trainer.evaluate(test_rows.samples())["loss"]
             result["test_perplexity"] = math.exp(min(result["test_loss"], 50))
 
+    def headline(self, label: str, result: dict[str, Any]) -> str:
+        """The summary's first line: steps, what was trained (in ``unit``) and how fast."""
+        line = f"{label}: {result['trainer'].step} steps, {result['trained']:,} {self.unit}"
+        return line + (f", {result['per_second']:.1f} {self.unit}/s" if result.get("per_second") else "")
+
     def summary(self, result: dict[str, Any]) -> list[str]:
         """The lines ``mlx-train finetune`` prints about a finished run (after them: where the adapters are)."""
-        first = f"finetune: {result['trainer'].step} steps, {result['trained']:,} {self.unit}"
-        if result.get("per_second"):
-            first += f", {result['per_second']:.1f} {self.unit}/s"
-        lines = [first]
+        lines = [self.headline("finetune", result)]
         if "val_perplexity" in result:
             lines.append(f"  validation: loss {result['val_loss']:.4f}, perplexity {result['val_perplexity']:.3f}")
         if "test_perplexity" in result:
@@ -299,10 +301,7 @@ class Preference(Task):
             result["test_loss"] = result["test_metrics"]["loss"]
 
     def summary(self, result: dict[str, Any]) -> list[str]:
-        first = f"finetune {self.name}: {result['trainer'].step} steps, {result['trained']:,} {self.unit}"
-        if result.get("per_second"):
-            first += f", {result['per_second']:.1f} {self.unit}/s"
-        lines = [first]
+        lines = [self.headline(f"finetune {self.name}", result)]
         if "val_metrics" in result:
             val = result["val_metrics"]
             lines.append(f"  validation: loss {val['loss']:.4f}, reward accuracy {val['reward_accuracy']:.3f}, "
