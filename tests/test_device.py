@@ -81,3 +81,69 @@ def test_apply_sets_the_default_device_and_the_limits():
         mx.set_memory_limit(previous_limit)
         mx.set_cache_limit(previous_cache)
         DeviceConfig().apply()
+
+
+def _backend_wheels(site, lib_bytes_by_package, on_disk):
+    """Two installed backend wheels in ``site`` (dist-info folders with RECORDs naming mlx/lib/libmlx.so and
+    its hash, as pip writes them), with ``on_disk``'s copy of the library the file that is there."""
+    import base64
+    import hashlib
+    from importlib.metadata import PathDistribution
+
+    library = site / "mlx" / "lib" / "libmlx.so"
+    library.parent.mkdir(parents=True)
+    library.write_bytes(lib_bytes_by_package[on_disk])
+    dists = []
+    for name, content in lib_bytes_by_package.items():
+        info = site / f"{name.replace('-', '_')}-0.32.4.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.32.4\n")
+        digest = base64.urlsafe_b64encode(hashlib.sha256(content).digest()).rstrip(b"=").decode()
+        (info / "RECORD").write_text(f"mlx/lib/libmlx.so,sha256={digest},{len(content)}\n")
+        dists.append(PathDistribution(info))
+    return dists
+
+
+@pytest.mark.parametrize("on_disk", ["mlx-cpu", "mlx-cuda-12"])
+def test_which_backend_wheels_library_is_on_disk_is_read_from_the_records(tmp_path, on_disk):
+    from mlx_train.device import backend_packages, gpu_install_advice, shadowed_gpu_library
+
+    dists = _backend_wheels(tmp_path, {"mlx-cpu": b"cpu build", "mlx-cuda-12": b"cuda build"}, on_disk)
+    packages = backend_packages(dists)
+    assert packages == {"mlx-cpu": on_disk == "mlx-cpu", "mlx-cuda-12": on_disk == "mlx-cuda-12"}
+    note = shadowed_gpu_library(packages)
+    if on_disk == "mlx-cpu":  # the CPU copy overwrote the CUDA one: say so, with the command that fixes it
+        assert note is not None and "mlx-cuda-12 is installed but mlx-cpu's copy" in note
+        assert 'pip install --no-deps --force-reinstall "mlx-cuda-12==' in note
+        assert gpu_install_advice(packages) == note
+    else:
+        assert note is None and "cuda12 or cuda13" in gpu_install_advice(packages)
+    assert backend_packages(dists[:1]) == {"mlx-cpu": True}  # a lone backend wheel is the active one
+
+
+def test_the_start_up_line_says_when_a_cuda_install_runs_on_the_cpu(monkeypatch):
+    from mlx_train import device
+    from mlx_train.cli.train import startup_line
+
+    if mx.default_device() != mx.cpu:
+        pytest.skip("the note is for a CUDA wheel whose library was overwritten, so MLX runs on the CPU")
+    assert "\nnote:" not in startup_line()
+    monkeypatch.setattr(device, "backend_packages", lambda: {"mlx-cpu": True, "mlx-cuda-13": False})
+    line = startup_line()
+    assert line.splitlines()[1].startswith("note: mlx-cuda-13 is installed but mlx-cpu's copy of mlx/lib/libmlx.so")
+    with pytest.raises(DeviceError, match="force-reinstall"):
+        DeviceConfig(device="gpu")  # refused when made, with the same advice
+
+
+def test_the_documented_gpu_install_names_extras_the_package_has():
+    import re
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    root = Path(__file__).resolve().parents[1]
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    page = (root / "docs" / "getting-started.md").read_text()
+    command = next(line for line in page.splitlines() if line.startswith('pip install -e ".[cuda'))
+    extra = re.search(r'\.\[(\w+)\]', command).group(1)
+    assert any(f"mlx[{extra}]" in requirement for requirement in extras.get(extra, [])), extras.get(extra)
+    assert f"mlx-{extra[:4]}-{extra[4:]}==" in command  # the wheel that extra brings, reinstalled

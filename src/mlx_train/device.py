@@ -10,8 +10,11 @@ Example::
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import os
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,8 +23,9 @@ from mlx_train.config import TrainConfig, option, parse_bytes, same_as
 from mlx_train.config.options import byte_count, check_fields
 from mlx_train.errors import DeviceError
 
-__all__ = ["DEVICES", "DeviceConfig", "DeviceInfo", "available_backends", "available_memory", "detect_devices",
-           "device_info", "format_bytes", "parse_bytes", "system_memory"]
+__all__ = ["DEVICES", "DeviceConfig", "DeviceInfo", "available_backends", "available_memory", "backend_packages",
+           "detect_devices", "device_info", "format_bytes", "gpu_install_advice", "parse_bytes",
+           "shadowed_gpu_library", "system_memory"]
 
 #: What ``DeviceConfig(device=...)`` accepts: ``gpu`` is whichever GPU backend the MLX build has.
 DEVICES = ("auto", "gpu", "cpu", "metal", "cuda")
@@ -47,6 +51,70 @@ def available_backends() -> dict[str, bool]:
         "cuda": bool(cuda is not None and cuda.is_available()),
         "cpu": True,
     }
+
+
+#: The Linux wheels that carry MLX's compiled library, ``mlx/lib/libmlx.so``: each ships its own copy of
+#: that one file, so with two installed the one pip wrote last is the one that runs.
+BACKEND_PACKAGES = ("mlx-cpu", "mlx-cuda-12", "mlx-cuda-13")
+_LIBRARY = "mlx/lib/libmlx.so"
+
+
+def backend_packages(distributions: Iterable[Any] | None = None) -> dict[str, bool]:
+    """The installed MLX backend wheels (``BACKEND_PACKAGES``), each with whether the ``libmlx.so`` on
+    disk is its own (its RECORD's hash matches the file): ``{"mlx-cpu": False, "mlx-cuda-12": True}``.
+
+    ``distributions`` defaults to the installed ones (``importlib.metadata``). A lone backend wheel is
+    the active one (nothing is read from disk then). An empty dict on macOS, where MLX's library is in the
+    ``mlx`` and ``mlx-metal`` wheels.
+    """
+    import importlib.metadata
+
+    installed: dict[str, Any] = {}
+    for dist in importlib.metadata.distributions() if distributions is None else distributions:
+        name = str(dist.metadata["Name"] or "").lower().replace("_", "-")
+        if name in BACKEND_PACKAGES:
+            installed.setdefault(name, dist)
+    if len(installed) < 2:
+        return {name: True for name in installed}
+    return {name: _owns_library(dist) for name, dist in installed.items()}
+
+
+def _owns_library(dist: Any) -> bool:
+    """Whether the ``libmlx.so`` on disk is the one ``dist`` installed (the hash in its RECORD)."""
+    entry = next((f for f in dist.files or () if str(f).replace(os.sep, "/") == _LIBRARY), None)
+    if entry is None or entry.hash is None:
+        return False
+    digest = hashlib.new(entry.hash.mode)
+    try:
+        with open(dist.locate_file(entry), "rb") as handle:
+            for chunk in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(chunk)
+    except OSError:
+        return False
+    return bool(base64.urlsafe_b64encode(digest.digest()).rstrip(b"=").decode() == entry.hash.value)
+
+
+def gpu_install_advice(packages: dict[str, bool] | None = None) -> str:
+    """What to install for a GPU, given ``backend_packages()``: on Linux with a CUDA wheel installed whose
+    ``libmlx.so`` was overwritten by another backend's, the command that puts the CUDA one back."""
+    shadowed = shadowed_gpu_library(packages)
+    if shadowed is not None:
+        return shadowed
+    return ("On Apple silicon install 'mlx'; on Linux with an NVIDIA GPU install mlx-train with the cuda12 or cuda13 "
+            "extra, then force MLX's CUDA library in (Getting started, 'Install for an NVIDIA GPU')")
+
+
+def shadowed_gpu_library(packages: dict[str, bool] | None = None) -> str | None:
+    """None, or when an MLX CUDA wheel is installed but another backend's ``libmlx.so`` is the one on disk
+    (so MLX runs on the CPU), a sentence saying so and the command that puts the CUDA library back."""
+    packages = backend_packages() if packages is None else packages
+    shadowed = [name for name, active in packages.items() if name.startswith("mlx-cuda") and not active]
+    if shadowed and any(packages.values()):
+        active = next(name for name, is_active in packages.items() if is_active)
+        return (f"{shadowed[0]} is installed but {active}'s copy of {_LIBRARY} is the one on disk (both wheels ship "
+                f"that file and pip wrote {active}'s last): run pip install --no-deps --force-reinstall "
+                f"\"{shadowed[0]}==$(pip show mlx | sed -n 's/^Version: //p')\"")
+    return None
 
 
 def system_memory() -> int | None:
@@ -189,8 +257,7 @@ class DeviceConfig:
             raise DeviceError(
                 f"device={self.device!r} was requested but this MLX build has no "
                 f"{'GPU' if self.device == 'gpu' else self.device} backend (available: {', '.join(_available())}). "
-                "On Apple silicon install 'mlx'; on Linux with NVIDIA GPUs install 'mlx[cuda]'; "
-                f"or use DeviceConfig(device={'cpu' if gpu is None else 'gpu'!r})"
+                f"{gpu_install_advice()}; or use DeviceConfig(device={'cpu' if gpu is None else 'gpu'!r})"
             )
         return wanted
 

@@ -99,17 +99,20 @@ def _unknown_flag_hint(flag: str, flags: list[str]) -> str:
 
 
 def startup_line() -> str:
-    """``mlx-train 0.1.0 | MLX 0.32.4 | device cpu | BLAS OpenBLAS ...``"""
+    """``mlx-train 0.1.0 | MLX 0.32.4 | device cpu | BLAS OpenBLAS ...`` (and a second line when an MLX CUDA
+    wheel is installed but MLX runs on the CPU, with the command that fixes it)."""
     import mlx.core as mx
 
     import mlx_train
     from mlx_train import _blas
+    from mlx_train.device import shadowed_gpu_library
 
     mlx_version = mx.__version__  # type: ignore[attr-defined]  # not in the stubs
-    return (
-        f"mlx-train {getattr(mlx_train, '__version__', '?')} | MLX {mlx_version} | "
-        f"device {mx.default_device().type.name} | BLAS {_blas.describe()}"
-    )
+    device = mx.default_device().type.name
+    line = (f"mlx-train {getattr(mlx_train, '__version__', '?')} | MLX {mlx_version} | "
+            f"device {device} | BLAS {_blas.describe()}")
+    shadowed = shadowed_gpu_library() if device == "cpu" else None  # a CUDA install that runs on the CPU
+    return line + (f"\nnote: {shadowed}" if shadowed else "")
 
 
 def format_metrics(metrics: dict[str, Any], prefix: str = "") -> str:
