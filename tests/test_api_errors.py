@@ -6,7 +6,7 @@ import mlx.optimizers as optim
 import numpy as np
 import pytest
 
-from mlx_train.errors import ConfigError
+from mlx_train.errors import ConfigError, DataError
 from mlx_train.training import Callback, Trainer
 from mlx_train.training.callbacks import CallbackList
 
@@ -123,3 +123,50 @@ def test_fit_save_best_without_validation_says_no_best_model_is_kept(tmp_path, m
     with pytest.warns(UserWarning, match=r"fit\(save_best=True\) without a val_loader keeps no best model"):
         Trainer(nn.Linear(4, 2), optim.SGD(0.1), batch_size=8).fit([(mx.array(x), mx.array(y))], epochs=1)
     assert not (tmp_path / "best_model.safetensors").exists()
+
+
+def _classification(n=64):
+    rng = np.random.default_rng(0)
+    return rng.random((n, 4), dtype=np.float32), rng.integers(0, 2, n)
+
+
+@pytest.mark.parametrize("dataset_of, message", [
+    (lambda x, y: {"x": x, "y": y, "weights": np.ones(len(x), np.float32)},
+     r"key\(s\) 'weights' are not read by the default loss \(it reads 'x' as inputs, 'y' as targets\)"),
+    (lambda x, y: {"inputs": x, "x": x, "targets": y},
+     r"key\(s\) 'x' are not read by the default loss \(it reads 'inputs' as inputs, 'targets' as targets\)"),
+    (lambda x, y: (x, y, np.zeros(len(x), np.float32)),
+     r"mask \(the third array of \(inputs, targets, mask\)\) is zero for every sample"),
+    (lambda x, y: {"x": x, "y": y, "mask": np.zeros(len(x), np.float32)},
+     r"mask \(its 'mask'\) is zero for every sample"),
+])
+def test_columns_the_default_loss_ignores_or_a_mask_that_trains_nothing_are_refused(dataset_of, message):
+    x, y = _classification()
+    model = nn.Linear(4, 2)
+    before = model.weight.tolist()
+    with pytest.raises(DataError, match=message):
+        Trainer(model, optim.SGD(learning_rate=0.1), epochs=1, batch_size=16).train(dataset_of(x, y))
+    assert model.weight.tolist() == before  # refused before a step
+
+
+def test_extra_keys_in_batches_of_a_plain_iterable_are_refused_at_the_first_batch():
+    x, y = _classification()
+    batches = [{"x": mx.array(x[i:i + 16]), "y": mx.array(y[i:i + 16]), "id": mx.arange(16)} for i in range(0, 64, 16)]
+    with pytest.raises(DataError, match=r"key\(s\) 'id' are not read"):
+        Trainer(nn.Linear(4, 2), optim.SGD(learning_rate=0.1)).fit(batches, epochs=1)
+
+
+def test_a_mask_that_keeps_some_samples_and_a_user_loss_reading_other_keys_still_train():
+    x, y = _classification()
+    mask = (np.arange(len(x)) % 2).astype(np.float32)
+    history = Trainer(nn.Linear(4, 2), optim.SGD(learning_rate=0.1), epochs=1, batch_size=16).train((x, y, mask))
+    assert history["train_loss"][-1] > 0
+
+    def weighted(model, batch):
+        per = nn.losses.cross_entropy(model(batch["x"]), batch["y"]) * batch["weights"]
+        return per.mean()
+
+    data = {"x": x, "y": y, "weights": np.ones(len(x), np.float32)}
+    history = Trainer(nn.Linear(4, 2), optim.SGD(learning_rate=0.1), loss_fn=weighted, epochs=1,
+                      batch_size=16).train(data)
+    assert history["train_loss"][-1] > 0

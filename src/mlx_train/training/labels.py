@@ -1,4 +1,8 @@
-"""Class labels checked before they reach the default loss.
+"""Class labels, and the batch's layout, checked before they reach the default loss.
+
+A dict batch with keys the default loss does not read (it reads one inputs key, one targets key and
+``mask``), or a mask that is zero for every sample of an array-backed dataset (the loss would average over
+nothing: loss 0, nothing trains), is a ``DataError`` saying what the loss reads and how to fix it.
 
 An integer label outside ``[0, num_classes)`` makes MLX's cross-entropy gather read outside its
 array: on the CPU that corrupts memory and crashes the process (or, for negative labels, trains
@@ -21,7 +25,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_train.errors import DataError
-from mlx_train.training.losses import Loss, split_parts
+from mlx_train.training.losses import _INPUT_KEYS, _TARGET_KEYS, Loss, split_parts
 from mlx_train.training.state import set_rng_key
 
 
@@ -53,6 +57,8 @@ class LabelCheck:
             return None  # a user loss decides what its targets mean
         check = cls(model)
         arrays = loader.arrays() if hasattr(loader, "arrays") else None
+        if arrays is not None:
+            check_layout(arrays, whole=True)
         if arrays is not None and not isinstance(arrays, dict) or isinstance(arrays, dict) and "tokens" not in arrays:
             targets, inputs = _targets_of(arrays), _inputs_of(arrays)
             if targets is not None and inputs is not None and len(inputs):
@@ -63,6 +69,8 @@ class LabelCheck:
         """Check one batch (skipped when the whole dataset was checked)."""
         if self.whole_checked:
             return
+        if self.num_classes is None:  # the first batch: its keys are every batch's
+            check_layout(batch, whole=False)
         parts = split_parts(batch)
         if parts.targets is None or isinstance(batch, dict) and "tokens" in batch:
             return
@@ -106,3 +114,30 @@ class LabelCheck:
             f"class label {value} ({sample}) is outside [0, {self.num_classes}): the model has {self.num_classes} "
             f"outputs, one per class. Labels must be 0..{self.num_classes - 1}: shift 1-based labels down by one, "
             "or give the model as many outputs as there are classes")
+
+
+def check_layout(batch: Any, whole: bool) -> None:
+    """Refuse dict keys the default loss would ignore, and (``whole``: the whole dataset) a mask of zeros."""
+    if isinstance(batch, dict):
+        if "tokens" in batch and not any(k in batch for k in _TARGET_KEYS):
+            read = {"tokens": "the sequences", "mask": "the mask"}
+        else:
+            inputs = next((k for k in _INPUT_KEYS if k in batch), None)
+            targets = next((k for k in _TARGET_KEYS if k in batch), None)
+            read = {k: what for k, what in ((inputs, "inputs"), (targets, "targets"), ("mask", "the mask")) if k}
+        unused = sorted(k for k in batch if k not in read)
+        if unused:
+            reads = ", ".join(f"{k!r} as {what}" for k, what in read.items() if k in batch)
+            raise DataError(f"the dataset's key(s) {', '.join(map(repr, unused))} are not read by the default loss "
+                            f"(it reads {reads}), so they would be ignored: drop them from the dataset, or pass "
+                            "loss_fn(model, batch) that reads them")
+        mask, where = batch.get("mask"), "its 'mask'"
+    elif isinstance(batch, (tuple, list)) and len(batch) == 3:
+        mask, where = batch[2], "the third array of (inputs, targets, mask)"
+    else:
+        return
+    if whole and mask is not None and np.asarray(mask).size and not np.asarray(mask).any():
+        raise DataError(f"the dataset's mask ({where}) is zero for every sample: the default loss averages over the "
+                        "items the mask keeps, so nothing would train (loss 0). A mask is 1 where a sample or "
+                        "position counts; if that array is something else (a feature, a weight), pass "
+                        "loss_fn(model, batch) that reads it, or leave it out")
