@@ -170,6 +170,20 @@ def test_a_run_shorter_than_steps_per_report_still_reports(setup, tmp_path, caps
     assert "finished at step 2" in (run / "train.log").read_text()
 
 
+@pytest.mark.parametrize("steps_per_eval, validated_at", [(3, [3, 6]), (4, [4, 6])])
+def test_the_final_validation_is_in_metrics_jsonl_once(setup, tmp_path, capsys, steps_per_eval, validated_at):
+    """As mlx_lm.lora validates at its last iteration: the summary's validation is the last val row."""
+    run = tmp_path / "run"
+    flags = _flags(setup, run, "--steps-per-eval", str(steps_per_eval))
+    flags[flags.index("--iters") + 1] = "6"
+    assert main(flags) == 0
+    summary = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("  validation: loss"))
+    vals = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"val"' in line]
+    assert [row["step"] for row in vals] == validated_at
+    assert f"loss {vals[-1]['val_loss']:.4f}," in summary
+    assert "val_loss" in (run / "metrics.csv").read_text().splitlines()[0]
+
+
 @pytest.mark.parametrize("iters,batch_size,accumulation", [(6, 2, 2), (7, 3, 2), (5, 4, 1)])
 def test_an_mlx_lm_yaml_makes_the_updates_mlx_lm_makes(setup, tmp_path, iters, batch_size, accumulation):
     """The same YAML through mlx_lm.lora's own training loop and through finetune: as many optimizer

@@ -406,6 +406,7 @@ def finetune(config: FinetuneConfig, callbacks: list[Any] | None = None, resume:
     if val is not None:
         result["val_metrics"] = trainer.evaluate(val)
         result["val_loss"] = result["val_metrics"]["loss"]
+        _record_final_validation(trainer, config, result["val_metrics"])
     test_rows = None
     if config.test and "test" in splits:
         test_rows = splits["test"].head(config.test_batches * eval_rows) if config.test_batches else splits["test"]
@@ -414,6 +415,18 @@ def finetune(config: FinetuneConfig, callbacks: list[Any] | None = None, resume:
         result["card"] = card.card_facts(config, result, task)
         card.write_model_card(adapter_dir, result["card"])
     return result
+
+
+def _record_final_validation(trainer: Any, config: FinetuneConfig, metrics: dict[str, float]) -> None:
+    """The validation after the last step, in metrics.jsonl as mlx_lm.lora validates at its last iteration
+    (unless the run's own validation fell on that step)."""
+    state = trainer.state
+    if not config.run_dir or not trainer.is_main or state.last_val.get("step") == state.step:
+        return
+    from mlx_train.training.loggers import MetricsLogger
+
+    MetricsLogger.append(config.run_dir, "val", {"step": state.step, "epoch": state.epoch,
+                                                 **{f"val_{k}": v for k, v in metrics.items()}})
 
 
 def check_fuse_target(model: str | None, fuse: str) -> None:

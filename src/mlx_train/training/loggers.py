@@ -165,6 +165,19 @@ class MetricsLogger(Callback):
             self._rows = [r for r in rows if r.get("step", 0) <= trainer.step]
             self._rewrite()
 
+    @classmethod
+    def append(cls, run_dir: str, kind: str, logs: dict[str, Any]) -> None:
+        """Add one row to a finished run's files (what the run wrote stays; both files rewritten whole).
+
+        Example: ``MetricsLogger.append("runs/a", "val", {"step": 200, "epoch": 0, "val_loss": 1.9})``.
+        """
+        logger = cls(run_dir)
+        if os.path.exists(logger.jsonl_path):
+            with open(logger.jsonl_path) as f:
+                logger._rows = [row for row in map(_parse_row, f) if row is not None]
+        logger._rows.append({"kind": kind, "time": time.time(), **logs})
+        logger._rewrite()
+
     def _write(self, kind: str, logs: dict[str, Any]) -> None:
         row = {"kind": kind, "time": time.time(), **logs}
         self._rows.append(row)
