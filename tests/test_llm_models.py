@@ -4,6 +4,7 @@ base-model fingerprints."""
 
 import json
 import os
+import re
 import sys
 
 import mlx.core as mx
@@ -212,3 +213,16 @@ def test_fuse_beside_a_gguf_base_as_the_guide_does(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"--fuse {tmp_path / 'tiny-tuned'} is not empty (" in err and "new or empty directory" in err
     assert not (tmp_path / "run2").exists()
+
+
+@pytest.mark.parametrize("name", ["{tmp}/nowhere", "./nowhere", "no/such/folder", "not-a-repo-id"])
+def test_a_model_that_is_neither_a_folder_nor_a_repo_id_is_one_sentence(tmp_path, monkeypatch, name):
+    from mlx_train.errors import ConfigError
+    from mlx_train.llm.models import load_model
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a repo id is looked up in the local cache only
+    monkeypatch.chdir(tmp_path)
+    path = name.replace("{tmp}", str(tmp_path))
+    with pytest.raises(ConfigError, match=rf"(?s)(model {re.escape(path)} does not exist|cannot load model {path}): .*"
+                                          r"Hugging Face repo id"):
+        load_model(path)

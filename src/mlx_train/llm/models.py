@@ -54,6 +54,10 @@ def load_model(path: str, quantized: bool = False, lazy: bool = False) -> tuple[
         return load_gguf(str(path), quantized=quantized)
     import mlx_lm
 
+    if _looks_local(str(path)) and not os.path.exists(path):
+        raise ConfigError(f"model {path} does not exist: give a local model directory (config.json, "
+                          "model*.safetensors, tokenizer files), a .gguf file, or a Hugging Face repo id like "
+                          "mlx-community/SmolLM2-135M-Instruct")
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
         raise ConfigError(
             f"model directory {path} has no config.json; give an mlx-lm / Hugging Face model directory "
@@ -62,7 +66,10 @@ def load_model(path: str, quantized: bool = False, lazy: bool = False) -> tuple[
     try:
         # mlx_lm.load returns (model, tokenizer, config) with return_config=True; its annotation says two
         model, tokenizer, config = mlx_lm.load(str(path), lazy=lazy, return_config=True)  # type: ignore[misc]
-    except (FileNotFoundError, OSError) as error:
+    except Exception as error:
+        hub = type(error).__module__.startswith("huggingface_hub")  # a repo id that is not one, offline, ...
+        if not (hub or isinstance(error, OSError)):
+            raise
         raise ConfigError(f"cannot load model {path}: {error}; give a local model directory, a .gguf "
                           "file or a Hugging Face repo id") from None
     if not quantized and "quantization" in config:
@@ -71,6 +78,11 @@ def load_model(path: str, quantized: bool = False, lazy: bool = False) -> tuple[
         model = dequantize_model(model)
         config = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
     return model, tokenizer, config
+
+
+def _looks_local(path: str) -> bool:
+    """A path, not a Hugging Face repo id (``namespace/name``): absolute, relative to here or home, or deeper."""
+    return os.path.isabs(path) or path.startswith((".", "~")) or path.count("/") > 1
 
 
 def save_model(model: nn.Module, tokenizer: Any, config: dict[str, Any], directory: str) -> str:
