@@ -170,3 +170,20 @@ def test_a_mask_that_keeps_some_samples_and_a_user_loss_reading_other_keys_still
     history = Trainer(nn.Linear(4, 2), optim.SGD(learning_rate=0.1), loss_fn=weighted, epochs=1,
                       batch_size=16).train(data)
     assert history["train_loss"][-1] > 0
+
+
+def test_model_checkpoint_into_a_folder_that_cannot_be_made_is_refused_before_training(tmp_path):
+    from mlx_train.training import ModelCheckpoint
+
+    (tmp_path / "taken").write_text("a file where the folder would go")
+    x, y = _classification()
+    model = nn.Linear(4, 2)
+    before = model.weight.tolist()
+    with pytest.raises(ConfigError, match=r"ModelCheckpoint's filepath .*taken/best\.safetensors: its folder .* "
+                                          r"cannot be made"):
+        Trainer(model, optim.SGD(learning_rate=0.1), epochs=1, batch_size=16).train(
+            (x, y), callbacks=[ModelCheckpoint(str(tmp_path / "taken" / "best.safetensors"))])
+    assert model.weight.tolist() == before
+    Trainer(nn.Linear(4, 2), optim.SGD(learning_rate=0.1), epochs=2, batch_size=16).train(
+        (x, y), callbacks=[ModelCheckpoint(str(tmp_path / "e{epoch}" / "m.safetensors"))])
+    assert sorted(p.name for p in tmp_path.glob("e*")) == ["e1", "e2"]  # a placeholder folder is made at the save

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import re
 import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, cast
@@ -439,6 +440,14 @@ class ModelCheckpoint(Callback, _Monitor):
             filepath = root + ".safetensors"
         self.filepath, self.save_best_only, self.every_n_epochs = filepath, save_best_only, every_n_epochs
         self.last_saved: str | None = None
+
+    def on_fit_start(self, trainer: Trainer) -> None:
+        """Check, before the first step, that the weights can be written where ``filepath`` says (its fixed
+        part: a folder named by a placeholder is made at the save)."""
+        from mlx_train.paths import writable_file
+
+        if getattr(trainer, "is_main", True) and "{" not in os.path.dirname(self.filepath):
+            writable_file(re.sub(r"\{[^}]*\}", "0", self.filepath), "ModelCheckpoint's filepath")
 
     def on_epoch_end(self, trainer: Trainer, epoch: int, logs: dict[str, Any]) -> None:
         if (epoch + 1) % self.every_n_epochs or not getattr(trainer, "is_main", True):
