@@ -363,3 +363,32 @@ def test_fit_and_train_read_a_dataloader_batch_the_same_way(digits, accumulation
         runs[how] = _flat(model)
     assert _max_rel_err(runs["fit"], runs["train"]) == 0.0
     assert _max_rel_err(runs["train"], runs["arrays"]) < 1e-6
+
+
+def test_a_loss_prepare_builds_each_batch_in_the_main_thread_before_its_step():
+    """A loss with ``prepare(model, batch, step)`` (reinforcement learning's rollouts) gets every training
+    batch in the main thread with the steps taken so far, and every evaluation batch with None; the step
+    and the accumulation cut the batch it returns (here: each row doubled, so twice the items)."""
+    import threading
+
+    seen = []
+
+    class Doubling:
+        def prepare(self, model, batch, step):
+            seen.append((step, threading.current_thread() is threading.main_thread(), batch["x"].shape[0]))
+            return {k: mx.concatenate([v, v]) for k, v in batch.items()}
+
+        def __call__(self, model, batch):
+            return nn.losses.mse_loss(model(batch["x"]), batch["y"]), batch["x"].shape[0]
+
+    rng = np.random.default_rng(0)
+    data = {"x": rng.normal(size=(16, 3)).astype(np.float32), "y": rng.normal(size=(16, 1)).astype(np.float32)}
+    mx.random.seed(0)
+    trainer = Trainer(nn.Linear(3, 1), optim.SGD(0.1), loss_fn=Doubling(), batch_size=4, gradient_accumulation=2,
+                      num_workers=2, **_quiet())
+    trainer.train(DataLoader(data, batch_size=4, shuffle=False, num_workers=2), epochs=1)
+    assert seen == [(0, True, 8), (1, True, 8)]
+    assert trainer.state.trained_items == 32  # the prepared rows, two micro-batches of 8 per step
+    seen.clear()
+    trainer.evaluate(DataLoader(data, batch_size=8, shuffle=False))
+    assert seen == [(None, True, 8), (None, True, 8)]

@@ -72,6 +72,7 @@ class Evaluator:
                     if isinstance(loader, DataLoader):
                         loader.set_epoch(loader.epoch + 1)  # the next validation starts from its first batch
                     break
+                batch = self.loss.prepare(self.model, batch, None)
                 if labels is not None:
                     labels.batch(batch)
                 sums = self._recovering("evaluation", batch, step, sums)

@@ -14,6 +14,12 @@ first parameter:
   ``mlx.nn.losses.cross_entropy``). The Trainer runs ``model(inputs)``; per-sample losses
   are averaged (over the mask, when the batch has one).
 
+A ``loss_fn(model, batch)`` may also build the batch it trains on from the one the loader gives:
+a loss with a ``prepare(model, batch, step)`` method (``BatchPreparer``; reinforcement learning
+samples its rollouts there) has it called on every batch in the main thread, right before the step
+runs on it with the current weights (and before an evaluation batch, with ``step`` None). The step,
+gradient accumulation and out-of-memory splitting then cut the prepared batch.
+
 With no loss the default is cross-entropy for integer targets. A batch is ``(inputs, targets)``,
 ``(inputs, targets, mask)``, a dict with ``inputs``/``targets`` (also ``x``/``y``,
 ``input_ids``/``labels``) and optional ``mask``, or ``{"tokens": ..., "mask": ...}`` for
@@ -25,7 +31,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -180,6 +186,21 @@ def metric_means(sums: dict[str, float], items: float, prefix: str = "") -> dict
             if k.startswith(METRIC_PREFIX)}
 
 
+@runtime_checkable
+class BatchPreparer(Protocol):
+    """A loss that turns each loader batch into the batch its step trains on (``Loss.prepare``).
+
+    Example::
+
+        class RolloutLoss:
+            def prepare(self, model, batch, step):   # step: optimizer steps taken (None: evaluation)
+                return sample_and_score(model, batch, step)      # a dict of arrays, rows first
+            def __call__(self, model, batch): ...
+    """
+
+    def prepare(self, model: nn.Module, batch: Any, step: int | None) -> Any: ...
+
+
 class Loss:
     """Wraps a user loss so the step can call ``loss(model, batch) -> (mean, n_items, outputs, metrics)``.
 
@@ -198,6 +219,12 @@ class Loss:
         self.unpack = self.model_style and _positional_count(loss_fn) > 2  # type: ignore[arg-type]  # model_style: set
         self.name = getattr(loss_fn, "__name__", type(loss_fn).__name__) if loss_fn else "cross_entropy"
         self.metric_names: tuple[str, ...] = tuple(getattr(loss_fn, "metric_names", ()))
+        self._prepare = loss_fn.prepare if isinstance(loss_fn, BatchPreparer) else None
+
+    def prepare(self, model: nn.Module, batch: Any, step: int | None) -> Any:
+        """The batch a step (or an evaluation, ``step`` None) runs on: the loss's own ``prepare`` for a
+        ``BatchPreparer``, else ``batch`` as it is. ``step``: optimizer steps taken before this batch's."""
+        return batch if self._prepare is None else self._prepare(model, batch, step)
 
     def __call__(self, model: nn.Module, batch: Any) -> tuple[mx.array, mx.array, mx.array | None, dict[str, mx.array]]:
         if self.model_style:

@@ -280,6 +280,7 @@ class Trainer:
             self._begin_epoch(batches, callbacks)
             due = next_due(periods, state.step)
             for batch in meter.timed(batches):
+                batch = self.loss.prepare(self.model, batch, state.step)  # a loss's rollouts: now, current weights
                 if labels is not None:
                     labels.batch(batch)  # a no-op when the whole dataset was checked at start
                 running = guard(state, batch)  # type: ignore[misc]  # set by _run
