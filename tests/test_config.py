@@ -80,6 +80,12 @@ SPEC_FIELDS = {
     "test_batches": ("int | None", 500), "train_mode": ("str", "sft"), "beta": ("float", 0.1),
     "dpo_loss_type": ("str", "sigmoid"), "label_smoothing": ("float", 0.0), "reference_free": ("bool", False),
     "reference_model_path": ("str | None", None), "precompute_ref_log_probs": ("bool", False),
+    "group_size": ("int", 4), "max_completion_length": ("int", 512), "temperature": ("float", 0.8),
+    "top_p": ("float", 0.95), "top_k": ("int", 20), "clip_epsilon": ("float", 1e-4),
+    "epsilon_high": ("float | None", None),
+    "grpo_loss_type": ("str", "grpo"), "importance_sampling_level": ("str", "token"), "scale_rewards": ("str", "group"),
+    "reward_functions": ("list | None", None), "reward_functions_file": ("str | None", None),
+    "reward_weights": ("list | None", None), "num_iterations": ("int", 1),
 }
 
 

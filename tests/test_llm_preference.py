@@ -397,8 +397,8 @@ def test_packing_and_unknown_settings_are_refused(setup, tmp_path):
     # the settings themselves are checked when the config is made, before any model is loaded
     with pytest.raises(ConfigError, match="dpo_loss_type must be one of sigmoid, hinge, ipo, got 'dpop'"):
         _config(setup, tmp_path / "b", dpo_loss_type="dpop")
-    with pytest.raises(ConfigError, match="train_mode must be one of sft, dpo, orpo, cpo, got 'grpo'"):
-        _config(setup, tmp_path / "c", train_mode="grpo")
+    with pytest.raises(ConfigError, match="train_mode must be one of sft, dpo, orpo, cpo, grpo, got 'ppo'"):
+        _config(setup, tmp_path / "c", train_mode="ppo")
     with pytest.raises(ConfigError, match="label_smoothing applies to the DPO sigmoid loss only"):
         _config(setup, tmp_path / "d", dpo_loss_type="ipo", label_smoothing=0.1)
 

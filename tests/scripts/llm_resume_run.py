@@ -1,6 +1,7 @@
 """A fine-tuning run for the exact-resume tests, checkpoints every 2 steps. ``--train-mode sft``
 (the default): LoRA with dropout, packing, prompt masking, shuffled token-length buckets;
-``--train-mode dpo``: DPO pairs with LoRA dropout, shuffled buckets and gradient accumulation.
+``--train-mode dpo``: DPO pairs with LoRA dropout, shuffled buckets and gradient accumulation;
+``--train-mode grpo``: GRPO prompts (rewards from grpo_rewards.py) with the same.
 
     python llm_resume_run.py BASE_DIR DATA_DIR RUN_DIR OUT.safetensors [--kill-at STEP] [--train-mode dpo]
 
@@ -18,6 +19,7 @@ import mlx_train  # noqa: F401  (before mlx.core: BLAS preload)
 
 # isort: split
 
+import grpo_rewards  # noqa: E402  (beside this script)
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
@@ -28,6 +30,9 @@ SETTINGS = {
     "sft": {"iters": 9, "batch_size": 2, "max_seq_length": 200, "pack": True, "mask_prompt": True},
     "dpo": {"iters": 14, "batch_size": 2, "grad_accumulation_steps": 2, "max_seq_length": 128,
             "train_mode": "dpo", "beta": 0.5},
+    "grpo": {"iters": 14, "batch_size": 2, "grad_accumulation_steps": 2, "max_seq_length": 128, "train_mode": "grpo",
+             "beta": 0.05, "group_size": 3, "max_completion_length": 10,
+             "reward_functions": "grpo_rewards:letter_share,grpo_rewards:says_answer"},
 }
 
 
@@ -41,6 +46,7 @@ class KillAt(Callback):
 
 
 def main():
+    grpo_rewards.install_rewards()
     parser = argparse.ArgumentParser()
     for name in ("base", "data", "run_dir", "out"):
         parser.add_argument(name)

@@ -41,7 +41,9 @@ FLAGS: dict[str, str] = {
 }
 # Other spellings of a dedicated flag (mlx_lm's scripts say --learning-rate and --data).
 FLAG_ALIASES: dict[str, tuple[str, ...]] = {"--lr": ("--learning-rate",), "--dataset": ("--data",),
-                                            "--dpo-loss-type": ("--dpo-cpo-loss-type",)}
+                                            "--dpo-loss-type": ("--dpo-cpo-loss-type",),
+                                            "--group-size": ("--num-generations",),
+                                            "--clip-epsilon": ("--epsilon",)}
 # mlx_lm.lora's flags counted in iterations (micro-batches): flag -> its key (mlx_train.config.mlx_lm).
 ITERATION_FLAGS: dict[str, str] = {"--iters": "iters", "--steps-per-report": "steps_per_report",
                                    "--steps-per-eval": "steps_per_eval", "--save-every": "save_every"}

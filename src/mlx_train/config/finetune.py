@@ -27,8 +27,12 @@ in_llm = partial(option, section="llm")
 
 #: The fine-tuning methods, training modes (each one a task of ``mlx_train.llm.tasks``) and DPO/CPO losses.
 FINE_TUNE_TYPES = ("lora", "dora", "full")
-TRAIN_MODES = ("sft", "dpo", "orpo", "cpo")
+TRAIN_MODES = ("sft", "dpo", "orpo", "cpo", "grpo")
 DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo")
+#: GRPO's normalisations of the summed token losses, ratio levels (sequence: GSPO) and advantage scalings.
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+SCALE_REWARDS = ("group", "batch", "none")
 PACKINGS = ("best_fit", "by_length")
 
 #: Logits per chunk of the loss's output projection (``mlx_train.llm.loss``): a chunk is this many over the
@@ -134,6 +138,55 @@ def _smoothing(value: float, values: Mapping[str, Any]) -> str | None:
     return None
 
 
+def _preference_beta(value: float, values: Mapping[str, Any]) -> str | None:
+    if value == 0 and values["train_mode"] in ("dpo", "orpo", "cpo"):
+        return f"must be above 0 for --train-mode {values['train_mode']} (0 applies to grpo: no KL penalty)"
+    return None
+
+
+def _names(value: Any) -> Any:
+    """``reward_functions``: a list of names, or one comma-separated string of them."""
+    if isinstance(value, str):
+        value = [name.strip() for name in value.split(",")]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v.strip() for v in value):
+        raise Invalid(f"must be names of reward functions, comma-separated or a list (e.g. answer_match,"
+                      f"think_answer_format), got {value!r}")
+    return [v.strip() for v in value]
+
+
+def _weights(value: Any) -> Any:
+    """``reward_weights``: a list of numbers, or one comma-separated string of them."""
+    from mlx_train.config.options import number
+
+    items = value.split(",") if isinstance(value, str) else value
+    numbers = [number(v) for v in items] if isinstance(items, (list, tuple)) else [None]
+    if not numbers or any(n is None for n in numbers):
+        raise Invalid(f"must be numbers, comma-separated or a list, one per reward function (e.g. 1.0,0.5), "
+                      f"got {value!r}")
+    return numbers
+
+
+def _scale_rewards(value: Any) -> Any:
+    """``scale_rewards``: group, batch or none; TRL's former true/false mean group/none."""
+    if isinstance(value, bool):
+        return "group" if value else "none"
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return "group" if value.strip().lower() == "true" else "none"
+    return value
+
+
+def _probability(value: float, values: Mapping[str, Any]) -> str | None:
+    return None if 0 < value <= 1 else f"must be in (0, 1] (1: no nucleus filter), got {value}"
+
+
+def _one_iteration(value: int, values: Mapping[str, Any]) -> str | None:
+    if value == 1:
+        return None
+    return (f"is {value}, but only 1 is supported: each rollout batch is used for one optimizer step (TRL's "
+            "num_iterations > 1 reuses one for several, with its log-probabilities kept). Sample more completions "
+            "per step instead (group_size, batch_size); leave num_iterations out")
+
+
 @extends("fine-tuning", "mlx-train finetune")
 @dataclass
 class FinetuneConfig(LaunchConfig):
@@ -190,9 +243,11 @@ class FinetuneConfig(LaunchConfig):
     test_batches: int | None = in_llm(500, "Test batches (null or -1: the whole test set).", minimum=1,
                                       parse=_all_batches)
     train_mode: str = in_llm("sft", "sft (next-token loss), dpo, orpo or cpo (preference rows: prompt, chosen, "
-                                    "rejected).", choices=TRAIN_MODES)
-    beta: float = in_llm(0.1, "DPO: temperature of the implicit reward; ORPO: weight of the odds-ratio term.",
-                         above=0)
+                                    "rejected), grpo (RL on prompt/answer rows with reward functions).",
+                             choices=TRAIN_MODES)
+    beta: float = in_llm(0.1, "DPO: temperature of the implicit reward; ORPO: weight of the odds-ratio term; GRPO: "
+                              "weight of the KL penalty against the model with its adapters off (0: none, and no "
+                              "reference pass; TRL's default).", minimum=0, check=_preference_beta)
     dpo_loss_type: str = in_llm("sigmoid", "DPO/CPO loss: sigmoid, hinge or ipo (YAML alias: dpo_cpo_loss_type).",
                                 choices=DPO_LOSS_TYPES, aliases={"dpo_cpo_loss_type": None})
     label_smoothing: float = in_llm(0.0, "DPO sigmoid: share of preference labels assumed wrong (conservative "
@@ -203,6 +258,41 @@ class FinetuneConfig(LaunchConfig):
                                                     "log-probabilities are computed once before training).")
     precompute_ref_log_probs: bool = in_llm(False, "DPO with LoRA/DoRA: compute the reference log-probabilities "
                                                    "once before training (adapters off) instead of in every step.")
+    # ----- GRPO (mlx-lm-lora's names and defaults; TRL's as aliases) -----
+    group_size: int = in_llm(4, "GRPO: completions sampled per prompt, whose rewards are compared (TRL: "
+                                "num_generations).", minimum=2, aliases={"num_generations": None},
+                             hint="a group of one has no other completion to compare with")
+    max_completion_length: int = in_llm(512, "GRPO: most tokens sampled per completion (its end-of-sequence token "
+                                             "included).", minimum=1)
+    temperature: float = in_llm(0.8, "GRPO: sampling temperature of the completions (0: greedy, the same "
+                                     "completion for a whole group).", minimum=0)
+    top_p: float = in_llm(0.95, "GRPO: sample from the smallest set of tokens with this much probability (1: all).",
+                          check=_probability)
+    top_k: int = in_llm(20, "GRPO: sample from the k most probable tokens (0: all).", minimum=0)
+    clip_epsilon: float = in_llm(1e-4, "GRPO: the ratio to the sampling policy is clipped to [1 - clip_epsilon, 1 "
+                                       "+ epsilon_high] (mlx-lm-lora's and TRL's epsilon, flag --epsilon too; the "
+                                       "YAML key epsilon is the optimizer's; TRL's default: 0.2).", minimum=0)
+    epsilon_high: float | None = in_llm(None, "GRPO: upper clipping width (DAPO's clip-higher; null: clip_epsilon).",
+                                        minimum=0)
+    grpo_loss_type: str = in_llm("grpo", "GRPO: how token losses are averaged: grpo (over each completion, then "
+                                         "over completions), bnpo (over all tokens), dr_grpo (sum over completions x "
+                                         "max_completion_length).", choices=GRPO_LOSS_TYPES)
+    importance_sampling_level: str = in_llm("token", "GRPO: one ratio per token, or per sequence (the exp of the "
+                                                     "mean log-ratio of a completion: GSPO).",
+                                            choices=IMPORTANCE_SAMPLING_LEVELS)
+    scale_rewards: str = in_llm("group", "GRPO: advantages are (reward - group mean) divided by the group's "
+                                         "standard deviation (group), the batch's (batch), or not (none; Dr. GRPO) "
+                                         "(TRL's scale_rewards; true/false mean group/none).",
+                                choices=SCALE_REWARDS, parse=_scale_rewards)
+    reward_functions: list | None = in_llm(None, "GRPO: reward functions: built-in names, functions of "  # type: ignore[type-arg]
+                                                 "reward_functions_file, or module:function; comma-separated "
+                                                 "(null: the file's registered ones, else mlx-lm-lora's default set).",
+                                           parse=_names)
+    reward_functions_file: str | None = in_llm(None, "GRPO: a Python file defining reward functions.")
+    reward_weights: list | None = in_llm(None, "GRPO: weight of each reward function in the total, comma-separated "  # type: ignore[type-arg]
+                                               "(null: 1 each).", parse=_weights)
+    num_iterations: int = in_llm(1, "GRPO: optimizer steps per rollout batch (TRL's name; only 1).", minimum=1,
+                                 check=_one_iteration)
 
 
     @classmethod

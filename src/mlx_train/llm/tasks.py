@@ -78,6 +78,15 @@ class PairCounter(Counter):
                     f"{logs['val_reward_accuracy']:.3f}, val reward margin {logs['val_reward_margin']:.4f}")
 
 
+class CompletionCounter(Counter):
+    """Counts GRPO's sampled completions (their tokens with ``grpo_loss_type: bnpo``); the validation line
+    shows the mean reward of the sampled completions."""
+
+    def on_validation_end(self, trainer: Any, logs: dict[str, Any]) -> None:
+        trainer.log(f"step {logs['step']}: val loss {logs['val_loss']:.4f}, val reward {logs['val_reward_mean']:.4f} "
+                    f"(std {logs['val_reward_std']:.4f}), completion length {logs['val_completion_length']:.1f}")
+
+
 class Task:
     """What a kind of fine-tuning trains (the base: every method has a default or says what it needs).
 
@@ -168,6 +177,22 @@ class Task:
         return {"trained": int(counter.trained), "per_second": counter.rate()}
 
 
+#: GRPO's own settings (``beta`` it shares with the preference tasks).
+_GRPO_SETTINGS = ("group_size", "max_completion_length", "temperature", "top_p", "top_k", "clip_epsilon",
+                  "epsilon_high", "grpo_loss_type", "importance_sampling_level", "scale_rewards", "reward_functions",
+                  "reward_functions_file", "reward_weights", "num_iterations")
+#: How SFT picks and packs its trained tokens: nothing of GRPO's, whose completions are sampled.
+_SFT_SETTINGS = ("mask_prompt", "assistant_only_loss", "train_on_tool_calls", "train_on_reasoning", "pack")
+def _test_metrics(trainer: Any, result: dict[str, Any], test_rows: Any, eval_rows: int) -> None:
+    """The loss and the loss's metrics on the test split (``test_metrics``, ``test_loss``), when it is evaluated."""
+    from mlx_train.llm import data
+
+    if test_rows is not None:
+        result["test_metrics"] = trainer.evaluate(data.make_loader(test_rows, eval_rows, shuffle=False, num_workers=0,
+                                                                   drop_last=False))
+        result["test_loss"] = result["test_metrics"]["loss"]
+
+
 _PREFERENCE_SETTINGS = ("beta", "dpo_loss_type", "label_smoothing", "reference_free", "reference_model_path",
                         "precompute_ref_log_probs")
 #: DPO's reference policy: ORPO and CPO have none.
@@ -183,10 +208,10 @@ class SFT(Task):
     """
 
     name = "sft"
-    inapplicable = _PREFERENCE_SETTINGS
+    inapplicable = _PREFERENCE_SETTINGS + _GRPO_SETTINGS
 
     def applies_to(self, name: str) -> str:
-        return "the preference tasks (dpo, orpo, cpo)"
+        return "--train-mode grpo" if name in _GRPO_SETTINGS else "the preference tasks (dpo, orpo, cpo)"
 
     def datasets(self, model: Any, tokenizer: Any, records: dict[str, Any],
                  log: Callable[[str], None]) -> dict[str, Any]:
@@ -262,9 +287,11 @@ class Preference(Task):
     @property
     def inapplicable(self) -> tuple[str, ...]:  # type: ignore[override]
         """ORPO and CPO compare with no reference policy: DPO's reference settings mean nothing there."""
-        return () if self.name == "dpo" else _REFERENCE_SETTINGS
+        return _GRPO_SETTINGS + (() if self.name == "dpo" else _REFERENCE_SETTINGS)
 
     def applies_to(self, name: str) -> str:
+        if name in _GRPO_SETTINGS:
+            return "--train-mode grpo"
         return "--train-mode dpo, whose loss compares with a reference policy"
 
     def datasets(self, model: Any, tokenizer: Any, records: dict[str, Any],
@@ -293,12 +320,7 @@ class Preference(Task):
         return {k: getattr(self.config, k) for k in _PREFERENCE_SETTINGS if k != "dpo_loss_type" or self.name != "orpo"}
 
     def evaluate(self, trainer: Any, result: dict[str, Any], test_rows: Any, eval_rows: int) -> None:
-        from mlx_train.llm import data
-
-        if test_rows is not None:
-            result["test_metrics"] = trainer.evaluate(data.make_loader(test_rows, eval_rows, shuffle=False,
-                                                                       num_workers=0, drop_last=False))
-            result["test_loss"] = result["test_metrics"]["loss"]
+        _test_metrics(trainer, result, test_rows, eval_rows)
 
     def summary(self, result: dict[str, Any]) -> list[str]:
         lines = [self.headline(f"finetune {self.name}", result)]
@@ -322,12 +344,113 @@ class Preference(Task):
         return {**counts, "trained_pairs": counts["trained"]}
 
 
+class GRPO(Task):
+    """Reinforcement learning with verifiable rewards (GRPO, DAPO's clip-higher, Dr. GRPO, GSPO): completions
+    sampled per prompt, scored by reward functions, compared within their group (``mlx_train.llm.grpo``).
+    It counts completions (completion tokens with ``grpo_loss_type: bnpo``, whose loss averages over them).
+
+    Example: ``GRPO(FinetuneConfig(model="base", dataset="gsm8k", train_mode="grpo", beta=0.0)).unit``
+    -> ``"completions"``.
+    """
+
+    name = "grpo"
+    inapplicable = tuple(k for k in _PREFERENCE_SETTINGS if k != "beta") + _SFT_SETTINGS
+
+    def __init__(self, config: FinetuneConfig) -> None:
+        super().__init__(config)
+        self.unit = "completion tokens" if config.grpo_loss_type == "bnpo" else "completions"
+        self._parts: dict[str, Any] = {}
+
+    def check(self) -> None:
+        super().check()
+        cfg = self.config
+        if cfg.max_completion_length >= cfg.max_seq_length:
+            raise ConfigError(f"--max-completion-length {cfg.max_completion_length} leaves no room for a prompt in "
+                              f"--max-seq-length {cfg.max_seq_length} (prompt and completion together); raise "
+                              "--max-seq-length or lower --max-completion-length")
+        if cfg.fine_tune_type == "full" and cfg.beta > 0:
+            raise ConfigError(f"--train-mode grpo with --fine-tune-type full and --beta {cfg.beta}: the KL penalty's "
+                              "reference is the model with its adapters off, and full fine-tuning has none (a "
+                              "frozen copy of the model is not kept). Use --fine-tune-type lora or dora, or --beta 0 "
+                              "(no KL penalty, TRL's default)")
+
+    def applies_to(self, name: str) -> str:
+        return "--train-mode sft" if name in _SFT_SETTINGS else "the preference tasks (dpo, orpo, cpo)"
+
+    def datasets(self, model: Any, tokenizer: Any, records: dict[str, Any],
+                 log: Callable[[str], None]) -> dict[str, Any]:
+        from mlx_train.llm import grpo
+        from mlx_train.llm.rewards import RewardSet  # type: ignore[import-untyped, import-not-found, unused-ignore]
+
+        cfg = self.config
+        rewards = RewardSet.load(cfg.reward_functions, file=cfg.reward_functions_file, weights=cfg.reward_weights)
+        splits = grpo.build_splits(cfg, tokenizer, log)
+        if "train" not in splits:
+            raise ConfigError(f"{cfg.dataset} has no training prompts (train.jsonl is missing or empty)")
+        train = splits["train"]
+        few = range(min(4, len(train)))  # a broken reward function fails now, not after the first rollouts
+        rewards.check([train.texts[i] for i in few], None, [train.answers[i] for i in few],
+                      [train.types[i] for i in few])
+        log(f"rewards: {rewards.describe()}")
+        self._parts = {"rewards": rewards, "tokenizer": tokenizer, "rows": list(splits.values())}
+        return splits
+
+    def loss(self) -> Any:
+        from mlx_train.llm import grpo
+
+        if not self._parts:
+            raise ConfigError("the GRPO loss samples from the run's prompts and scores with its reward functions: "
+                              "build the datasets first (task.datasets(...), as finetune() does)")
+        parts = self._parts
+        return grpo.GRPOLoss(grpo.GRPOConfig.from_finetune(self.config), parts["rewards"], parts["rewards"].names,
+                             parts["tokenizer"], parts["rows"], chunk=self.config.loss_chunk)
+
+    def parameters_line(self, method: str, trainable: int, total: int) -> str:
+        return f"grpo with {method}: training {trainable:,} of {total:,} parameters"
+
+    def counter(self) -> Counter:
+        return CompletionCounter(self.unit)
+
+    def adapter_facts(self) -> dict[str, Any]:
+        return {"train_mode": "grpo", **self.card_hyperparameters()}
+
+    def card_hyperparameters(self) -> dict[str, Any]:
+        cfg = self.config
+        facts = {k: getattr(cfg, k) for k in ("beta", *_GRPO_SETTINGS) if k != "num_iterations"}
+        if self._parts:  # the functions and weights in use (a null setting: the defaults or the file's)
+            facts["reward_functions"] = self._parts["rewards"].names
+            facts["reward_weights"] = self._parts["rewards"].weights
+        return facts
+
+    def evaluate(self, trainer: Any, result: dict[str, Any], test_rows: Any, eval_rows: int) -> None:
+        _test_metrics(trainer, result, test_rows, eval_rows)
+
+    def summary(self, result: dict[str, Any]) -> list[str]:
+        lines = [self.headline("finetune grpo", result)]
+        for split in ("val", "test"):
+            if f"{split}_metrics" in result:
+                m = result[f"{split}_metrics"]
+                lines.append(f"  {'validation' if split == 'val' else 'test'}: reward {m['reward_mean']:.4f} (std "
+                             f"{m['reward_std']:.4f}), loss {m['loss']:.4f}, completion length "
+                             f"{m['completion_length']:.1f}")
+        return lines
+
+    def check_tensor_parallel(self) -> None:
+        raise ConfigError("--train-mode grpo cannot run with --strategy tensor_parallel yet (its sampling runs the "
+                          "whole model on each rank); use --strategy data_parallel")
+
+    def result_counts(self, counter: Counter) -> dict[str, Any]:
+        counts = super().result_counts(counter)
+        return {**counts, "trained_completions": counts["trained"]} if self.unit == "completions" else counts
+
+
 #: train_mode -> its task. A new task: its class above and one line here (and its name in TRAIN_MODES).
 TASKS: dict[str, Callable[[FinetuneConfig], Task]] = {
     "sft": SFT,
     "dpo": Preference,
     "orpo": Preference,
     "cpo": Preference,
+    "grpo": GRPO,
 }
 
 

@@ -1,0 +1,399 @@
+"""GRPO on the Trainer: reinforcement learning from reward functions (``--train-mode grpo``).
+
+Rows are ``{"prompt": str, "answer": str}`` with an optional ``"system"`` message and ``"type"`` (both
+given to the reward functions as they are); the prompt is rendered with the tokenizer's chat template
+and its generation prompt, after the row's system message when it has one (no default system message:
+mlx-lm-lora adds its own R1 one, this does not). The loader hands out batches of prompts.
+
+Each training batch becomes its rollout batch in ``GRPOLoss.prepare``, which the Trainer calls in the
+main thread right before the step (``mlx_train.training.losses.BatchPreparer``): ``group_size``
+completions per prompt are sampled with the adapters on and the current weights
+(``mlx_train.llm.rollouts``, drawn with a key from the seed, the step and the prompts' rows), scored by
+the reward functions (``mlx_train.llm.rewards.RewardSet``) and turned into advantages ``(r - group
+mean) / (group std + 1e-4)`` (``scale_rewards``). The rollout batch is a dict of arrays with one row per
+completion (prompt and completion tokens, the completion's positions, its advantage and rewards), so
+gradient accumulation and the out-of-memory micro-batch split cut it like any batch.
+
+The loss, per completion token ``t`` of completion ``i`` (``m`` = 1 on its tokens, its end-of-sequence
+token included): ``-min(w A_i, clip(w, 1 - clip_epsilon, 1 + epsilon_high) A_i) + beta KL``, with ``w`` the
+ratio to the sampling policy (per token, or per sequence: the exp of the completion's mean log-ratio,
+GSPO) and ``KL = exp(ref - logp) - (ref - logp) - 1`` against the model with its adapters off (no
+reference pass when ``beta`` is 0). Each rollout batch is used for one optimizer step, right after it
+was sampled with the same weights, so the sampling policy's log-probabilities are the step's own,
+detached (``w`` is 1 in value and carries the policy gradient; what mlx-lm-lora and TRL do with one
+iteration): no extra forward pass. A batch may carry them as ``old_logps`` instead. The
+normalisations: ``grpo`` the mean over each completion's tokens, then over completions (items:
+completions); ``bnpo`` the sum over all tokens over their count (items: tokens); ``dr_grpo`` the sum
+over completions x ``max_completion_length`` (items: completions).
+
+Metrics (means over a micro-batch's completions, averaged by the Trainer over the loss's items):
+``reward_mean``/``reward_std`` and per function ``reward_<name>_mean``/``_std``/``_coverage`` (rows it
+scored), ``completion_length``/``completion_length_max``, ``kl`` (with ``beta`` > 0), ``clip_ratio_low``,
+``clip_ratio_high``, ``clip_ratio`` (the share of a completion's tokens clipped). Validation samples
+with the run's settings and a fixed key (the same completions for the same weights at every validation).
+
+Example::
+
+    loss = GRPOLoss(GRPOConfig(group_size=4, beta=0.0), rewards, tokenizer, prompts)
+    trainer = Trainer(model, optimizer, loss_fn=loss)      # loss.prepare samples before every step
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from mlx_train.errors import DataError
+from mlx_train.llm.rollouts import Sampling, generate_groups, rollout_key
+
+#: Rollout arrays are padded to a multiple of this many tokens: few shapes for the compiled step to trace.
+PAD_MULTIPLE = 32
+#: Added to a group's standard deviation (mlx-lm-lora's and TRL's).
+STD_EPSILON = 1e-4
+
+
+@dataclass(frozen=True)
+class GRPOConfig:
+    """What GRPO samples and optimises (the GRPO settings of ``FinetuneConfig``, see its help).
+
+    ``generation_batch``: prompts sampled together (the rest of a step's prompts after them).
+
+    Example: ``GRPOConfig.from_finetune(FinetuneConfig(train_mode="grpo", group_size=8)).group_size`` -> ``8``.
+    """
+
+    group_size: int = 4
+    sampling: Sampling = field(default_factory=Sampling)
+    beta: float = 0.1
+    epsilon: float = 1e-4
+    epsilon_high: float | None = None
+    loss_type: str = "grpo"
+    importance_sampling_level: str = "token"
+    scale_rewards: str = "group"
+    seed: int = 0
+    generation_batch: int = 4
+
+    @classmethod
+    def from_finetune(cls, cfg: Any) -> GRPOConfig:
+        """The GRPO settings of a fine-tuning run's config."""
+        sampling = Sampling(float(cfg.temperature), float(cfg.top_p), int(cfg.top_k), int(cfg.max_completion_length))
+        return cls(int(cfg.group_size), sampling, float(cfg.beta), float(cfg.clip_epsilon),
+                   None if cfg.epsilon_high is None else float(cfg.epsilon_high), cfg.grpo_loss_type,
+                   cfg.importance_sampling_level, cfg.scale_rewards, int(cfg.seed), int(cfg.batch_size))
+
+    @property
+    def upper(self) -> float:
+        """The upper clipping width (``epsilon_high``, else ``epsilon``)."""
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+
+# -- data ----------------------------------------------------------------------------------
+
+
+class PromptRows:
+    """Map-style dataset of GRPO prompts: a row is ``{"prompt": int32 tokens, "prompt_mask": ones,
+    "row": its number}`` (``row`` counts from ``offset``, so that the rows of all splits have distinct
+    numbers; 0-d, stacked as float32 by the collate: exact below 2**24 rows). ``lengths`` drive length
+    bucketing; ``texts``, ``answers`` and ``types`` are what the reward functions get.
+
+    Example: ``rows = PromptRows.from_records(records, tokenizer, where, limit=1536)``.
+    """
+
+    def __init__(self, tokens: list[np.ndarray], texts: list[str], answers: list[str], types: list[Any],
+                 offset: int = 0) -> None:
+        self.tokens, self.texts, self.answers, self.types = tokens, texts, answers, types
+        self.offset = offset
+        self.index = list(range(len(tokens)))
+        self.lengths = [len(t) for t in tokens]
+        self.packed = False
+
+    @classmethod
+    def from_records(cls, records: Sequence[Any], tokenizer: Any, where: Sequence[str], limit: int,
+                     offset: int = 0) -> PromptRows:
+        """Check and tokenize GRPO rows; ``where[i]`` names row ``i`` in errors, ``limit`` is the most tokens
+        a prompt may have (``max_seq_length - max_completion_length``)."""
+        from mlx_train.llm.data import _chat
+
+        tokens, texts, answers, types = [], [], [], []
+        for record, place in zip(records, where, strict=True):
+            messages, answer = _row(record, place)
+            try:
+                ids = _chat(tokenizer, messages, add_generation_prompt=True)
+            except DataError as error:
+                raise DataError(f"{place}: {error}") from None
+            if len(ids) > limit:
+                raise DataError(f"{place}: the prompt is {len(ids)} tokens with the chat template, more than "
+                                f"max_seq_length - max_completion_length = {limit}; raise --max-seq-length, lower "
+                                "--max-completion-length, or shorten or drop the row")
+            tokens.append(np.asarray(ids, dtype=np.int32))
+            texts.append(record["prompt"] if isinstance(record["prompt"], str) else messages[-1]["content"])
+            answers.append(answer)
+            types.append(record.get("type"))
+        return cls(tokens, texts, answers, types, offset)
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def head(self, count: int) -> PromptRows:
+        """The first ``count`` rows (all when ``count`` < 0)."""
+        if count < 0 or count >= len(self.index):
+            return self
+        first = copy.copy(self)
+        first.index, first.lengths = self.index[:count], self.lengths[:count]
+        return first
+
+    def samples(self) -> list[dict[str, np.ndarray]]:
+        return [self[i] for i in range(len(self))]
+
+    def __getitem__(self, position: int) -> dict[str, np.ndarray]:
+        i = self.index[position]
+        prompt = self.tokens[i]
+        return {"prompt": prompt, "prompt_mask": np.ones(len(prompt), np.int32), "row": np.int32(self.offset + i)}
+
+
+def _row(record: Any, where: str) -> tuple[list[dict[str, Any]], str]:
+    """``(messages, answer)`` of a GRPO row, or a DataError saying what is wrong and how to fix it."""
+    shape = "a GRPO row is {\"prompt\": \"...\", \"answer\": \"...\"} (optional \"system\", \"type\")"
+    if not isinstance(record, dict):
+        raise DataError(f"{where}: the row is a {type(record).__name__}; {shape}")
+    for key in ("prompt", "answer"):
+        if key not in record:
+            raise DataError(f"{where}: the row has no \"{key}\" (keys: {sorted(record)}); {shape}")
+    prompt, answer, system = record["prompt"], record["answer"], record.get("system")
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise DataError(f"{where}: the prompt is empty; give it text or drop the row")
+        messages = [{"role": "user", "content": prompt}]
+    elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "role" in m and "content" in m
+                                                      for m in prompt):
+        messages = list(prompt)
+    else:
+        raise DataError(f"{where}: \"prompt\" must be a string (or a list of {{\"role\", \"content\"}} messages), got "
+                        f"{type(prompt).__name__}")
+    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+        raise DataError(f"{where}: \"answer\" must be a string (a number is taken as its text), got "
+                        f"{type(answer).__name__}; write the expected answer as text")
+    if system is not None and not isinstance(system, str):
+        raise DataError(f"{where}: \"system\" must be a string, got {type(system).__name__}")
+    if system:
+        messages = [{"role": "system", "content": system}, *messages]
+    return messages, str(answer)
+
+
+def build_splits(cfg: Any, tokenizer: Any, log: Any = print) -> dict[str, PromptRows]:
+    """The prompt rows of each split of ``cfg.data`` (numbered one after the other across the splits).
+
+    Example: ``splits = build_splits(FinetuneConfig(model=..., data="gsm8k/", train_mode="grpo"), tokenizer)``.
+    """
+    from mlx_train.llm.preference import load_pairs
+
+    limit = cfg.max_seq_length - cfg.max_completion_length
+    splits: dict[str, PromptRows] = {}
+    offset = 0
+    for name, (records, where) in load_pairs(cfg.data).items():
+        if records:
+            splits[name] = PromptRows.from_records(records, tokenizer, where, limit, offset)
+            offset += len(records)
+            log(f"{name}: {len(records)} prompts, {sum(splits[name].lengths)} prompt tokens; {cfg.group_size} "
+                f"completions of up to {cfg.max_completion_length} tokens each")
+    return splits
+
+
+# -- rollouts, rewards, advantages --------------------------------------------------------
+
+
+def advantages(rewards: np.ndarray, group_size: int, scale: str = "group") -> np.ndarray:
+    """``(r - group mean) / (std + 1e-4)`` per completion, groups of ``group_size`` consecutive rows; the std
+    is the group's (``scale="group"``, population std as mlx-lm-lora), the whole batch's (``"batch"``) or 1
+    (``"none"``).
+
+    Example: ``advantages(np.array([1.0, 0.0, 0.0, 0.0]), 4)`` -> ``[1.732, -0.577, -0.577, -0.577]`` (rounded).
+    """
+    groups = np.asarray(rewards, np.float64).reshape(-1, group_size)
+    centred = groups - groups.mean(axis=1, keepdims=True)
+    if scale == "group":
+        centred = centred / (groups.std(axis=1, keepdims=True) + STD_EPSILON)
+    elif scale == "batch":
+        centred = centred / (groups.std() + STD_EPSILON)
+    return np.asarray(centred.reshape(-1), dtype=np.float32)
+
+
+def rollout_batch(prompts: Sequence[np.ndarray], completions: Any, group_size: int) -> dict[str, np.ndarray]:
+    """The model inputs of a rollout: ``inputs``/``targets`` (prompt then completion, shifted by one, padded)
+    and ``positions`` (where each completion's tokens are targets, -1 after it), rows as in ``completions``.
+
+    Example: ``rollout_batch([np.array([5, 6])], generate_groups(...), 4)["positions"][0, :3]`` -> ``[1, 2, 3]``.
+    """
+    def up(n: int) -> int:
+        return -(-n // PAD_MULTIPLE) * PAD_MULTIPLE
+
+    rows = len(completions.lengths)
+    prompt_lengths = np.repeat([len(p) for p in prompts], group_size)
+    width = up(int((prompt_lengths + completions.lengths).max()) - 1)
+    inputs = np.zeros((rows, width + 1), np.int32)
+    positions = np.full((rows, up(int(completions.lengths.max()))), -1, np.int32)
+    for r in range(rows):
+        p, c = int(prompt_lengths[r]), int(completions.lengths[r])
+        inputs[r, :p] = prompts[r // group_size]
+        inputs[r, p:p + c] = completions.tokens[r, :c]
+        positions[r, :c] = np.arange(p - 1, p - 1 + c)
+    return {"inputs": inputs[:, :-1], "targets": inputs[:, 1:], "positions": positions}
+
+
+class GRPOLoss:
+    """``loss(model, batch) -> (loss, items, metrics)`` on rollout batches, which ``prepare(model, batch,
+    step)`` samples and scores from a loader's batch of prompts (see the module docstring).
+
+    ``rewards``: an object with ``score(prompts, completions, answers, types) -> scores`` whose ``total``
+    (one weighted total per completion) and ``per_function`` (name -> values, NaN where it does not apply)
+    are arrays (``mlx_train.llm.rewards.RewardSet``); ``names``: its functions, in order; ``rows``: every
+    split's ``PromptRows`` (a batch's ``row`` numbers index them).
+
+    Example: ``loss = GRPOLoss(GRPOConfig(), rewards, ["answer_match"], tokenizer, [train, valid])``.
+    """
+
+    def __init__(self, config: GRPOConfig, rewards: Any, names: Sequence[str], tokenizer: Any,
+                 rows: Sequence[PromptRows], chunk: int | None = None) -> None:
+        self.config, self.rewards, self.names, self.tokenizer = config, rewards, list(names), tokenizer
+        self.rows, self.chunk = list(rows), chunk
+        self.__name__ = "grpo_loss"
+        metrics = ["reward_mean", "reward_std", *(f"reward_{n}_{s}" for n in self.names
+                                                  for s in ("mean", "std", "coverage")),
+                   "completion_length", "completion_length_max", "clip_ratio_low", "clip_ratio_high", "clip_ratio"]
+        self.metric_names = tuple(metrics + (["kl"] if config.beta > 0 else []))
+
+    # -- the rollout batch (main thread, before the step) ---------------------------------
+
+    def prepare(self, model: nn.Module, batch: dict[str, Any], step: int | None) -> dict[str, mx.array]:
+        """Sample ``group_size`` completions of each prompt of ``batch`` with ``model`` as it is now, score
+        them and return the rollout batch the step trains on (``step`` None: an evaluation batch)."""
+        cfg = self.config
+        lengths = np.array(batch["prompt_mask"]).sum(axis=1)
+        tokens = np.array(batch["prompt"])
+        numbers = np.array(batch["row"]).astype(np.int64)
+        prompts = [tokens[i, :lengths[i]] for i in range(len(lengths))]
+        was_training = model.training
+        model.eval()  # no dropout while sampling
+        try:
+            parts = [self._sample(model, prompts[s:s + cfg.generation_batch], numbers[s:s + cfg.generation_batch],
+                                  step) for s in range(0, len(prompts), cfg.generation_batch)]
+        finally:
+            model.train(was_training)
+        completions = _joined(parts)
+        texts = [self.tokenizer.decode(completions.row(i, with_end=False)) for i in range(len(completions.lengths))]
+        records = [self._record(int(n)) for n in numbers for _ in range(cfg.group_size)]
+        scores = self.rewards.score([r[0] for r in records], texts, [r[1] for r in records], [r[2] for r in records])
+        total = np.asarray(scores.total, np.float64)
+        out = rollout_batch(prompts, completions, cfg.group_size)
+        out["advantages"] = advantages(total, cfg.group_size, cfg.scale_rewards)
+        out["rewards"] = total.astype(np.float32)
+        out["function_rewards"] = np.stack([np.asarray(scores.per_function[n], np.float32) for n in self.names],
+                                           axis=1) if self.names else np.zeros((len(total), 0), np.float32)
+        return {k: mx.array(v) for k, v in out.items()}
+
+    def _sample(self, model: nn.Module, prompts: list[np.ndarray], numbers: np.ndarray, step: int | None) -> Any:
+        key = rollout_key(self.config.seed, numbers.tolist(), step)
+        return generate_groups(model, prompts, self.config.group_size, self.config.sampling, key,
+                               self.tokenizer.eos_token_ids)
+
+    def _record(self, number: int) -> tuple[str, str, Any]:
+        for rows in self.rows:
+            i = number - rows.offset
+            if 0 <= i < len(rows.tokens):
+                return rows.texts[i], rows.answers[i], rows.types[i]
+        raise DataError(f"a batch names prompt row {number}, which no split of this run has")
+
+    # -- the loss (inside the compiled step) -----------------------------------------------
+
+    def __call__(self, model: nn.Module, batch: dict[str, Any]) -> tuple[mx.array, mx.array, dict[str, mx.array]]:
+        from mlx_train.llm.loss import target_logprobs
+        from mlx_train.llm.preference import adapters_off
+
+        cfg = self.config
+        positions = batch["positions"]
+        mask = positions >= 0
+        ref = None
+        if cfg.beta > 0:  # first: its activations are gone before the policy's are built
+            with adapters_off(model):
+                ref = mx.stop_gradient(target_logprobs(model, batch, self.chunk, grad=False)[0])
+        inputs = batch["inputs"] if ref is None else mx.depends(batch["inputs"], ref)
+        logps, _ = target_logprobs(model, {**batch, "inputs": inputs}, self.chunk, precompute=model.training)
+        old = batch["old_logps"] if "old_logps" in batch else mx.stop_gradient(logps)
+        return objective(cfg, logps, old, ref, mask, batch, self.names)
+
+
+def objective(cfg: GRPOConfig, logps: mx.array, old: mx.array, ref: mx.array | None, mask: mx.array,
+              batch: dict[str, Any], names: Sequence[str] = ()) -> tuple[mx.array, mx.array, dict[str, mx.array]]:
+    """The clipped objective, its items and metrics from the completions' log-probabilities ``[rows, K]``
+    under the policy, the sampling policy (``old``) and the reference (``ref``, None when ``beta`` is 0);
+    ``names``: the reward functions of ``batch["function_rewards"]``'s columns.
+
+    Example: ``loss, items, metrics = objective(cfg, logps, mx.stop_gradient(logps), None, mask, batch)``.
+    """
+    weights = mask.astype(mx.float32)
+    counts = weights.sum(axis=1)
+    log_ratio = mx.where(mask, logps - old, 0.0)
+    if cfg.importance_sampling_level == "sequence":
+        log_ratio = (log_ratio.sum(axis=1) / mx.maximum(counts, 1.0))[:, None]
+    ratio = mx.exp(log_ratio)
+    advantage = batch["advantages"].astype(mx.float32)[:, None]
+    clipped = mx.clip(ratio, 1 - cfg.epsilon, 1 + cfg.upper)
+    per_token = -mx.minimum(ratio * advantage, clipped * advantage)
+    kl = None
+    if ref is not None:
+        delta = mx.where(mask, ref - logps, 0.0)
+        kl = mx.expm1(delta) - delta
+        per_token = per_token + cfg.beta * kl
+    sums = mx.where(mask, per_token, 0.0).sum(axis=1)
+    rows = sums.shape[0]
+    if cfg.loss_type == "grpo":
+        loss, items = (sums / mx.maximum(counts, 1.0)).mean(), mx.array(float(rows))
+    elif cfg.loss_type == "bnpo":
+        loss, items = sums.sum() / mx.maximum(counts.sum(), 1.0), counts.sum()
+    else:  # dr_grpo
+        loss, items = sums.sum() / (rows * cfg.sampling.max_tokens), mx.array(float(rows))
+    return loss, items, _metrics(cfg, ratio, advantage, kl, weights, counts, batch, names)
+
+
+def _metrics(cfg: GRPOConfig, ratio: mx.array, advantage: mx.array, kl: mx.array | None, weights: mx.array,
+             counts: mx.array, batch: dict[str, Any], names: Sequence[str]) -> dict[str, mx.array]:
+    ratio = mx.stop_gradient(ratio)
+
+    def per_completion(values: mx.array) -> mx.array:  # the share (or mean) over each completion's tokens
+        return ((values * weights).sum(axis=1) / mx.maximum(counts, 1.0)).mean()
+
+    low = ((ratio < 1 - cfg.epsilon) & (advantage < 0)).astype(mx.float32)
+    high = ((ratio > 1 + cfg.upper) & (advantage > 0)).astype(mx.float32)
+    rewards = batch["rewards"]
+    out = {"reward_mean": rewards.mean(), "reward_std": mx.sqrt(mx.var(rewards)),
+           "completion_length": counts.mean(), "completion_length_max": counts.max(),
+           "clip_ratio_low": per_completion(low), "clip_ratio_high": per_completion(high),
+           "clip_ratio": per_completion(mx.maximum(low, high))}
+    functions = batch["function_rewards"]
+    for j, name in enumerate(names):
+        values = functions[:, j]
+        scored = ~mx.isnan(values)
+        n = mx.maximum(scored.sum(), 1)
+        mean = mx.where(scored, values, 0.0).sum() / n
+        out[f"reward_{name}_mean"] = mean
+        out[f"reward_{name}_std"] = mx.sqrt(mx.where(scored, (values - mean) ** 2, 0.0).sum() / n)
+        out[f"reward_{name}_coverage"] = scored.astype(mx.float32).mean()
+    if kl is not None:
+        out["kl"] = per_completion(mx.stop_gradient(kl))
+    return out
+
+
+def _joined(parts: list[Any]) -> Any:
+    """One ``Completions`` of several sampled one after the other (their widths padded to the widest)."""
+    from mlx_train.llm.rollouts import Completions
+
+    if len(parts) == 1:
+        return parts[0]
+    width = max(p.tokens.shape[1] for p in parts)
+    tokens = np.concatenate([np.pad(p.tokens, ((0, 0), (0, width - p.tokens.shape[1]))) for p in parts])
+    return Completions(tokens, np.concatenate([p.lengths for p in parts]), np.concatenate([p.ended for p in parts]))
