@@ -17,7 +17,6 @@ from mlx.utils import tree_flatten, tree_map
 pytest.importorskip("mlx_lm")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))
 
-import grpo_rewards  # noqa: E402
 import llm_tiny  # noqa: E402
 
 from mlx_train.config import FinetuneConfig  # noqa: E402
@@ -26,6 +25,7 @@ from mlx_train.llm import FineTuneConfig, finetune  # noqa: E402
 from mlx_train.llm.adapters import AdapterConfig, apply_adapters  # noqa: E402
 from mlx_train.llm.data import collate  # noqa: E402
 from mlx_train.llm.grpo import GRPOConfig, GRPOLoss, PromptRows, advantages, rollout_batch  # noqa: E402
+from mlx_train.llm.rewards import RewardSet  # noqa: E402
 from mlx_train.llm.rollouts import Completions, Sampling, generate_groups, rollout_key  # noqa: E402
 from mlx_train.llm.tasks import task_for  # noqa: E402
 
@@ -56,7 +56,6 @@ def write_prompts(directory, n_train=8, n_valid=4, rows=None):
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    grpo_rewards.install_rewards()
     root = tmp_path_factory.mktemp("grpo")
     llm_tiny.write_model_dir(str(root / "base"), seed=3)
     write_prompts(str(root / "data"))
@@ -202,7 +201,7 @@ def _prompts(tokenizer, n=4):
 
 
 def _loss_for(tokenizer, prompts, **settings):
-    rewards = grpo_rewards.install_rewards().RewardSet.load(REWARDS + ",grpo_rewards:text_length")
+    rewards = RewardSet.load(REWARDS + ",grpo_rewards:text_length")
     cfg = GRPOConfig(**{"group_size": 4, "sampling": Sampling(max_tokens=10), "seed": 5, **settings})
     return GRPOLoss(cfg, rewards, rewards.names, tokenizer, [prompts])
 

@@ -19,7 +19,6 @@ import mlx_train  # noqa: F401  (before mlx.core: BLAS preload)
 
 # isort: split
 
-import grpo_rewards  # noqa: E402  (beside this script)
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
@@ -46,7 +45,6 @@ class KillAt(Callback):
 
 
 def main():
-    grpo_rewards.install_rewards()
     parser = argparse.ArgumentParser()
     for name in ("base", "data", "run_dir", "out"):
         parser.add_argument(name)

@@ -380,7 +380,7 @@ class GRPO(Task):
     def datasets(self, model: Any, tokenizer: Any, records: dict[str, Any],
                  log: Callable[[str], None]) -> dict[str, Any]:
         from mlx_train.llm import grpo
-        from mlx_train.llm.rewards import RewardSet  # type: ignore[import-untyped, import-not-found, unused-ignore]
+        from mlx_train.llm.rewards import RewardSet
 
         cfg = self.config
         rewards = RewardSet.load(cfg.reward_functions, file=cfg.reward_functions_file, weights=cfg.reward_weights)
