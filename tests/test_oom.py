@@ -216,10 +216,38 @@ def test_memory_limit_decisions_are_the_same_in_identical_and_resumed_runs(text_
     assert all(np.array_equal(params[k], after[k]) for k in params)
 
 
+def _held(digits):
+    """The digits MLP's weights, gradients and Adam state, in bytes (what no micro-batch can shed)."""
+    weights = sum(v.nbytes for _, v in tree_flatten(build_model("mlp", digits["info"]).parameters()))
+    return weights * 4  # weights, gradients, and Adam's two moments
+
+
 def test_an_unreachable_budget_fails_with_the_budget_in_the_message(digits):
-    with pytest.raises(OutOfMemoryError, match=r"(?s)is over the memory_limit budget of 1.00 KB; tried down to "
+    budget = _held(digits) + 1000  # above what is held, below any step's peak (the update copies the weights)
+    with pytest.raises(OutOfMemoryError, match=r"(?s)is over the memory_limit budget of .*; tried down to "
                                                r"micro-batch 1 with gradient checkpointing.*a larger "
-                                               r"memory_limit than 1.00 KB"):
+                                               r"memory_limit than "):
+        _train(digits, 4, 1, steps=10, memory_limit=budget)
+
+
+# MLX's SGD keeps a velocity per weight even without momentum
+@pytest.mark.parametrize("optimizer, state_per_weight", [(optim.Adam, 2), (optim.SGD, 1)])
+def test_a_budget_below_the_weights_gradients_and_optimizer_state_is_refused_before_the_first_step(
+        digits, optimizer, state_per_weight):
+    mx.random.seed(0)
+    model = build_model("mlp", digits["info"])
+    weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    before = _flat(model)
+    held = weights * (2 + state_per_weight)
+    trainer = Trainer(model, optimizer(learning_rate=1e-3), batch_size=4, max_steps=2, num_workers=0,
+                      memory_limit=held - 1)
+    size = f"{weights / 1e3:.2f} KB"
+    with pytest.raises(OutOfMemoryError, match=rf"below what training holds at any micro-batch, .* \(weights {size}, "
+                                               rf"gradients {size}, optimizer state "
+                                               rf"{weights * state_per_weight / 1e3:.2f} KB\), before any activation"):
+        trainer.train(digits["train"], epochs=1)
+    assert trainer.step == 0 and all(np.array_equal(before[k], v) for k, v in _flat(model).items())
+    with pytest.raises(OutOfMemoryError, match=r"below what training holds"):  # the 1 KB of a budget far too small
         _train(digits, 4, 1, steps=10, memory_limit="1KB")
 
 
@@ -297,3 +325,11 @@ def test_all_ranks_take_the_same_decision(tmp_path):
         {**e, "reason": events[0]["events"][i]["reason"]} for i, e in enumerate(events[1]["events"])]
     assert "another rank went over its memory_limit" in events[1]["events"][0]["reason"]
     assert all(np.array_equal(params[0][k], params[1][k]) for k in params[0])
+
+    # Rank 0's budget is below its weights, gradients and optimizer state: both ranks stop before a step.
+    subprocess.run([_launcher(), "-n", "2", "--", sys.executable, SCRIPT, str(tmp_path / "floor"),
+                    "--budget-rank", "0", "--budget", "1000"], **run)
+    events, _ = _ranks(tmp_path / "floor")
+    assert [e["step"] for e in events] == [0, 0]
+    assert "below what training holds at any micro-batch" in events[0]["outcome"]
+    assert "another rank's memory_limit is below what training holds" in events[1]["outcome"]

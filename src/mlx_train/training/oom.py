@@ -307,6 +307,11 @@ class MemoryGuard:
         self.planned = True
         if self.group is not None and not any_rank(self.policy.budget is not None, self.group):
             return
+        floor = _held_bytes(self.step)
+        below = self.policy.budget is not None and self.policy.budget < sum(floor.values())
+        if (any_rank(below, self.group) if self.group is not None else below):  # every rank votes
+            raise self._below_floor(floor) if below else OutOfMemoryError(
+                "another rank's memory_limit is below what training holds at any micro-batch (see its message)")
         full = math.ceil(batch_size_of(batch) / self.accumulation)
         points = self._probe(batch, full)
         budget = self.policy.budget or math.inf
@@ -414,6 +419,15 @@ class MemoryGuard:
         else:
             self.log(f"out of memory at step {step} ({reason}); retrying the same step with {change}")
 
+    def _below_floor(self, floor: dict[str, int]) -> OutOfMemoryError:
+        """The budget is below what is held at every micro-batch: refused before the first step."""
+        held = ", ".join(f"{what} {format_bytes(size)}" for what, size in floor.items())
+        lines = [f"the memory_limit budget of {format_bytes(self.policy.budget)} is below what training holds at any "
+                 f"micro-batch, {format_bytes(sum(floor.values()))} ({held}), before any activation: no split of "
+                 "the batch can fit it. What to try:"]
+        lines += [f"  - {tip}" for tip in _advice(self.step, self.policy.budget)[1:] if "activation" not in tip]
+        return OutOfMemoryError("\n".join(lines))
+
     def _failure(self, reason: str, step: int, tried: str) -> OutOfMemoryError:
         lines = [f"out of memory at step {step}: {reason}; tried down to {tried}. What to try:"]
         lines += [f"  - {tip}" for tip in _advice(self.step, self.policy.budget)]
@@ -442,6 +456,25 @@ def _trainable_bytes(step: Any) -> int:
     return sum(4 * v.size for _, v in tree_flatten(step.model.trainable_parameters()))
 
 
+def _held_bytes(step: Any) -> dict[str, int]:
+    """What a step holds whatever its micro-batch: the weights, the gradients of the trainable ones, and the
+    optimizer's state (before its first update, estimated from the state it makes for a 64 x 64 matrix)."""
+    from mlx.utils import tree_flatten
+
+    weights = sum(v.nbytes for _, v in tree_flatten(step.model.parameters()))
+    trainable = sum(v.nbytes for _, v in tree_flatten(step.model.trainable_parameters()))
+    state = sum(v.nbytes for _, v in tree_flatten(step.optimizer.state) if isinstance(v, mx.array) and v.ndim)
+    if not state:
+        probe, made = mx.zeros((64, 64)), {}
+        try:
+            step.optimizer.init_single(probe, made)
+        except Exception:  # noqa: BLE001 - an optimizer without per-parameter state of its own (a wrapper)
+            made = {}
+        per_byte = sum(v.nbytes for _, v in tree_flatten(made) if isinstance(v, mx.array)) / probe.nbytes
+        state = int(per_byte * trainable)
+    return {"weights": weights, "gradients": trainable, "optimizer state": state}
+
+
 def _advice(step: Any, budget: int | None) -> list[str]:
     """Concrete things to try, with the sizes of what the model and optimizer hold."""
     from mlx.utils import tree_flatten
@@ -453,9 +486,11 @@ def _advice(step: Any, budget: int | None) -> list[str]:
             "the weights and optimizer state"]
     if step.options.precision == "float32":
         tips.append("precision='bfloat16' (about half the activation memory)")
-    if state:
-        tips.append(f"an optimizer with less state than {type(step.optimizer).__name__}: SGD keeps none, "
-                    "Adafactor very little")
+    name = type(step.optimizer).__name__
+    if state and name != "Adafactor":
+        lighter = "" if name == "SGD" else "SGD keeps one copy of the weights (MLX's SGD keeps a velocity even " \
+                                             "without momentum), "
+        tips.append(f"an optimizer with less state than {name}: {lighter}Adafactor very little")
     tips.append("shorter sequences, a smaller model, or fewer/smaller layers")
     if budget is not None:
         tips.append(f"a larger memory_limit than {format_bytes(budget)}, if the machine has the memory")
