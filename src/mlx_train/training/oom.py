@@ -463,9 +463,9 @@ def _held_bytes(step: Any) -> dict[str, int]:
 
     weights = sum(v.nbytes for _, v in tree_flatten(step.model.parameters()))
     trainable = sum(v.nbytes for _, v in tree_flatten(step.model.trainable_parameters()))
-    state = sum(v.nbytes for _, v in tree_flatten(step.optimizer.state) if isinstance(v, mx.array) and v.ndim)
+    state = sum(int(v.nbytes) for _, v in tree_flatten(step.optimizer.state) if isinstance(v, mx.array) and v.ndim)
     if not state:
-        probe, made = mx.zeros((64, 64)), {}
+        probe, made = mx.zeros((64, 64)), dict[str, Any]()
         try:
             step.optimizer.init_single(probe, made)
         except Exception:  # noqa: BLE001 - an optimizer without per-parameter state of its own (a wrapper)
