@@ -220,3 +220,47 @@ def test_train_reads_mlx_lm_names_too(tmp_path):
                   finetune=False)
     assert (config.max_steps, config.epochs, config.eval_every, config.dataset) == (20, None, "5 steps", "digits")
     assert config.optimizer == "adamw" and config.batch_size == 32
+
+
+# A GRPO file as mlx-lm-lora's users write them (its train.py's keys): epsilon is its clip width.
+GRPO_YAML = """\
+model: base
+data: data/
+train_mode: grpo
+train_type: dora
+optimizer: adamw
+optimizer_config:
+  adamw: {eps: 1e-6}
+epsilon: 0.2
+epsilon_high: 0.28
+group_size: 8
+max_completion_length: 64
+beta: 0.04
+"""
+
+
+def test_an_mlx_lm_lora_grpo_file_means_what_it_means_there(tmp_path):
+    """mlx-lm-lora's top-level epsilon is GRPO's clip width and train_type the fine-tuning method; the
+    optimizer's epsilon stays in optimizer_config (also when the config is built from the command line)."""
+    from mlx_train.cli.flags import build_config
+    from mlx_train.cli.main import build_parser
+
+    config = load(tmp_path, GRPO_YAML)
+    assert (config.clip_epsilon, config.epsilon_high, config.group_size, config.max_completion_length) == \
+        (0.2, 0.28, 8, 64)
+    assert (config.epsilon, config.beta, config.fine_tune_type) == (1e-6, 0.04, "dora")
+    args = build_parser("finetune").parse_args(["finetune", "-c", str(tmp_path / "lora.yaml"), "--train-type",
+                                                "lora"])
+    built = build_config(args, finetune=True)
+    assert (built.clip_epsilon, built.epsilon, built.fine_tune_type) == (0.2, 1e-6, "lora")
+    assert type(config).from_dict(config.to_dict()) == config  # mlx-train's own names: epsilon is the optimizer's
+
+
+@pytest.mark.parametrize("text,trains", [("epsilon: 1e-6\n", "names no train_mode"),
+                                         ("train_mode: dpo\nepsilon: 1e-6\n", "trains train_mode dpo")])
+def test_epsilon_outside_a_grpo_file_is_refused_with_both_ways_to_say_it(tmp_path, text, trains):
+    with pytest.raises(ConfigError, match=rf"lora.yaml:\d: epsilon is ambiguous here: in mlx-lm-lora's files it is "
+                                          rf"GRPO's clip width, but this file {trains}.*train_mode: grpo.*"
+                                          r"optimizer_config: \{adam: \{eps: 1e-06\}\}"):
+        load(tmp_path, text)
+    assert load(tmp_path, "epsilon: 1e-6\n", finetune=False).epsilon == 1e-6  # train's files: the optimizer's

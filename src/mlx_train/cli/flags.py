@@ -43,7 +43,7 @@ FLAGS: dict[str, str] = {
 FLAG_ALIASES: dict[str, tuple[str, ...]] = {"--lr": ("--learning-rate",), "--dataset": ("--data",),
                                             "--dpo-loss-type": ("--dpo-cpo-loss-type",),
                                             "--group-size": ("--num-generations",),
-                                            "--clip-epsilon": ("--epsilon",)}
+                                            "--clip-epsilon": ("--epsilon",), "--fine-tune-type": ("--train-type",)}
 # mlx_lm.lora's flags counted in iterations (micro-batches): flag -> its key (mlx_train.config.mlx_lm).
 ITERATION_FLAGS: dict[str, str] = {"--iters": "iters", "--steps-per-report": "steps_per_report",
                                    "--steps-per-eval": "steps_per_eval", "--save-every": "save_every"}

@@ -205,8 +205,9 @@ class FinetuneConfig(LaunchConfig):
     finetune_defaults: ClassVar[bool] = True
 
     # ----- llm: fine-tuning a language model (mlx_lm.lora's and mlx-lm-lora's names) -----
-    fine_tune_type: str = in_llm("lora", "How the base is tuned: lora, dora (adapters) or full (the blocks' weights).",
-                                 choices=FINE_TUNE_TYPES)
+    fine_tune_type: str = in_llm("lora", "How the base is tuned: lora, dora (adapters) or full (the blocks' weights) "
+                                         "(mlx-lm-lora's train_type).",
+                                 choices=FINE_TUNE_TYPES, aliases={"train_type": None})
     num_layers: int = in_llm(16, "Blocks to fine-tune, counted from the last (-1: all; 0 is refused). Under "
                                  "model: a built-in model's option of that name instead.",
                              check=_layers, shared_name=True)
@@ -270,8 +271,9 @@ class FinetuneConfig(LaunchConfig):
                           check=_probability)
     top_k: int = in_llm(20, "GRPO: sample from the k most probable tokens (0: all).", minimum=0)
     clip_epsilon: float = in_llm(1e-4, "GRPO: the ratio to the sampling policy is clipped to [1 - clip_epsilon, 1 "
-                                       "+ epsilon_high] (mlx-lm-lora's and TRL's epsilon, flag --epsilon too; the "
-                                       "YAML key epsilon is the optimizer's; TRL's default: 0.2).", minimum=0)
+                                       "+ epsilon_high] (mlx-lm-lora's and TRL's epsilon: flag --epsilon too, and "
+                                       "a fine-tuning file's top-level key epsilon with train_mode: grpo; TRL's "
+                                       "default: 0.2).", minimum=0)
     epsilon_high: float | None = in_llm(None, "GRPO: upper clipping width (DAPO's clip-higher; null: clip_epsilon).",
                                         minimum=0)
     grpo_loss_type: str = in_llm("grpo", "GRPO: how token losses are averaged: grpo (over each completion, then "

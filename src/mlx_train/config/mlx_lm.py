@@ -8,8 +8,10 @@ optimizer steps. So ``iters: 1000`` with ``grad_accumulation_steps: 4`` is ``max
 ``optimizer_config: {adamw: {betas, eps, weight_decay, bias_correction}}`` becomes ``beta1``,
 ``beta2``, ``epsilon``, ``weight_decay``, ``bias_correction``; the ``lr_schedule`` mapping
 ``{name, arguments: [initial_rate, ...], warmup, warmup_init}`` becomes ``lr_schedule``,
-``learning_rate``, ``lr_schedule_args``, ``warmup_steps``, ``warmup_init``. A key that cannot be
-honoured is an error, or a warning when training as asked still makes sense; none is dropped silently.
+``learning_rate``, ``lr_schedule_args``, ``warmup_steps``, ``warmup_init``. In a fine-tuning file
+the top-level ``epsilon`` is mlx-lm-lora's: GRPO's clip width (``clip_epsilon``; refused in a file
+that does not train GRPO). A key that cannot be honoured is an error, or a warning when training as
+asked still makes sense; none is dropped silently.
 
 Example::
 
@@ -149,13 +151,15 @@ def translate(data: Mapping[str, Any], lines: dict[tuple[Any, ...], int], source
     ``{"max_steps": Iterations(100, "iters", "lora.yaml"), "epochs": None, "grad_checkpoint": True}``.
     """
     out: dict[str, Any] = {}
+    clip = finetune and "epsilon" in data and "clip_epsilon" not in data  # mlx-lm-lora's epsilon: GRPO's clip width
+    taken = set(data) - ({"epsilon"} if clip else set())
 
     def where(key: str) -> str:
         line = lines.get((key,))
         return f"{source}:{line}" if line else source
 
     def put(key: str, field: str, value: Any) -> None:
-        if field in out or (field in data and field != key):
+        if field in out or (field in taken and field != key):
             raise ConfigError(f"{where(key)}: {key} sets {field}, which {field} (or another key) already sets; "
                               "keep only one of them")
         out[field] = value
@@ -180,6 +184,8 @@ def translate(data: Mapping[str, Any], lines: dict[tuple[Any, ...], int], source
                     put(key, field, field_value)
         elif key == "learning_rate" and isinstance(data.get("lr_schedule"), Mapping):
             continue  # the schedule's arguments[0] is the rate (see _lr_schedule)
+        elif key == "epsilon" and clip:
+            put(key, "clip_epsilon", _clip_epsilon(data, value, where(key)))
         elif key in _NO_EFFECT:
             _no_effect(key, value, where(key))
         elif key == "wandb":  # older mlx_lm.lora files: "wandb: PROJECT" reports to W&B
@@ -201,6 +207,24 @@ def translate(data: Mapping[str, Any], lines: dict[tuple[Any, ...], int], source
                       "relative steps and so ignores learning_rate; mlx-train's uses learning_rate (relative_step="
                       "false); say so with optimizer_config: {adafactor: {relative_step: false}}", stacklevel=3)
     return out
+
+
+def _clip_epsilon(data: Mapping[str, Any], value: Any, where: str) -> Any:
+    """A fine-tuning file's top-level ``epsilon``: mlx-lm-lora's GRPO clip width (``clip_epsilon``), never the
+    optimizer's (mlx_lm.lora and mlx-lm-lora give that in ``optimizer_config``). A mapping that also has
+    ``clip_epsilon`` uses mlx-train's field names (``to_dict()``) and does not come here. Outside a GRPO file
+    the key is refused: it would mean the optimizer's epsilon in mlx-train's flat layout and nothing there."""
+    llm = data.get("llm")
+    mode = data.get("train_mode", llm.get("train_mode") if isinstance(llm, Mapping) else None)
+    if str(mode).strip().lower() == "grpo":
+        return value
+    trains = f"trains train_mode {mode}" if mode is not None else "names no train_mode (sft by default)"
+    named = data.get("optimizer", "adam")
+    optimizer = str(named.get("name", "adam") if isinstance(named, Mapping) else named).lower()
+    raise ConfigError(f"{where}: epsilon is ambiguous here: in mlx-lm-lora's files it is GRPO's clip width, but "
+                      f"this file {trains}; for GRPO's clip width write train_mode: grpo beside it (or name it "
+                      f"clip_epsilon: {value}); for the optimizer's epsilon write optimizer_config: {{{optimizer}: "
+                      f"{{eps: {value}}}}} (mlx_lm.lora's) or optimizer: {{epsilon: {value}}}")
 
 
 # key -> (the value that changes nothing, what the key does in mlx_lm.lora and why it has no effect here)
