@@ -54,12 +54,16 @@ def write_prompts(directory, n_train=8, n_valid=4, rows=None):
     return directory
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("grpo")
+def write_setup(root):
+    """The tiny base (``root/base``) and prompt rows (``root/data``) of a GRPO run."""
     llm_tiny.write_model_dir(str(root / "base"), seed=3)
     write_prompts(str(root / "data"))
     return root
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    return write_setup(tmp_path_factory.mktemp("grpo"))
 
 
 @pytest.fixture(scope="module")

@@ -97,6 +97,9 @@ def add_flags(parser: argparse.ArgumentParser, flags: dict[str, str], notes: dic
                                 help=text)
 
 _DATA_ORDER = "the data order and the position in the epoch are restored from the checkpoint"
+_LOSS = "the checkpoint's run was trained with that loss"
+_SAMPLED = "the completions so far were sampled with it (a resumed run samples what the run would have)"
+_SCORED = "the completions so far were scored with those reward functions and weights"
 # Fields a resumed run must keep, and why: the checkpoint's state only fits the run as it was started.
 FIXED_ON_RESUME: dict[str, str] = {
     "model": "the checkpoint holds the weights of that model",
@@ -126,6 +129,20 @@ FIXED_ON_RESUME: dict[str, str] = {
     "train_on_tool_calls": "the rows and their trained tokens were built with it",
     "train_on_reasoning": "the rows and their trained tokens were built with it",
     "train_mode": "the checkpoint's run was trained with that loss",
+    "beta": _LOSS,
+    "group_size": "the completions so far were compared in groups of that size",
+    "max_completion_length": _SAMPLED,
+    "temperature": _SAMPLED,
+    "top_p": _SAMPLED,
+    "top_k": _SAMPLED,
+    "clip_epsilon": _LOSS,
+    "epsilon_high": _LOSS,
+    "grpo_loss_type": _LOSS,
+    "importance_sampling_level": _LOSS,
+    "scale_rewards": _LOSS,
+    "reward_functions": _SCORED,
+    "reward_functions_file": _SCORED,
+    "reward_weights": _SCORED,
 }
 
 
