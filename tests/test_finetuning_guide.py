@@ -1,9 +1,9 @@
 """The fine-tuning guide's commands run as written (docs/guides/finetuning.md): its run, resume and --fuse
-block and its DPO block, in a fresh directory where ``SmolLM2-135M-Instruct.Q4_1.gguf`` is a tiny 8-block
-llama saved under that name (the guide says so), ``data/`` a few hundred small records and
+block, its DPO block and its GRPO block, in a fresh directory where ``SmolLM2-135M-Instruct.Q4_1.gguf`` is a
+tiny 8-block llama saved under that name (the guide says so), ``data/`` a few hundred small records and
 ``lora_config.yaml`` an mlx_lm.lora file; the runs' 200 iterations (and the resume to 400) are cut to 2
-(and 4): the packed run's rows are 2048 tokens long. The page runner (tests/test_docs.py) skips these blocks, as
-they need a base model."""
+(and 4): the packed run's rows are 2048 tokens long. The page runner (tests/test_docs.py) skips these blocks,
+as they need a base model."""
 
 from __future__ import annotations
 
@@ -75,3 +75,27 @@ def test_the_dpo_command_runs_as_written(workdir):
     ran = _run(_block("prefs/train.jsonl"), workdir)
     assert ran.returncode == 0, f"{ran.stdout[-3000:]}\n{ran.stderr[-3000:]}"
     assert "finetune dpo: 200 steps" in ran.stdout and (workdir / "smol-dpo" / "config.json").is_file()
+
+
+@pytest.mark.slow
+def test_the_grpo_command_runs_as_written(workdir):
+    """The GSM8K-style block: its data, its reward file and its command (200 iterations cut to 2, validation every
+    2): the reward functions' metrics reach metrics.jsonl, and the adapters and their card name the rewards."""
+    import json
+
+    code = _block("--train-mode grpo")
+    assert "--iters 200" in code and "--steps-per-eval 50" in code
+    ran = _run(code.replace("--iters 200", "--iters 2").replace("--steps-per-eval 50", "--steps-per-eval 2"), workdir)
+    assert ran.returncode == 0, f"{ran.stdout[-3000:]}\n{ran.stderr[-3000:]}"
+    assert "finetune grpo: 2 steps, 16 completions" in ran.stdout and "validation: reward" in ran.stdout
+    run = workdir / "runs" / "grpo"
+    reports = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in reports if r["kind"] == "train"]
+    assert trained and {"reward_mean", "reward_std", "reward_correct_answer_mean", "reward_has_marker_mean",
+                        "reward_has_marker_coverage", "completion_length", "kl"} <= set(trained[-1])
+    assert any("val_reward_correct_answer_mean" in r for r in reports)
+    facts = json.loads((run / "adapters" / "adapter_config.json").read_text())
+    assert (facts["train_mode"], facts["reward_functions"], facts["reward_weights"]) == \
+        ("grpo", ["correct_answer", "has_marker"], [1.0, 0.2])
+    assert (run / "adapters" / "adapters.safetensors").is_file() and "correct_answer" in \
+        (run / "adapters" / "README.md").read_text()
