@@ -97,5 +97,7 @@ def test_the_grpo_command_runs_as_written(workdir):
     facts = json.loads((run / "adapters" / "adapter_config.json").read_text())
     assert (facts["train_mode"], facts["reward_functions"], facts["reward_weights"]) == \
         ("grpo", ["correct_answer", "has_marker"], [1.0, 0.2])
-    assert (run / "adapters" / "adapters.safetensors").is_file() and "correct_answer" in \
-        (run / "adapters" / "README.md").read_text()
+    card = (run / "adapters" / "README.md").read_text()
+    assert (run / "adapters" / "adapters.safetensors").is_file() and "- **Method:** LORA fine-tuning, GRPO" in card
+    assert "| reward_functions | `['correct_answer', 'has_marker']` |" in card and \
+        "| reward_weights | `[1.0, 0.2]` |" in card and "| reward_functions_file | `rewards.py` |" in card
