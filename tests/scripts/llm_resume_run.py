@@ -1,7 +1,9 @@
 """A fine-tuning run for the exact-resume tests, checkpoints every 2 steps. ``--train-mode sft``
 (the default): LoRA with dropout, packing, prompt masking, shuffled token-length buckets;
 ``--train-mode dpo``: DPO pairs with LoRA dropout, shuffled buckets and gradient accumulation;
-``--train-mode grpo``: GRPO prompts (rewards from grpo_rewards.py) with the same.
+``--train-mode grpo``: GRPO prompts (rewards from grpo_rewards.py) with the same;
+``--train-mode vision``: SFT of a vision-language model (rows with images) with LoRA dropout, gradient
+accumulation, clipping and a warmup + cosine schedule.
 
     python llm_resume_run.py BASE_DIR DATA_DIR RUN_DIR OUT.safetensors [--kill-at STEP] [--train-mode dpo]
 
@@ -32,6 +34,10 @@ SETTINGS = {
     "grpo": {"iters": 14, "batch_size": 2, "grad_accumulation_steps": 2, "max_seq_length": 128, "train_mode": "grpo",
              "beta": 0.05, "group_size": 3, "max_completion_length": 10,
              "reward_functions": "grpo_rewards:letter_share,grpo_rewards:says_answer"},
+    # a vision-language model (BASE from vlm_tiny.py): rows with images, accumulation, clipping, a schedule
+    "vision": {"iters": 16, "batch_size": 2, "grad_accumulation_steps": 2, "max_seq_length": 200,
+               "assistant_only_loss": True, "max_grad_norm": 1.0,
+               "lr_schedule": {"name": "cosine_decay", "warmup": 2, "arguments": [3e-3, 8, 1e-4]}},
 }
 
 

@@ -349,7 +349,33 @@ def _packing(pack: bool | str) -> str | None:
     raise ConfigError(f"pack={pack!r} is not a packing; use False, True (= 'best_fit') or one of {PACKINGS}")
 
 
-class SequenceDataset:
+class RowList:
+    """What the map-style sets of training rows share: ``rows`` and their token ``lengths`` (subclasses fill
+    both, and build a row in ``__getitem__``)."""
+
+    rows: list[Any]
+    lengths: list[int]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        raise NotImplementedError
+
+    def head(self, count: int) -> Any:
+        """The first ``count`` rows (all when ``count`` < 0), e.g. to validate on a few batches."""
+        if count < 0 or count >= len(self.rows):
+            return self
+        first = copy.copy(self)
+        first.rows, first.lengths = self.rows[:count], self.lengths[:count]
+        return first
+
+    def samples(self) -> list[dict[str, np.ndarray]]:
+        """Every row, built now, as a list (what DataLoader and Trainer take; see make_loader)."""
+        return [self[i] for i in range(len(self))]
+
+
+class SequenceDataset(RowList):
     """Map-style dataset of training rows (one document each, or packed documents).
 
     ``lengths`` are the rows' token lengths (for :class:`~mlx_train.data.LengthBucketing`).
@@ -377,25 +403,10 @@ class SequenceDataset:
         self.document_mask = bool(document_mask) and self.packed
         self.lengths = [int(documents.lengths[r].sum()) for r in self.rows]
 
-    def __len__(self) -> int:
-        return len(self.rows)
-
     @property
     def trained_tokens(self) -> int:
         """Targets that count in the loss over the whole dataset."""
         return self.documents.trained_tokens
-
-    def head(self, count: int) -> SequenceDataset:
-        """The first ``count`` rows (all when ``count`` < 0), e.g. to validate on a few batches."""
-        if count < 0 or count >= len(self.rows):
-            return self
-        first = copy.copy(self)
-        first.rows, first.lengths = self.rows[:count], self.lengths[:count]
-        return first
-
-    def samples(self) -> list[dict[str, np.ndarray]]:
-        """Every row, built now, as a list (what DataLoader and Trainer take; see make_loader)."""
-        return [self[i] for i in range(len(self))]
 
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
         docs = self.documents
@@ -420,7 +431,9 @@ class SequenceDataset:
 
 def collate(samples: Sequence[Record], multiple: int = PAD_MULTIPLE, positions: bool = False) -> dict[str, np.ndarray]:
     """Pad rows to the longest sequence rounded up to ``multiple`` and stack them (padding: token 0,
-    loss_mask 0, segment 0); 0-d values (a preference pair's reference log-probabilities) are stacked.
+    loss_mask 0, segment 0); 0-d values (a preference pair's reference log-probabilities) are stacked;
+    arrays of two or more axes (the patches of a row's images) are padded with zeros along their first axis
+    to the batch's longest and stacked, in their own dtype.
     ``positions``: add the trained positions of each row (``mlx_train.llm.loss.trained_positions``,
     padded with -1 to a multiple of ``POSITION_MULTIPLE``), so that the loss projects only those
     tokens onto the vocabulary (not the masked prompts, nor the padding).
@@ -434,6 +447,9 @@ def collate(samples: Sequence[Record], multiple: int = PAD_MULTIPLE, positions: 
         if np.ndim(samples[0][key]) == 0:
             batch[key] = np.array([s[key] for s in samples], dtype=np.float32)
             continue
+        if np.ndim(samples[0][key]) > 1:
+            batch[key] = _stack_padded([np.asarray(s[key]) for s in samples])
+            continue
         out = np.zeros((len(samples), width), dtype=np.int32)
         for j, s in enumerate(samples):
             out[j, : len(s[key])] = s[key]
@@ -443,6 +459,14 @@ def collate(samples: Sequence[Record], multiple: int = PAD_MULTIPLE, positions: 
 
         batch["positions"] = trained_positions(batch["loss_mask"], POSITION_MULTIPLE)
     return batch
+
+
+def _stack_padded(arrays: Sequence[np.ndarray]) -> np.ndarray:
+    """``arrays`` (equal but for their first axis) stacked, each padded with zeros to the longest first axis."""
+    out = np.zeros((len(arrays), max(len(a) for a in arrays), *arrays[0].shape[1:]), dtype=arrays[0].dtype)
+    for j, a in enumerate(arrays):
+        out[j, : len(a)] = a
+    return out
 
 
 def make_loader(dataset: Any, batch_size: int, seed: int = 0, shuffle: bool = True,

@@ -263,18 +263,19 @@ def prepare(cfg: FinetuneConfig, log: Any = print, split: AdapterSplit | None = 
 
     Example: ``prepare(FineTuneConfig(model="base", data="data"))["splits"]["train"]``
     """
-    from mlx_train.llm import adapters, data, models
+    from mlx_train.llm import adapters, data
 
     if not cfg.model or not cfg.dataset:
         raise ConfigError("fine-tuning needs a base model and data: pass --model PATH and --data DIR")
     task = task or task_for(cfg)  # a setting the task refuses fails before the model loads
     spec = adapters.AdapterConfig.from_mlx_lm(
         {"fine_tune_type": cfg.fine_tune_type, "num_layers": cfg.num_layers, "lora_parameters": cfg.lora_parameters})
-    quantized = cfg.quantized if cfg.quantized is not None else mx.default_device() == mx.gpu
-    model, tokenizer, model_config = models.load_model(cfg.model, quantized=quantized, lazy=split is not None)
     records = data.load_records(cfg.dataset)
     if not records["train"]:
         raise ConfigError(f"{cfg.dataset} has no training records (train.jsonl is missing or empty)")
+    task.check_records(records)  # rows the task cannot train on fail before the model loads
+    quantized = cfg.quantized if cfg.quantized is not None else mx.default_device() == mx.gpu
+    model, tokenizer, model_config = task.load_model(quantized, split is not None, log)
     mx.random.seed(cfg.seed)  # adapter initialisation
     if cfg.resume_adapter_file:
         directory = cfg.resume_adapter_file
@@ -286,6 +287,7 @@ def prepare(cfg: FinetuneConfig, log: Any = print, split: AdapterSplit | None = 
         split.add(model, spec)
     else:
         adapters.apply_adapters(model, spec)
+    spec = task.adapter_spec(model, spec)
     splits = task.datasets(model, tokenizer, records, log)
     trainable, total = adapters.trainable_count(model)
     log(task.parameters_line(spec.fine_tune_type, trainable, total))
@@ -361,6 +363,7 @@ def finetune(config: FinetuneConfig, callbacks: list[Any] | None = None, resume:
     config = adapter_file_settings(config, log)  # continued adapters keep their own settings
     task = task_for(config)  # picked once: the rest asks it
     check_before_loading(config, resume, overwrite, log, launched=trainer_class is not Trainer)
+    config = task.settings(config, log)
     if split is not None:
         check_tensor_parallel(config, task)
     parts = prepare(config, log, split, task)
@@ -464,8 +467,12 @@ def fuse_model(model_path: str, adapter_path: str, save_path: str, dequantize: b
     Example: ``fuse_model("SmolLM2-135M-Instruct.Q4_1.gguf", "runs/a/adapters", "smol-tuned")``.
     """
     from mlx_train.llm import adapters, card, models
+    from mlx_train.llm.vision.models import vision_model_type
 
     check_fuse_target(model_path, save_path)
+    if vision_model_type(model_path):
+        raise ConfigError(f"{model_path} is a vision-language model: fusing adapters into one is not supported yet; "
+                          "load the base with its adapters instead: mlx_vlm.load(BASE, adapter_path=ADAPTERS)")
     model, tokenizer, config = models.load_model(model_path, quantized=not dequantize)
     adapters.load_adapters(model, adapter_path)
     adapters.fuse_adapters(model, dequantize=dequantize)

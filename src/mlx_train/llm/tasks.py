@@ -117,6 +117,27 @@ class Task:
         """The tasks a setting of ``inapplicable`` belongs to, for the message of ``check``."""
         return "another task"
 
+    def settings(self, config: FinetuneConfig, log: Callable[[str], None]) -> FinetuneConfig:
+        """``config`` as this task trains (the vision task turns compilation off): the Trainer gets it."""
+        return config
+
+    def check_records(self, records: dict[str, Any]) -> None:
+        """Refuse rows this task cannot train on, before the model loads: rows with images (text-only tasks)."""
+        from mlx_train.llm.vision.data import refuse_image_rows
+
+        refuse_image_rows(records, self.config.model or "the model")
+
+    def load_model(self, quantized: bool, lazy: bool, log: Callable[[str], None]) -> tuple[Any, Any, dict[str, Any]]:
+        """``(model, tokenizer, config)`` of the run's base model."""
+        from mlx_train.llm import models
+
+        assert self.config.model  # (checked before)
+        return models.load_model(self.config.model, quantized=quantized, lazy=lazy)
+
+    def adapter_spec(self, model: Any, spec: Any) -> Any:
+        """The adapters' description as their files say it, once they are on ``model``."""
+        return spec
+
     def datasets(self, model: Any, tokenizer: Any, records: dict[str, Any],
                  log: Callable[[str], None]) -> dict[str, Any]:
         """The training rows of each split (train, valid, test) of the run's data."""
@@ -444,6 +465,73 @@ class GRPO(Task):
         return {**counts, "trained_completions": counts["trained"]} if self.unit == "completions" else counts
 
 
+class VisionSFT(SFT):
+    """SFT of a vision-language model (mlx-vlm's Qwen2-VL family) on rows with images, in mlx-vlm's format
+    (``mlx_train.llm.vision``): mlx-vlm loads the model and its processor and builds the prompts; the loss
+    masks are SFT's (``mask_prompt``, ``assistant_only_loss``); the step runs uncompiled. Picked by
+    ``task_for`` when ``model`` is a vision-language model.
+
+    Example: ``VisionSFT(FinetuneConfig(model="Qwen2-VL-2B-Instruct", dataset="pictures"), "qwen2_vl").loss()``.
+    """
+
+    def __init__(self, config: FinetuneConfig, model_type: str) -> None:
+        self.model_type = model_type
+        super().__init__(config)
+
+    def check(self) -> None:
+        from mlx_train.llm.vision import models
+
+        super().check()
+        path = self.config.model or ""
+        models.require_mlx_vlm(path, self.model_type)
+        models.check_family(path, self.model_type)
+        models.check_settings(self.config, path)
+
+    def settings(self, config: FinetuneConfig, log: Callable[[str], None]) -> FinetuneConfig:
+        from mlx_train.llm.vision.models import trainer_settings
+
+        return trainer_settings(config, self.model_type, log)
+
+    def check_records(self, records: dict[str, Any]) -> None:
+        pass  # images are what this task trains on
+
+    def load_model(self, quantized: bool, lazy: bool, log: Callable[[str], None]) -> tuple[Any, Any, dict[str, Any]]:
+        from mlx_train.llm.vision.models import load
+
+        return load(self.config.model or "", quantized, log)
+
+    def adapter_spec(self, model: Any, spec: Any) -> Any:
+        import dataclasses
+
+        from mlx_train.llm.vision.models import adapter_keys
+
+        return dataclasses.replace(spec, keys=adapter_keys(model))  # mlx_vlm.load adds adapters where they say
+
+    def datasets(self, model: Any, tokenizer: Any, records: dict[str, Any],
+                 log: Callable[[str], None]) -> dict[str, Any]:
+        from mlx_train.llm.vision.data import build_splits
+
+        return build_splits(self.config, tokenizer, model.config.__dict__, records, log)
+
+    def loss(self) -> Any:
+        from mlx_train.llm.vision.loss import vision_lm_loss
+
+        return vision_lm_loss
+
+    def gathers_positions(self) -> bool:
+        return False
+
+    def evaluate(self, trainer: Any, result: dict[str, Any], test_rows: Any, eval_rows: int) -> None:
+        from mlx_train.llm import data
+
+        if test_rows is not None:  # image rows need the padding collate
+            test_rows = data.make_loader(test_rows, eval_rows, shuffle=False, num_workers=0, drop_last=False)
+        super().evaluate(trainer, result, None, eval_rows)
+        if test_rows is not None:
+            result["test_loss"] = trainer.evaluate(test_rows)["loss"]
+            result["test_perplexity"] = math.exp(min(result["test_loss"], 50))
+
+
 #: train_mode -> its task. A new task: its class above and one line here (and its name in TRAIN_MODES).
 TASKS: dict[str, Callable[[FinetuneConfig], Task]] = {
     "sft": SFT,
@@ -457,10 +545,21 @@ TASKS: dict[str, Callable[[FinetuneConfig], Task]] = {
 def task_for(config: FinetuneConfig) -> Task:
     """The task of a fine-tuning run, from its ``train_mode``; its settings are checked here.
 
+    A ``model`` that is a vision-language model (``mlx_train.llm.vision.vision_model_type``) gets the vision
+    task (:class:`VisionSFT`), for ``train_mode`` sft alone.
+
     Example: ``task_for(FinetuneConfig(model="base", dataset="data")).name`` -> ``"sft"``.
     """
     if not isinstance(config, FinetuneConfig):
         raise ConfigError(f"fine-tuning takes a FinetuneConfig (the Trainer's config with the llm section), got "
                           f"{type(config).__name__}: build it with FinetuneConfig(...) or "
                           "TrainConfig.from_yaml(path, finetune=True)")
-    return TASKS[config.train_mode](config)
+    from mlx_train.llm.vision.models import vision_model_type
+
+    model_type = vision_model_type(config.model) if config.model else None
+    if model_type is None:
+        return TASKS[config.train_mode](config)
+    if config.train_mode != "sft":
+        raise ConfigError(f"--train-mode {config.train_mode} is not supported for vision-language models yet: "
+                          f"{config.model} is one ({model_type}); fine-tune it with --train-mode sft")
+    return VisionSFT(config, model_type)

@@ -1,0 +1,238 @@
+"""Fine-tuning a vision-language model (mlx-vlm's Qwen2-VL, tiny and random, made offline) on rows with
+images: the model is recognised before it loads, images reach the loss, the loss masks are the chat
+masks', training lowers the held-out loss of the answers, the adapters load in ``mlx_vlm.load``, and a
+killed run resumes bit for bit. Also the errors: mlx-vlm missing, image rows for a text-only model."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("mlx_vlm")  # CI has it (the dev extra); a local install without the vlm extra skips
+os.environ["HF_HUB_OFFLINE"] = "1"  # the processor loaders look names up on the Hub otherwise
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))
+
+import llm_tiny  # noqa: E402
+import vlm_tiny  # noqa: E402
+
+import mlx_train  # noqa: E402, F401  (before mlx.core: BLAS preload)
+
+# isort: split
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+from mlx.utils import tree_flatten  # noqa: E402
+
+from mlx_train.errors import ConfigError, DataError  # noqa: E402
+from mlx_train.llm.chat_masks import Supervision  # noqa: E402
+from mlx_train.llm.data import Records, collate, load_records  # noqa: E402
+from mlx_train.llm.finetune import FineTuneConfig, finetune  # noqa: E402
+from mlx_train.llm.tasks import VisionSFT, task_for  # noqa: E402
+from mlx_train.llm.vision.data import ImageChatRows  # noqa: E402
+from mlx_train.llm.vision.loss import vision_lm_loss  # noqa: E402
+from mlx_train.llm.vision.models import vision_model_type  # noqa: E402
+
+RESUME_SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "llm_resume_run.py")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(model directory, squares data directory, model, processor)."""
+    import mlx_vlm
+
+    root = tmp_path_factory.mktemp("vlm")
+    base = vlm_tiny.write_model_dir(str(root / "qwen2-vl"))
+    data = vlm_tiny.write_squares(str(root / "squares"))
+    model, processor = mlx_vlm.load(base)
+    return base, data, model, processor
+
+
+ANSWERS = Supervision(assistant_only_loss=True)
+
+
+def _rows(tiny, records, supervision=ANSWERS):
+    _, data, model, processor = tiny
+    return ImageChatRows(Records(records, os.path.join(data, "valid.jsonl")), processor, vars(model.config),
+                         supervision)
+
+
+def _batch(rows, indices=None):
+    return {k: mx.array(v) for k, v in collate([rows[i] for i in (indices or range(len(rows)))]).items()}
+
+
+def _config(tiny, tmp_path, **values):
+    base, data = tiny[:2]
+    settings = {"model": base, "data": data, "iters": 4, "num_layers": 2, "batch_size": 2, "learning_rate": 5e-4,
+                "steps_per_report": 2, "steps_per_eval": 100, "run_dir": str(tmp_path / "run"), **values}
+    return FineTuneConfig(**settings)
+
+
+def test_a_vision_language_model_is_recognised_and_gets_the_vision_task(tiny, tmp_path):
+    base = tiny[0]
+    assert vision_model_type(base) == "qwen2_vl"
+    llm_tiny.write_model_dir(str(tmp_path / "text"))
+    assert vision_model_type(str(tmp_path / "text")) is None
+    task = task_for(_config(tiny, tmp_path))
+    assert isinstance(task, VisionSFT) and task.model_type == "qwen2_vl"
+    with pytest.raises(ConfigError, match="--train-mode dpo is not supported for vision-language models"):
+        task_for(_config(tiny, tmp_path, train_mode="dpo"))
+    with pytest.raises(ConfigError, match="rows with images are not packed"):
+        task_for(_config(tiny, tmp_path, pack=True))
+
+
+def test_without_mlx_vlm_a_vision_model_is_refused_before_loading(tiny, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "mlx_vlm", None)  # what `import mlx_vlm` meets when it is not installed
+    with pytest.raises(ConfigError, match=r"needs mlx-vlm.*pip install 'mlx-train\[vlm\]'"):
+        finetune(_config(tiny, tmp_path))
+    assert not os.path.exists(tmp_path / "run" / "adapters")
+
+
+def test_image_rows_for_a_text_model_name_file_and_line(tiny, tmp_path):
+    text_model, data = str(tmp_path / "text"), str(tmp_path / "data")
+    llm_tiny.write_model_dir(text_model)
+    llm_tiny.write_data(data, "chat", n_train=4, n_valid=2)
+    with open(os.path.join(data, "train.jsonl"), "a") as f:
+        f.write(json.dumps(vlm_tiny.square_row("red")) + "\n")  # line 5
+    cfg = FineTuneConfig(model=text_model, data=data, iters=2, num_layers=2, batch_size=1)
+    with pytest.raises(DataError, match=r"train\.jsonl:5: this row has images, but .* is a text-only model"):
+        finetune(cfg)
+
+
+def test_masks_train_the_answers_and_never_the_image_tokens(tiny):
+    processor = tiny[3]
+    chat = {"messages": [{"role": "user", "content": "Describe the picture."},
+                         {"role": "assistant", "content": "Be brief."},
+                         {"role": "user", "content": vlm_tiny.QUESTION},
+                         {"role": "assistant", "content": "The square is red."}], "images": ["images/red.png"]}
+    image_token = tiny[2].config.image_token_id
+
+    def trained(supervision):
+        rows = _rows(tiny, [chat], supervision)
+        row = rows.rows[0]
+        assert (row.tokens == image_token).sum() == 4  # one 56x56 picture: 4 image tokens
+        assert not row.mask[row.tokens == image_token].any()
+        return processor.tokenizer.decode(row.tokens[row.mask.astype(bool)].tolist())
+
+    assert trained(Supervision(assistant_only_loss=True)) == "Be brief.<|im_end|>The square is red.<|im_end|>"
+    assert trained(Supervision(mask_prompt=True)) == "The square is red.<|im_end|>\n"
+
+
+def test_the_images_reach_the_loss(tiny):
+    red, blue = _rows(tiny, [vlm_tiny.square_row("red"), vlm_tiny.square_row("red", "images/blue.png")]).samples()
+    assert red["pixel_values"].shape == (16, 1176) and red["image_grid_thw"].tolist() == [[1, 4, 4]]
+    model = tiny[2]
+    losses = [vision_lm_loss(model, {k: mx.array(v)[None] for k, v in row.items()})[0].item() for row in (red, blue)]
+    assert abs(losses[0] - losses[1]) > 1e-3, losses  # the same text, another picture: another loss
+
+
+def test_a_batch_of_rows_equals_the_rows_alone(tiny):
+    """Padding (tokens on the right, patches per row) changes nothing, and a text row after an image row
+    gets its own positions (the model's cached ones are cleared)."""
+    text = {"messages": [{"role": "user", "content": "What is two plus two?"},
+                         {"role": "assistant", "content": "Two plus two is four."}]}
+    rows = _rows(tiny, [vlm_tiny.square_row("green"), text, vlm_tiny.square_row("yellow")])
+    model = tiny[2]
+    alone = []
+    for i in range(len(rows)):
+        loss, n = vision_lm_loss(model, _batch(rows, [i]))
+        alone.append((loss * n).item())
+    together, n = vision_lm_loss(model, _batch(rows))
+    assert np.isclose((together * n).item(), sum(alone), rtol=1e-5)
+    vision_lm_loss(model, _batch(rows, [0]))  # an image row, then the text row again
+    again, m = vision_lm_loss(model, _batch(rows, [1]))
+    assert np.isclose((again * m).item(), alone[1], rtol=1e-6)
+
+
+def test_training_lowers_the_held_out_answer_loss_and_the_adapters_load_in_mlx_vlm(tiny, tmp_path):
+    import mlx_vlm
+
+    base, data, model, processor = tiny
+    held_out = _rows(tiny, [vlm_tiny.square_row(c) for c in vlm_tiny.COLOURS])
+    before = vision_lm_loss(model, _batch(held_out))[0].item()
+    logs = []
+    result = finetune(_config(tiny, tmp_path, iters=12, assistant_only_loss=True), log=logs.append)
+    assert any(line.startswith("compile: off for this qwen2_vl model") for line in logs)
+    assert result["trainer"].config.compile is False
+    trained = result["model"]
+    trained.eval()
+    after = vision_lm_loss(trained, _batch(held_out))[0].item()
+    assert after < before - 1.0, (before, after)
+
+    adapters = result["adapter_path"]
+    with open(os.path.join(adapters, "adapter_config.json")) as f:
+        keys = json.load(f)["lora_parameters"]["keys"]
+    assert "language_model.model.layers.1.self_attn.q_proj" in keys and len(keys) == 14
+    loaded, _ = mlx_vlm.load(base, adapter_path=adapters)
+    assert np.isclose(vision_lm_loss(loaded, _batch(held_out))[0].item(), after, rtol=1e-5)
+    assert np.isclose(result["val_loss"], vision_lm_loss(loaded, _batch(_rows(
+        tiny, load_records(data)["valid"])))[0].item(), rtol=1e-5)
+
+
+def _answer_logprobs(model, tiny):
+    """log p(answer | picture) for each picture (rows) and each colour's answer (columns)."""
+    colours = list(vlm_tiny.COLOURS)
+    rows = _rows(tiny, [vlm_tiny.square_row(answer, f"images/{picture}.png") for picture in colours
+                        for answer in colours])
+    scores = []
+    for i in range(len(rows)):
+        loss, n = vision_lm_loss(model, _batch(rows, [i]))
+        scores.append(-(loss * n).item())
+    return np.array(scores).reshape(len(colours), len(colours))
+
+
+@pytest.mark.slow
+def test_training_learns_the_colour_from_the_picture(tiny, tmp_path):
+    """60 steps: for every held-out picture the right colour's answer is the likeliest (only the picture
+    tells which it is); the random model before training has no such preference."""
+    before = _answer_logprobs(tiny[2], tiny)
+    result = finetune(_config(tiny, tmp_path, iters=60, assistant_only_loss=True))
+    result["model"].eval()
+    after = _answer_logprobs(result["model"], tiny)
+    assert (after.argmax(axis=1) == np.arange(4)).all(), after
+    assert np.diag(after).mean() > np.diag(before).mean() + 20, (np.diag(before), np.diag(after))
+    wrong = (after.sum() - np.trace(after)) / 12
+    assert np.diag(after).mean() > wrong + 3, after
+
+
+def test_accumulation_equals_the_whole_batch(tiny, tmp_path):
+    def trained(**values):
+        result = finetune(_config(tiny, tmp_path / str(len(values)), **{"num_layers": 1, **values}))
+        return dict(tree_flatten(result["model"].trainable_parameters()))
+
+    whole = trained(batch_size=4, iters=4)
+    parts = trained(batch_size=2, grad_accumulation_steps=2, iters=8)  # mlx_lm.lora's iterations: 8 x 2 rows
+    worst = max(float(mx.abs(whole[k] - parts[k]).max()) for k in whole)
+    assert worst < 1e-5, worst
+
+
+def _resume_run(base, data, run_dir, out, *extra):
+    return subprocess.run([sys.executable, RESUME_SCRIPT, base, data, str(run_dir), str(out), "--train-mode", "vision",
+                           *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=400)
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_is_bit_exact(tiny, tmp_path):
+    base, data = tiny[:2]
+    full = _resume_run(base, data, tmp_path / "full", tmp_path / "full.safetensors")
+    assert full.returncode == 0, full.stdout[-3000:]
+    killed = _resume_run(base, data, tmp_path / "cut", tmp_path / "unused.safetensors", "--kill-at", "3")
+    assert killed.returncode == -9, killed.stdout[-3000:]
+    resumed = _resume_run(base, data, tmp_path / "cut", tmp_path / "resumed.safetensors")
+    assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stdout[-3000:]
+    a, b = mx.load(str(tmp_path / "full.safetensors")), mx.load(str(tmp_path / "resumed.safetensors"))
+    assert a.keys() == b.keys() and any(k.startswith("optimizer.") for k in a)
+    different = [k for k in a if not mx.array_equal(a[k], b[k])]
+    assert not different, f"{len(different)} tensors differ after resume, e.g. {different[:3]}"
+    assert json.loads((tmp_path / "full.safetensors.json").read_text()) == \
+        json.loads((tmp_path / "resumed.safetensors.json").read_text())
+
+
+def test_qwen2_5_vl_trains_too(tmp_path):
+    base = vlm_tiny.write_model_dir(str(tmp_path / "qwen2.5-vl"), model_type="qwen2_5_vl")
+    data = vlm_tiny.write_squares(str(tmp_path / "squares"), n_train=4, n_valid=2, text_rows=0)
+    result = finetune(FineTuneConfig(model=base, data=data, iters=2, num_layers=2, batch_size=2,
+                                     run_dir=str(tmp_path / "run")))
+    assert isinstance(result["task"], VisionSFT) and result["task"].model_type == "qwen2_5_vl"
+    assert np.isfinite(result["val_loss"])
