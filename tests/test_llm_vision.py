@@ -89,7 +89,7 @@ def test_without_mlx_vlm_a_vision_model_is_refused_before_loading(tiny, tmp_path
     assert not os.path.exists(tmp_path / "run" / "adapters")
 
 
-def test_image_rows_for_a_text_model_name_file_and_line(tiny, tmp_path):
+def test_image_rows_for_a_text_model_name_file_and_line(tiny, tmp_path, capsys):
     text_model, data = str(tmp_path / "text"), str(tmp_path / "data")
     llm_tiny.write_model_dir(text_model)
     llm_tiny.write_data(data, "chat", n_train=4, n_valid=2)
@@ -98,6 +98,11 @@ def test_image_rows_for_a_text_model_name_file_and_line(tiny, tmp_path):
     cfg = FineTuneConfig(model=text_model, data=data, iters=2, num_layers=2, batch_size=1)
     with pytest.raises(DataError, match=r"train\.jsonl:5: this row has images, but .* is a text-only model"):
         finetune(cfg)
+    from mlx_train.cli.main import main
+
+    code = main(["finetune", "--model", text_model, "--data", data, "--iters", "2", "--num-layers", "2"])
+    err = capsys.readouterr().err
+    assert code == 3 and "train.jsonl:5: this row has images" in err and "Traceback" not in err
 
 
 def test_masks_train_the_answers_and_never_the_image_tokens(tiny):
@@ -152,18 +157,21 @@ def test_training_lowers_the_held_out_answer_loss_and_the_adapters_load_in_mlx_v
     held_out = _rows(tiny, [vlm_tiny.square_row(c) for c in vlm_tiny.COLOURS])
     before = vision_lm_loss(model, _batch(held_out))[0].item()
     logs = []
-    result = finetune(_config(tiny, tmp_path, iters=12, assistant_only_loss=True), log=logs.append)
+    result = finetune(_config(tiny, tmp_path, iters=12, assistant_only_loss=True, test=True), log=logs.append)
     assert any(line.startswith("compile: off for this qwen2_vl model") for line in logs)
     assert result["trainer"].config.compile is False
     trained = result["model"]
     trained.eval()
     after = vision_lm_loss(trained, _batch(held_out))[0].item()
     assert after < before - 1.0, (before, after)
+    assert np.isclose(result["test_loss"], result["val_loss"], rtol=1e-5)  # the squares' test split is valid's
 
     adapters = result["adapter_path"]
     with open(os.path.join(adapters, "adapter_config.json")) as f:
         keys = json.load(f)["lora_parameters"]["keys"]
     assert "language_model.model.layers.1.self_attn.q_proj" in keys and len(keys) == 14
+    with open(os.path.join(adapters, "README.md")) as f:
+        assert f'load("{base}", adapter_path=' in f.read()  # the card's usage is mlx-vlm's
     loaded, _ = mlx_vlm.load(base, adapter_path=adapters)
     assert np.isclose(vision_lm_loss(loaded, _batch(held_out))[0].item(), after, rtol=1e-5)
     assert np.isclose(result["val_loss"], vision_lm_loss(loaded, _batch(_rows(

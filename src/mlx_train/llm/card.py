@@ -44,7 +44,7 @@ def card_facts(cfg: Any, result: dict[str, Any], task: Any = None) -> dict[str, 
     if "val_perplexity" in result:
         metrics["val_perplexity"] = round(result["val_perplexity"], 6)
     return {"base_model": cfg.model, "data": cfg.dataset, "method": cfg.fine_tune_type, "train_mode": task.name,
-            "hyperparameters": hyper, "metrics": metrics}
+            "library": task.library, "hyperparameters": hyper, "metrics": metrics}
 
 
 def _base_model_id(path: str) -> str:
@@ -65,7 +65,7 @@ def model_card(facts: dict[str, Any], fused: bool = False) -> str:
     lines += [f"| {k} | `{v}` |" for k, v in facts["hyperparameters"].items()]
     lines += ["", "## Final metrics", "", "| metric | value |", "| --- | --- |"]
     lines += [f"| {k} | {v} |" for k, v in facts["metrics"].items()]
-    lines += ["", "## Use", "", *_usage(base, fused)]
+    lines += ["", "## Use", "", *(_vision_usage(base) if facts.get("library") == "mlx-vlm" else _usage(base, fused))]
     return "\n".join(lines)
 
 
@@ -89,6 +89,13 @@ def _usage(base: str, fused: bool) -> list[str]:
                  "(`mlx-train finetune ... --fuse DIR`), or write the base as one with "
                  "`mlx_train.llm.save_model(*load_model(BASE), DIR)`.", ""]
     return code
+
+
+def _vision_usage(base: str) -> list[str]:
+    """How to load adapters of a vision-language model: mlx_vlm.load reads them."""
+    return ["```python", "from mlx_vlm import generate, load", "",
+            f'model, processor = load("{base}", adapter_path="path/to/this/directory")',
+            'print(generate(model, processor, "Describe the picture.", image=["picture.png"]))', "```", ""]
 
 
 def write_model_card(directory: str, facts: dict[str, Any], fused: bool = False) -> str:

@@ -96,6 +96,8 @@ class Task:
 
     name = ""
     unit = "trained tokens"
+    #: The library that loads the base with the adapters (the model card's usage): mlx-lm or mlx-vlm.
+    library = "mlx-lm"
     #: Settings that mean nothing for this task: a value other than the default is refused (``check``).
     inapplicable: tuple[str, ...] = ()
 
@@ -473,6 +475,8 @@ class VisionSFT(SFT):
 
     Example: ``VisionSFT(FinetuneConfig(model="Qwen2-VL-2B-Instruct", dataset="pictures"), "qwen2_vl").loss()``.
     """
+
+    library = "mlx-vlm"
 
     def __init__(self, config: FinetuneConfig, model_type: str) -> None:
         self.model_type = model_type
