@@ -178,6 +178,18 @@ def test_training_lowers_the_held_out_answer_loss_and_the_adapters_load_in_mlx_v
         tiny, load_records(data)["valid"])))[0].item(), rtol=1e-5)
 
 
+def test_dora_adapters_load_in_mlx_vlm(tiny, tmp_path):
+    import mlx_vlm
+
+    result = finetune(_config(tiny, tmp_path, fine_tune_type="dora", assistant_only_loss=True))
+    held_out = _rows(tiny, [vlm_tiny.square_row(c) for c in vlm_tiny.COLOURS])
+    result["model"].eval()
+    loaded, _ = mlx_vlm.load(tiny[0], adapter_path=result["adapter_path"])
+    trained = vision_lm_loss(result["model"], _batch(held_out))[0].item()
+    assert np.isclose(vision_lm_loss(loaded, _batch(held_out))[0].item(), trained, rtol=1e-5)
+    assert not np.isclose(vision_lm_loss(tiny[2], _batch(held_out))[0].item(), trained, rtol=1e-3)
+
+
 def _answer_logprobs(model, tiny):
     """log p(answer | picture) for each picture (rows) and each colour's answer (columns)."""
     colours = list(vlm_tiny.COLOURS)
