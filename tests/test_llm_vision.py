@@ -227,6 +227,13 @@ def test_accumulation_equals_the_whole_batch(tiny, tmp_path):
     assert worst < 1e-5, worst
 
 
+def test_recomputing_the_language_blocks_changes_no_number(tiny, tmp_path):
+    plain = finetune(_config(tiny, tmp_path / "plain", gradient_checkpointing=False))
+    again = finetune(_config(tiny, tmp_path / "again", gradient_checkpointing=True))
+    assert again["trainer"].config.checkpoint_modules == ["language_model.model.layers"]
+    assert again["val_loss"] == plain["val_loss"]
+
+
 def _resume_run(base, data, run_dir, out, *extra):
     return subprocess.run([sys.executable, RESUME_SCRIPT, base, data, str(run_dir), str(out), "--train-mode", "vision",
                            *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=400)

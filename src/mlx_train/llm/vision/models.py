@@ -163,9 +163,16 @@ def check_settings(config: FinetuneConfig, path: str) -> None:
             raise ConfigError(f"{path} is a vision-language model: {name} {getattr(config, name)!r}: {why}")
 
 
+#: The blocks ``gradient_checkpointing: true`` recomputes in a vision-language model: the language model's.
+LANGUAGE_BLOCKS = "language_model.model.layers"
+
+
 def trainer_settings(config: FinetuneConfig, model_type: str, log: Any = print) -> FinetuneConfig:
     """``config`` as the Trainer runs a vision-language model: the step uncompiled (its forward pass reads
-    values to Python, which ``mx.compile`` cannot trace), said in the log when it was on."""
+    values to Python, which ``mx.compile`` cannot trace), said in the log when it was on; and
+    ``gradient_checkpointing: true`` without ``checkpoint_modules`` recomputes the language model's blocks."""
+    if config.gradient_checkpointing is True and not config.checkpoint_modules:
+        config = config.replace(checkpoint_modules=[LANGUAGE_BLOCKS])
     if not config.compile:
         return config
     log(f"compile: off for this {model_type} model: its forward pass reads the image token positions to Python, "
