@@ -87,6 +87,31 @@ def test_mask_prompt_equals_mlx_lm_lora(tokenizers, template):
         assert docs.masks[i].tolist() == [int(j >= offset) for j in range(len(their_tokens))]
 
 
+@pytest.mark.parametrize("template", ["qwen", "llama3", "gemma", "smollm2"])
+def test_mask_prompt_rows_train_the_targets_mlx_lm_lora_trains(tokenizers, template):
+    """mlx_lm.lora's own batches and loss on the same records (iterate_batches, default_loss: its trained targets
+    are where the loss has a gradient) train the targets of our rows; past a row's tokens mlx-lm's mask reaches at
+    most the one padding target after its last token, which our rows leave out."""
+    import mlx.core as mx
+    from mlx_lm.tuner.datasets import CacheDataset, ChatDataset
+    from mlx_lm.tuner.trainer import default_loss, iterate_batches
+
+    tokenizer = tokenizers[template][1]
+    records = list(ct.CONVERSATIONS.values())
+    batch, lengths = next(iterate_batches(CacheDataset(ChatDataset(records, tokenizer, mask_prompt=True)),
+                                          batch_size=len(records), max_seq_length=4096))
+    logits = mx.zeros((*batch[:, 1:].shape, len(tokenizer._tokenizer)))
+    gradient = mx.grad(lambda x: default_loss(lambda _: x, batch, lengths)[0])(logits)
+    theirs = np.array(mx.abs(gradient).sum(axis=-1) > 0)
+    rows = SequenceDataset(tokenize(records, tokenizer, mask_prompt=True))
+    row_of = {tuple(rows[i]["inputs"].tolist() + rows[i]["targets"][-1:].tolist()): i for i in range(len(rows))}
+    for j, length in enumerate(np.array(lengths[:, 1]).tolist()):  # the batch's own order: find each row's record
+        row = rows[row_of[tuple(np.array(batch[j, :length]).tolist())]]
+        ours, n = row["loss_mask"].astype(bool), length - 1
+        assert 0 < ours.sum() < n and theirs[j, :n].tolist() == ours.tolist()
+        assert not theirs[j, n + 1:].any()
+
+
 def test_mask_prompt_on_a_template_whose_generation_prompt_is_no_prefix(tokenizers):
     """mlx-lm's offset counts the generation prompt's empty think block, which the conversation lacks: it starts
     inside the reply (past its end for a short reply: 0/0). Here the last reply trains from its first token."""

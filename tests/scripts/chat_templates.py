@@ -120,6 +120,17 @@ CONVERSATIONS = {
         {"role": "assistant", "content": "", "tool_calls": [_call("weather", {"city": "Paris"})]},
         {"role": "tool", "content": "sunny, 24 C"},
         {"role": "assistant", "content": "It is sunny in Paris today."}]},
+    "tools_two_rounds": {"tools": [WEATHER], "messages": [
+        {"role": "user", "content": "What is the weather in Paris and in Rome?"},
+        {"role": "assistant", "content": "",
+         "tool_calls": [_call("weather", {"city": "Paris"}), _call("weather", {"city": "Rome"})]},
+        {"role": "tool", "content": "sunny, 24 C"},
+        {"role": "tool", "content": "cloudy, 18 C"},
+        {"role": "assistant", "content": "It is sunny in Paris and cloudy in Rome."},
+        {"role": "user", "content": "And in Berlin?"},
+        {"role": "assistant", "content": "", "tool_calls": [_call("weather", {"city": "Berlin"})]},
+        {"role": "tool", "content": "rainy, 12 C"},
+        {"role": "assistant", "content": "It is rainy in Berlin."}]},
     "reasoning": {"messages": [
         {"role": "user", "content": "What is two plus two?"},
         {"role": "assistant", "content": "Two plus two is four.",
