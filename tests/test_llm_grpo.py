@@ -24,7 +24,15 @@ from mlx_train.errors import ConfigError, DataError  # noqa: E402
 from mlx_train.llm import FineTuneConfig, finetune  # noqa: E402
 from mlx_train.llm.adapters import AdapterConfig, apply_adapters  # noqa: E402
 from mlx_train.llm.data import collate  # noqa: E402
-from mlx_train.llm.grpo import GRPOConfig, GRPOLoss, PromptRows, advantages, rollout_batch  # noqa: E402
+from mlx_train.llm.grpo import (  # noqa: E402
+    GRPOConfig,
+    GRPOLoss,
+    Phases,
+    PromptRows,
+    advantages,
+    rollout_batch,
+    shared_layers,
+)
 from mlx_train.llm.rewards import RewardSet  # noqa: E402
 from mlx_train.llm.rollouts import Completions, Sampling, generate_groups, rollout_key  # noqa: E402
 from mlx_train.llm.tasks import task_for  # noqa: E402
@@ -71,10 +79,11 @@ def tokenizer():
     return llm_tiny.make_tokenizer()
 
 
-def _lora_model(tokenizer, seed=3):
-    """The tiny base with LoRA adapters whose lora_b is random (so every adapter matrix has a gradient)."""
-    model, _ = llm_tiny.make_model(len(tokenizer._tokenizer), seed=seed)
-    apply_adapters(model, AdapterConfig("lora", num_layers=2, rank=4, scale=2.0))
+def _lora_model(tokenizer, seed=3, layers=2, adapted=2):
+    """The tiny base with LoRA adapters on its last ``adapted`` layers whose lora_b is random (so every adapter
+    matrix has a gradient)."""
+    model, _ = llm_tiny.make_model(len(tokenizer._tokenizer), seed=seed, layers=layers)
+    apply_adapters(model, AdapterConfig("lora", num_layers=adapted, rank=4, scale=2.0))
     mx.random.seed(7)
     model.update(tree_map(lambda p: 0.1 * mx.random.normal(p.shape), model.trainable_parameters()))
     return model
@@ -133,11 +142,15 @@ def _hand_loss(model, base, prompts, completions, batch, old, cfg):
     return total / (len(per_token) * cfg.sampling.max_tokens)
 
 
-@pytest.mark.parametrize("loss_type,level", [("grpo", "token"), ("bnpo", "token"), ("dr_grpo", "token"),
-                                             ("grpo", "sequence"), ("bnpo", "sequence")])
-def test_loss_and_gradient_equal_a_hand_written_reference(tokenizer, loss_type, level):
-    model = _lora_model(tokenizer)
-    base, _ = llm_tiny.make_model(len(tokenizer._tokenizer), seed=3)
+@pytest.mark.parametrize("loss_type,level,layers", [("grpo", "token", 2), ("bnpo", "token", 2), ("dr_grpo", "token", 2),
+                                                    ("grpo", "sequence", 2), ("bnpo", "sequence", 2),
+                                                    ("grpo", "token", 4), ("bnpo", "sequence", 4)])
+def test_loss_and_gradient_equal_a_hand_written_reference(tokenizer, loss_type, level, layers):
+    """With 4 layers, adapters on the last 2: the reference pass starts from the policy's hidden state after
+    the first 2, which both compute alike."""
+    model = _lora_model(tokenizer, layers=layers, adapted=2)
+    assert shared_layers(model) == layers - 2
+    base, _ = llm_tiny.make_model(len(tokenizer._tokenizer), seed=3, layers=layers)
     prompts, completions, batch = _rollout(tokenizer)
     # old log-probabilities away from the policy's: ratios on both sides of the clipping range
     rng = np.random.default_rng(1)
@@ -189,6 +202,20 @@ def test_micro_batches_weighted_by_their_items_give_the_whole_batch_loss(tokeniz
     assert combined.item() == pytest.approx(whole, rel=1e-5)
 
 
+def test_phases_split_the_steps_time_and_leave_out_evaluations():
+    ticks = iter(range(0, 1000, 1))
+    phases = Phases(clock=lambda: float(next(ticks)))
+    phases.mark("update")  # the first rollout: no step before it
+    phases.mark("generation"), phases.mark("rewards")  # 1 s each
+    phases.mark("update")  # 1 s
+    phases.mark("generation"), phases.mark("rewards")
+    phases.forget()  # an evaluation: its rollouts and step belong to no phase
+    phases.mark("generation", measured=False), phases.mark("rewards", measured=False), phases.forget()
+    phases.mark("update")  # 1 s, measured after the evaluation: not counted
+    assert phases.read() == {"time_generation": 1.0, "time_rewards": 1.0, "time_update": 0.5}
+    assert phases.read() == {}
+
+
 def test_advantages_are_normalised_within_each_group():
     rewards = np.array([1.0, 0.0, 0.0, 0.0, 2.0, 2.0, 2.0, 2.0])
     out = advantages(rewards, 4)
@@ -234,7 +261,8 @@ def test_rollouts_are_reproducible_from_seed_step_and_rows(tokenizer):
     assert all(np.array_equal(np.array(first[k]), np.array(again[k]), equal_nan=True) for k in first)
     assert not np.array_equal(np.array(first["inputs"]), np.array(later["inputs"]))
     assert model.training  # sampled in evaluation mode, put back
-    assert first["inputs"].shape[0] == 16 and first["positions"].shape[1] % 32 == 0
+    assert first["inputs"].shape[0] == 16 and first["inputs"].shape[1] % 8 == 0
+    assert first["positions"].shape[1] == 10  # a multiple of 32, or max_tokens when less
     # another seed, other rows: other completions
     other = _loss_for(tokenizer, prompts, seed=6).prepare(model, batch, 3)
     assert not np.array_equal(np.array(first["inputs"]), np.array(other["inputs"]))
@@ -324,6 +352,8 @@ def test_cli_grpo_end_to_end_metrics_card_and_mlx_lm_loads_the_adapters(setup, t
     trained = [r for r in reports if "reward_mean" in r]
     assert len(trained) == 2 and {"reward_std", "reward_says_answer_mean", "reward_says_answer_coverage",
                                   "completion_length", "completion_length_max", "kl", "clip_ratio"} <= set(trained[0])
+    for report in trained:  # where the steps' time went
+        assert all(report[f"time_{p}"] > 0 for p in ("generation", "rewards", "update"))
     assert any("val_reward_mean" in r for r in reports)
     adapter_config = json.loads((run / "adapters" / "adapter_config.json").read_text())
     assert adapter_config["train_mode"] == "grpo" and adapter_config["group_size"] == 3

@@ -41,7 +41,9 @@ Example::
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,8 +54,11 @@ import numpy as np
 from mlx_train.errors import DataError
 from mlx_train.llm.rollouts import Sampling, generate_groups, rollout_key
 
-#: Rollout arrays are padded to a multiple of this many tokens: few shapes for the compiled step to trace.
-PAD_MULTIPLE = 32
+#: Rollout rows are padded to a multiple of this many tokens, and their completion slots (where the output
+#: projection runs, three times a step with a KL penalty) to a multiple of ``COMPLETION_MULTIPLE`` or the
+#: longest completion allowed: few shapes for the compiled step to trace, little computed on padding.
+PAD_MULTIPLE = 8
+COMPLETION_MULTIPLE = 32
 #: Added to a group's standard deviation (mlx-lm-lora's and TRL's).
 STD_EPSILON = 1e-4
 
@@ -223,26 +228,66 @@ def advantages(rewards: np.ndarray, group_size: int, scale: str = "group") -> np
     return np.asarray(centred.reshape(-1), dtype=np.float32)
 
 
-def rollout_batch(prompts: Sequence[np.ndarray], completions: Any, group_size: int) -> dict[str, np.ndarray]:
-    """The model inputs of a rollout: ``inputs``/``targets`` (prompt then completion, shifted by one, padded)
-    and ``positions`` (where each completion's tokens are targets, -1 after it), rows as in ``completions``.
+def rollout_batch(prompts: Sequence[np.ndarray], completions: Any, group_size: int,
+                  max_tokens: int | None = None) -> dict[str, np.ndarray]:
+    """The model inputs of a rollout: ``inputs``/``targets`` (prompt then completion, shifted by one, padded to
+    a multiple of ``PAD_MULTIPLE``) and ``positions`` (where each completion's tokens are targets, -1 after it;
+    a multiple of ``COMPLETION_MULTIPLE`` wide, or ``max_tokens``, the most a completion has, when that is
+    less), rows as in ``completions``.
 
     Example: ``rollout_batch([np.array([5, 6])], generate_groups(...), 4)["positions"][0, :3]`` -> ``[1, 2, 3]``.
     """
-    def up(n: int) -> int:
-        return -(-n // PAD_MULTIPLE) * PAD_MULTIPLE
+    def up(n: int, multiple: int) -> int:
+        return -(-n // multiple) * multiple
 
     rows = len(completions.lengths)
     prompt_lengths = np.repeat([len(p) for p in prompts], group_size)
-    width = up(int((prompt_lengths + completions.lengths).max()) - 1)
+    width = up(int((prompt_lengths + completions.lengths).max()) - 1, PAD_MULTIPLE)
+    slots = up(int(completions.lengths.max()), COMPLETION_MULTIPLE)
     inputs = np.zeros((rows, width + 1), np.int32)
-    positions = np.full((rows, up(int(completions.lengths.max()))), -1, np.int32)
+    positions = np.full((rows, slots if max_tokens is None else min(slots, max_tokens)), -1, np.int32)
     for r in range(rows):
         p, c = int(prompt_lengths[r]), int(completions.lengths[r])
         inputs[r, :p] = prompts[r // group_size]
         inputs[r, p:p + c] = completions.tokens[r, :c]
         positions[r, :c] = np.arange(p - 1, p - 1 + c)
     return {"inputs": inputs[:, :-1], "targets": inputs[:, 1:], "positions": positions}
+
+
+class Phases:
+    """Where GRPO's training steps spend their time, in seconds per rollout since the last ``read``:
+    ``generation`` (sampling the completions), ``rewards`` (their text, the reward functions, the advantages,
+    the rollout batch) and ``update`` (the rest: the reference and policy passes, the backward pass, the
+    optimizer, a report; measured from the end of one rollout to the next step's weights being ready, so a
+    rollout counts the update of the step before it).
+
+    Example: ``phases.mark("generation")`` adds the seconds since the last mark to ``generation``.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock
+        self.last: float | None = None
+        self.seconds: dict[str, float] = {}
+        self.rollouts = 0
+
+    def mark(self, phase: str, measured: bool = True) -> None:
+        """The seconds since the last mark were ``phase``'s (not counted when ``measured`` is False, or
+        when there was no last mark); ``rewards`` ends a rollout."""
+        now = self.clock()
+        if measured and self.last is not None:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self.last
+        self.rollouts += measured and phase == "rewards"
+        self.last = now
+
+    def forget(self) -> None:
+        """The time until the next mark belongs to no phase (an evaluation ran)."""
+        self.last = None
+
+    def read(self) -> dict[str, float]:
+        """``time_<phase>``: seconds per rollout since the last read."""
+        out = {f"time_{k}": v / max(self.rollouts, 1) for k, v in self.seconds.items()}
+        self.seconds, self.rollouts = {}, 0
+        return out
 
 
 class GRPOLoss:
@@ -266,13 +311,19 @@ class GRPOLoss:
                                                   for s in ("mean", "std", "coverage")),
                    "completion_length", "completion_length_max", "clip_ratio_low", "clip_ratio_high", "clip_ratio"]
         self.metric_names = tuple(metrics + (["kl"] if config.beta > 0 else []))
+        self.phases = Phases()
 
     # -- the rollout batch (main thread, before the step) ---------------------------------
 
     def prepare(self, model: nn.Module, batch: dict[str, Any], step: int | None) -> dict[str, mx.array]:
         """Sample ``group_size`` completions of each prompt of ``batch`` with ``model`` as it is now, score
         them and return the rollout batch the step trains on (``step`` None: an evaluation batch)."""
-        cfg = self.config
+        cfg, phases = self.config, self.phases
+        if step is None:
+            phases.forget()  # an evaluation batch: the time since the last rollout is no step's update
+        else:
+            mx.eval(model.trainable_parameters())  # the last step's update, which sampling waits for anyway
+            phases.mark("update")
         lengths = np.array(batch["prompt_mask"]).sum(axis=1)
         tokens = np.array(batch["prompt"])
         numbers = np.array(batch["row"]).astype(np.int64)
@@ -285,15 +336,19 @@ class GRPOLoss:
         finally:
             model.train(was_training)
         completions = _joined(parts)
+        phases.mark("generation", measured=step is not None)
         texts = [self.tokenizer.decode(completions.row(i, with_end=False)) for i in range(len(completions.lengths))]
         records = [self._record(int(n)) for n in numbers for _ in range(cfg.group_size)]
         scores = self.rewards.score([r[0] for r in records], texts, [r[1] for r in records], [r[2] for r in records])
         total = np.asarray(scores.total, np.float64)
-        out = rollout_batch(prompts, completions, cfg.group_size)
+        out = rollout_batch(prompts, completions, cfg.group_size, cfg.sampling.max_tokens)
         out["advantages"] = advantages(total, cfg.group_size, cfg.scale_rewards)
         out["rewards"] = total.astype(np.float32)
         out["function_rewards"] = np.stack([np.asarray(scores.per_function[n], np.float32) for n in self.names],
                                            axis=1) if self.names else np.zeros((len(total), 0), np.float32)
+        phases.mark("rewards", measured=step is not None)
+        if step is None:
+            phases.forget()  # the evaluation's own step comes next: no training step's update
         return {k: mx.array(v) for k, v in out.items()}
 
     def _sample(self, model: nn.Module, prompts: list[np.ndarray], numbers: np.ndarray, step: int | None) -> Any:
@@ -317,14 +372,96 @@ class GRPOLoss:
         cfg = self.config
         positions = batch["positions"]
         mask = positions >= 0
-        ref = None
+        ref, inputs, hidden, shared = None, batch["inputs"], None, 0
         if cfg.beta > 0:  # first: its activations are gone before the policy's are built
-            with adapters_off(model):
+            shared = shared_layers(model)  # below the adapters the reference computes what the policy does
+            if shared:
+                hidden = mx.stop_gradient(hidden_before(model, inputs, shared))
+            with adapters_off(model), layers_given(model, shared, hidden):
                 ref = mx.stop_gradient(target_logprobs(model, batch, self.chunk, grad=False)[0])
-        inputs = batch["inputs"] if ref is None else mx.depends(batch["inputs"], ref)
-        logps, _ = target_logprobs(model, {**batch, "inputs": inputs}, self.chunk, precompute=model.training)
+            if hidden is None:
+                inputs = mx.depends(inputs, ref)
+            else:
+                hidden = mx.depends(hidden, ref)
+        with layers_given(model, shared, hidden):
+            logps, _ = target_logprobs(model, {**batch, "inputs": inputs}, self.chunk, precompute=model.training)
         old = batch["old_logps"] if "old_logps" in batch else mx.stop_gradient(logps)
         return objective(cfg, logps, old, ref, mask, batch, self.names)
+
+
+# -- the reference pass shares the layers below the adapters -------------------------------
+
+
+class _StandIn:
+    """In ``model.layers`` for the duration of a pass, in place of ``layer``: returns ``hidden`` whatever it is
+    given, or (``hidden`` None) its input unchanged, the first input it saw kept in ``seen``. Other attributes
+    (a model's layer loop may read some, e.g. ``use_sliding``) are the layer's."""
+
+    def __init__(self, layer: Any, hidden: mx.array | None = None) -> None:
+        self.layer, self.hidden = layer, hidden
+        self.seen: mx.array | None = None
+
+    def __call__(self, x: mx.array, *args: Any, **kwargs: Any) -> mx.array:
+        if self.seen is None:
+            self.seen = x
+        return x if self.hidden is None else self.hidden
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["layer"], name)
+
+
+@contextmanager
+def _standing_in(layers: list[Any], start: int, stand_ins: list[_StandIn]) -> Iterator[None]:
+    """``layers[start:start + len(stand_ins)]`` replaced by ``stand_ins`` inside the block, put back on exit."""
+    originals = layers[start:start + len(stand_ins)]
+    layers[start:start + len(stand_ins)] = stand_ins
+    try:
+        yield
+    finally:
+        layers[start:start + len(stand_ins)] = originals
+
+
+def shared_layers(model: nn.Module) -> int:
+    """How many of ``model.layers``, from the first, are computed alike with the adapters on and off and train
+    nothing: the reference pass can start from the policy's hidden state after them (0: none, or a model
+    without a ``layers`` list, or with adapters or trained weights outside ``layers[n:]``).
+
+    Example: LoRA on the last 8 of 30 layers -> ``22``.
+    """
+    from mlx.utils import tree_flatten
+
+    from mlx_train.llm.preference import _base_layer
+
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, list):
+        return 0
+
+    def changes(module: nn.Module) -> int:  # adapters, trained arrays
+        return (sum(_base_layer(m) is not None for m in module.modules())
+                + len(tree_flatten(module.trainable_parameters())))
+
+    count = next((i for i, layer in enumerate(layers) if changes(layer)), 0)
+    inside = sum(changes(layer) for layer in layers[count:])
+    return count if inside == changes(model) else 0
+
+
+def hidden_before(model: nn.Module, inputs: mx.array, count: int) -> mx.array:
+    """The hidden state ``model.layers[count]`` receives for ``inputs`` (the layers from it on are skipped)."""
+    layers = model.layers
+    taps = [_StandIn(layer) for layer in layers[count:]]
+    with _standing_in(layers, count, taps):
+        model(inputs)  # lazily: only the layers below are ever computed
+    assert taps[0].seen is not None, "the model never called its layers"
+    return taps[0].seen
+
+
+def layers_given(model: nn.Module, count: int, hidden: mx.array | None) -> AbstractContextManager[None]:
+    """Inside the block, ``model.layers[:count]`` pass on ``hidden`` (their output, computed once by
+    ``hidden_before``) instead of computing it again; nothing changes when ``count`` is 0."""
+    if not count or hidden is None:
+        return nullcontext()
+    layers = model.layers
+    return _standing_in(layers, 0, [_StandIn(layer, hidden) for layer in layers[:count]])
 
 
 def objective(cfg: GRPOConfig, logps: mx.array, old: mx.array, ref: mx.array | None, mask: mx.array,

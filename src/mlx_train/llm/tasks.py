@@ -80,7 +80,15 @@ class PairCounter(Counter):
 
 class CompletionCounter(Counter):
     """Counts GRPO's sampled completions (their tokens with ``grpo_loss_type: bnpo``); the validation line
-    shows the mean reward of the sampled completions."""
+    shows the mean reward of the sampled completions; reports carry where the steps' time went (the loss's
+    ``phases``: ``time_generation``, ``time_rewards``, ``time_update``)."""
+
+    def __init__(self, unit: str, phases: Any = None) -> None:
+        super().__init__(unit)
+        self.phases = phases
+
+    def report_metrics(self) -> dict[str, float]:
+        return {} if self.phases is None else self.phases.read()
 
     def on_validation_end(self, trainer: Any, logs: dict[str, Any]) -> None:
         trainer.log(f"step {logs['step']}: val loss {logs['val_loss']:.4f}, val reward {logs['val_reward_mean']:.4f} "
@@ -383,6 +391,7 @@ class GRPO(Task):
         super().__init__(config)
         self.unit = "completion tokens" if config.grpo_loss_type == "bnpo" else "completions"
         self._parts: dict[str, Any] = {}
+        self._loss: Any = None
 
     def check(self) -> None:
         super().check()
@@ -425,14 +434,15 @@ class GRPO(Task):
             raise ConfigError("the GRPO loss samples from the run's prompts and scores with its reward functions: "
                               "build the datasets first (task.datasets(...), as finetune() does)")
         parts = self._parts
-        return grpo.GRPOLoss(grpo.GRPOConfig.from_finetune(self.config), parts["rewards"], parts["rewards"].names,
+        self._loss = grpo.GRPOLoss(grpo.GRPOConfig.from_finetune(self.config), parts["rewards"], parts["rewards"].names,
                              parts["tokenizer"], parts["rows"], chunk=self.config.loss_chunk)
+        return self._loss
 
     def parameters_line(self, method: str, trainable: int, total: int) -> str:
         return f"grpo with {method}: training {trainable:,} of {total:,} parameters"
 
     def counter(self) -> Counter:
-        return CompletionCounter(self.unit)
+        return CompletionCounter(self.unit, self._loss.phases if self._loss is not None else None)
 
     def adapter_facts(self) -> dict[str, Any]:
         return {"train_mode": "grpo", **self.card_hyperparameters()}
