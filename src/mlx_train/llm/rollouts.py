@@ -102,7 +102,10 @@ class Completions:
         return [int(t) for t in self.tokens[i, :n]]
 
 
-def _caches(model: nn.Module, left_padding: list[int]) -> list[Any]:
+def _caches(model: nn.Module, left_padding: list[int], length: int) -> list[Any]:
+    """One ``BatchKVCache`` per layer, its keys and values allocated once for ``length`` positions (the prompts'
+    width and the most tokens a completion has) instead of mlx-lm's 256 at a time: a rollout of 8 short
+    completions of SmolLM2-135M held 94 MB of cache for 20 MB of keys and values."""
     from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
     kinds = {type(c).__name__ for c in make_prompt_cache(model)}
@@ -111,7 +114,10 @@ def _caches(model: nn.Module, left_padding: list[int]) -> list[Any]:
                           f"{type(model).__module__}.{type(model).__name__} uses {', '.join(sorted(kinds))} (sliding "
                           "windows or recurrent state), which this sampling does not handle yet; fine-tune a model "
                           "with full attention in every layer (llama, qwen2, qwen3, mistral, ...)")
-    return [BatchKVCache(left_padding) for _ in model.layers]
+    caches = [BatchKVCache(left_padding) for _ in model.layers]
+    for cache in caches:
+        cache.step = length  # the allocation granularity (a class attribute, 256, in mlx-lm)
+    return caches
 
 
 def _last_logits(model: nn.Module, tokens: mx.array, cache: list[Any]) -> mx.array:
@@ -138,7 +144,7 @@ def generate_groups(model: nn.Module, prompts: Sequence[np.ndarray], group_size:
     padded = np.zeros((len(prompts), width), dtype=np.int32)
     for i, prompt in enumerate(prompts):
         padded[i, width - len(prompt):] = prompt
-    cache = _caches(model, [width - len(p) for p in prompts])
+    cache = _caches(model, [width - len(p) for p in prompts], width + sampling.max_tokens)
     logits = _last_logits(model, mx.array(padded), cache)
     repeat = mx.array(np.repeat(np.arange(len(prompts)), group_size))
     for layer in cache:  # each prompt's keys and values, once per completion of its group
