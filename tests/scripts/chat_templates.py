@@ -37,6 +37,19 @@ QWEN3 = QWEN.replace("{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n
                      "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' }}"
                      "{% endif %}")
 
+# Qwen3 thinking, as it renders a multi-turn chat: only the assistant turns after the last user message carry
+# their think block (empty without reasoning; the model writes it after the generation prompt); earlier ones lose
+# it once a later user turn follows, so a turn rendered on its own is not the text it becomes inside the whole
+# conversation.
+QWEN3_THINKING = (
+    "{% set ns = namespace(last_user=-1) %}{% for m in messages %}{% if m.role == 'user' %}"
+    "{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}"
+    + QWEN.replace("{% if message.reasoning_content %}{{ '<think>\\n' + message.reasoning_content + "
+                    "'\\n</think>\\n\\n' }}{% endif %}",
+                    "{% if loop.index0 > ns.last_user %}{{ '<think>\\n' + (message.reasoning_content or '') + "
+                    "'\\n</think>\\n\\n' }}{% endif %}")
+)
+
 LLAMA3 = (
     "{{ '<|im_start|>' }}{% for message in messages %}"
     "{% set role = 'ipython' if message.role == 'tool' else message.role %}"
@@ -69,7 +82,8 @@ SMOLLM2 = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
-TEMPLATES = {"qwen": QWEN, "qwen3": QWEN3, "llama3": LLAMA3, "gemma": GEMMA, "smollm2": SMOLLM2}
+TEMPLATES = {"qwen": QWEN, "qwen3": QWEN3, "qwen3_thinking": QWEN3_THINKING, "llama3": LLAMA3, "gemma": GEMMA,
+             "smollm2": SMOLLM2}
 
 
 def unmarked(template: str) -> str:

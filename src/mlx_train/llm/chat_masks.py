@@ -14,8 +14,10 @@ transformers' ``apply_chat_template(..., return_assistant_tokens_mask=True)`` co
 the conversation is rendered turn by turn: an assistant turn is what rendering it adds to the
 conversation before it with the generation prompt (from the first character where the two differ, so
 a generation prompt that is not a prefix of the turn still works), without the whitespace that ends
-it, found at its place in the whole rendering. A token is trained when its characters overlap a
-trained span (transformers' rule).
+it, found at its place in the whole rendering; where a template renders an earlier turn differently once
+later turns follow (Qwen3 drops its think block), the turn's content is where two renderings of the whole
+conversation with two stand-ins for it differ, followed by the end of its turn. A token is trained when its
+characters overlap a trained span (transformers' rule).
 
 Example::
 
@@ -162,6 +164,11 @@ def assistant_spans(tokenizer: Any, messages: Sequence[Message], tools: Any, tex
         else:  # the template renders earlier turns differently once later ones follow: find the turn's text
             where = text.find(turn, cursor)
             if where < 0:
+                span = _located(tokenizer, messages, tools, i, text, turn)
+                if span is not None and span[0] >= cursor:
+                    found.append((i, span))
+                    cursor = span[1]
+                    continue
                 raise DataError(f"the chat template renders assistant message {i + 1} differently inside the whole "
                                 "conversation than turn by turn, so its tokens cannot be found; add "
                                 "{% generation %} ... {% endgeneration %} around the assistant's text in the "
@@ -169,6 +176,24 @@ def assistant_spans(tokenizer: Any, messages: Sequence[Message], tools: Any, tex
         found.append((i, (where, where + len(turn))))
         cursor = where + len(turn)
     return found
+
+
+def _common_suffix(a: str, b: str) -> int:
+    return _common_prefix(a[::-1], b[::-1])
+
+
+def _located(tokenizer: Any, messages: Sequence[Message], tools: Any, i: int, text: str, turn: str) -> Span | None:
+    """Assistant message ``i``'s span in the whole rendering ``text`` when its turn, rendered on its own, is not
+    there as it is (a template that drops the think block of earlier turns): its content is where two renderings
+    of the whole conversation with two stand-ins for it differ, and the turn ends with the text that ends ``turn``
+    and follows the content in ``text`` (its end-of-turn token). None when that finds nothing."""
+    probes = [render(tokenizer, [*messages[:i], {**messages[i], "content": stand_in}, *messages[i + 1:]], tools)
+              for stand_in in ("A", "B")]
+    start, end = _common_prefix(*probes), len(text) - _common_suffix(*probes)
+    if not 0 <= start <= end <= len(text) or text[:start] != probes[0][:start]:
+        return None
+    ending = next((k for k in range(len(turn), 0, -1) if text.startswith(turn[-k:], end)), 0)
+    return (start, end + ending) if end + ending > start else None
 
 
 def _marked(tokenizer: Any, messages: Sequence[Message],
