@@ -194,3 +194,34 @@ def test_a_tensor_parallel_finetune_resumes_like_one_process(setup, tmp_path, ca
     assert np.allclose([loss for _, loss in two], [loss for _, loss in one], rtol=0, atol=1e-5)
     mine, theirs = (mx.load(str(tmp_path / run / "adapters" / "adapters.safetensors")) for run in ("one", "two"))
     assert all(np.allclose(np.array(mine[k]), np.array(theirs[k]), rtol=0, atol=2e-5) for k in mine)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_tensor_parallel_finetune_resumes_on_one_plain_process_as_on_one_rank(setup, tmp_path, monkeypatch):
+    """A checkpoint of 2 tensor-parallel ranks resumed by a plain `finetune --resume` (no --distributed): the
+    slices are joined into one model's adapters and optimizer state, exactly as `--distributed -n 1` joins them."""
+    import shutil
+    import subprocess
+
+    monkeypatch.setenv("MLX_TRAIN_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "1")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([os.path.abspath(SRC), os.environ.get("PYTHONPATH", "")]))
+    common = ["--lr", "1e-3", "--steps-per-report", "1", "--batch-size", "2", "--save-every", "2", "--set",
+              "num_workers=0", "--val-batches", "1"]
+    assert main(_finetune(setup, tmp_path / "plain", "--iters", "4", "--distributed", "-n", "2", "--strategy",
+                          "tensor_parallel", "--max-restarts", "0", *common)) == 0
+    shutil.copytree(tmp_path / "plain", tmp_path / "rank")
+    # A process of its own, as the rank is (this one's BLAS may use other threads: other float rounding).
+    plain = subprocess.run([sys.executable, "-m", "mlx_train", "finetune", "--run-dir", str(tmp_path / "plain"),
+                            "--resume", "--max-steps", "6"], capture_output=True, text=True, timeout=600)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    assert "differently sized" not in plain.stderr
+    assert f"resumed from {tmp_path / 'plain' / 'checkpoints' / 'step-00000004'} (step 4" in plain.stdout, plain.stdout
+    assert main(["finetune", "--run-dir", str(tmp_path / "rank"), "--resume", "--max-steps", "6", "--distributed",
+                 "-n", "1", "--max-restarts", "0"]) == 0
+    assert _losses(tmp_path / "plain") == _losses(tmp_path / "rank")  # steps 5 and 6 too, bit for bit
+    for name in ("adapters/adapters.safetensors", "checkpoints/step-00000006/optimizer.safetensors"):
+        plain, rank = (mx.load(str(tmp_path / run / name)) for run in ("plain", "rank"))
+        assert sorted(plain) == sorted(rank), name
+        assert all(np.array_equal(np.array(plain[k]), np.array(rank[k])) for k in plain), name

@@ -155,7 +155,13 @@ class Topology:
 
     def restored_arrays(self, path: str, arrays: dict[str, dict[str, mx.array]],
                         saved: dict[str, Any]) -> dict[str, dict[str, mx.array]]:
-        """This rank's part of the arrays (by group: model, optimizer...) of checkpoint ``path``."""
+        """This rank's part of the arrays (by group: model, optimizer...) of checkpoint ``path``: all of them,
+        joined from every rank's slices when a tensor-parallel run of several ranks wrote it (as that run
+        resumed on one rank would read it)."""
+        if int((saved.get("tensor_parallel") or {}).get("world_size", 1)) > 1:
+            from mlx_train.distributed.tensor.checkpoints import reshard  # (loads tensor parallelism only here)
+
+            return reshard(path, arrays, saved, {}, 0, 1)
         return arrays
 
     # -- reports -----------------------------------------------------------------------------
