@@ -72,6 +72,33 @@ def test_what_a_split_model_cannot_do_is_refused_before_launching(setup, tmp_pat
     assert not (tmp_path / "run" / "distributed").exists()  # no rank was started
 
 
+@pytest.mark.parametrize("processes,why,fits", [
+    (4, "its 3 key/value heads cannot go to 4 processes: each needs one", "launch -n 2,"),
+    (3, "its MLP's 64 hidden units do not divide by 3", "launch -n 2,"),
+])
+def test_a_number_of_processes_the_heads_cannot_split_over_is_refused_before_launching(
+        tmp_path, capsys, monkeypatch, processes, why, fits):
+    """9 attention heads in 3 key/value groups and an MLP of 64: 2 ranks split it (by whole groups), 3 or 4 cannot;
+    config.json says so before any rank loads the model."""
+    import tp_uneven_run
+
+    from mlx_train.llm.models import save_model
+
+    monkeypatch.setenv("MLX_TRAIN_HOME", str(tmp_path / "home"))
+    tokenizer = llm_tiny.make_tokenizer()
+    model, config = tp_uneven_run.make_model(len(tokenizer._tokenizer))
+    save_model(model, tokenizer, config, str(tmp_path / "base"))
+    llm_tiny.write_data(str(tmp_path / "data"), "completion", n_train=4, n_valid=2)
+    code = main(["finetune", "--model", str(tmp_path / "base"), "--data", str(tmp_path / "data"), "--run-dir",
+                 str(tmp_path / "run"), "--distributed", "-n", str(processes), "--strategy", "tensor_parallel"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert f"-n {processes} cannot split {tmp_path / 'base'} by tensor parallelism: {why} ({tmp_path / 'base'}/" \
+           "config.json: num_attention_heads 9, num_key_value_heads 3, intermediate_size 64); " + fits in err, err
+    assert "Nothing was launched" in err and "Traceback" not in err
+    assert not (tmp_path / "run" / "distributed").exists()  # no rank was started
+
+
 def test_dpo_with_a_reference_model_or_reference_free_is_not_refused():
     from mlx_train.config import FinetuneConfig
     from mlx_train.llm.finetune import check_tensor_parallel

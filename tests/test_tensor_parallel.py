@@ -94,9 +94,24 @@ def test_heads_that_do_not_split_over_the_ranks_are_refused_before_sharding():
         def size(self):
             return 4
 
-    with pytest.raises(ConfigError, match=r"n_kv_heads is 2: 2 attention heads do not split over 4 processes"):
+    with pytest.raises(ConfigError, match=r"model\.layers\.\d\.self_attn cannot be split over 4 processes: its 2 "
+                                          r"key/value heads cannot go to 4 processes: each needs one; this attention "
+                                          r"splits over 2 processes: launch that many"):
         tensor.shard_model(model, Four())
     assert not tensor.is_sharded(model)
+
+
+def test_the_split_rule_names_the_numbers_of_processes_that_work():
+    from mlx_train.distributed.tensor.layers import describe_counts, process_counts, split_problem
+
+    assert split_problem(4, 9, 3) == "its 3 key/value heads cannot go to 4 processes: each needs one"
+    assert split_problem(2, 9, 3) is None  # by whole key/value groups: 2 + 1
+    assert split_problem(2, 9, 3, uneven=False).startswith("its 9 attention heads in 3 key/value groups do not divide")
+    assert split_problem(3, 9, 3, [64]) == "its MLP's 64 hidden units do not divide by 3"
+    assert process_counts(8, 9, 3) == [2, 3] and process_counts(8, 9, 3, [64]) == [2]
+    assert process_counts(32, 32, 8, [11008]) == [2, 4, 8]
+    assert process_counts(8, 4, 2, uneven=False) == [2] and process_counts(8, 1, 1) == []
+    assert (describe_counts([2]), describe_counts([2, 4, 8]), describe_counts([])) == ("2", "2, 4 or 8", "")
 
 
 def test_the_layout_names_every_split_parameter_and_its_axis():

@@ -73,7 +73,9 @@ def test_fewer_key_value_groups_than_ranks_are_still_refused():
         def size(self):
             return 4
 
-    with pytest.raises(ConfigError, match=r"self_attn.n_heads is 9: 9 attention heads do not split over 4 processes"):
+    with pytest.raises(ConfigError, match=r"self_attn cannot be split over 4 processes: its 3 key/value heads cannot "
+                                          r"go to 4 processes: each needs one; this attention splits over 2 or 3 "
+                                          r"processes: launch that many"):
         llm_tensor_parallel.shard_language_model(model, Four(0))
     assert not tensor.is_sharded(model)
 

@@ -185,12 +185,18 @@ def tensor_parallel_split(config: Any) -> Any:
 def _launch(args: argparse.Namespace, config: Any) -> int:
     """``finetune --distributed``: make room in the run directory (or continue it), then run the ranks under
     train's supervisor; each rank runs ``mlx-train finetune --config <the resolved config>``."""
-    from mlx_train.launch.train import train_distributed
+    from mlx_train.launch.train import cluster_for, train_distributed
     from mlx_train.llm.finetune import check_before_loading, check_tensor_parallel
     from mlx_train.run_directory import RunDirectory
 
     check_before_loading(config, args.resume, args.overwrite, launched=True)
-    check_tensor_parallel(config.replace(distributed_strategy=args.strategy or config.distributed_strategy))
+    split = config.replace(distributed_strategy=args.strategy or config.distributed_strategy)
+    check_tensor_parallel(split)
+    if split.distributed_strategy == "tensor_parallel":  # the heads must split over the ranks: said before launching
+        from mlx_train.llm.tensor_parallel import check_process_count
+
+        check_process_count(split, cluster_for(args.num_processes, args.hostfile, config.distributed_backend)
+                            .num_processes)
     if not args.resume:
         RunDirectory.of(config.run_dir, config.checkpoint_dir).make_room(args.overwrite, print)
     return train_distributed(args, config, command_name="finetune")

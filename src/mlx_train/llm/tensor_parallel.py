@@ -6,6 +6,8 @@ model's output head), the adapters on the split layers, and the adapters written
 ``shard_for_finetune`` then adds the adapters (``llm.adapters``), split with their layers;
 ``save_gathered_adapters`` gathers them and writes mlx-lm's adapter format. ``TensorParallelAdapters`` is the
 ``llm.finetune.AdapterSplit`` that ``finetune`` uses for ``distributed_strategy: tensor_parallel``.
+``check_process_count`` refuses, before any rank is launched, a number of processes that the base model's
+config.json says cannot split it.
 
 Example::
 
@@ -16,6 +18,8 @@ Example::
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any
 
 import mlx.core as mx
@@ -23,14 +27,23 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from mlx_train.distributed.tensor.checkpoints import read_shard
-from mlx_train.distributed.tensor.layers import VocabParallelEmbedding, materialize, shard_model
+from mlx_train.distributed.tensor.layers import (
+    VocabParallelEmbedding,
+    describe_counts,
+    materialize,
+    process_counts,
+    shard_model,
+    split_problem,
+)
 from mlx_train.distributed.tensor.layout import Layout, axis_of, gather_parameters, shard_layout
+from mlx_train.errors import ConfigError
 from mlx_train.llm.adapters import AdapterConfig, apply_adapters, save_adapters
 from mlx_train.llm.finetune import check_tensor_parallel
 from mlx_train.transforms import logits_head
 
 __all__ = ["shard_language_model", "shard_for_finetune", "replicated_vocabulary", "save_gathered_adapters",
-           "TensorParallelAdapters", "finetune_split", "language_model_head"]
+           "TensorParallelAdapters", "finetune_split", "language_model_head", "base_model_config",
+           "check_process_count"]
 
 
 def language_model_head(model: nn.Module) -> nn.Module | None:
@@ -134,3 +147,63 @@ def finetune_split(config: Any, group: Any) -> TensorParallelAdapters | None:
               "splitting it (an mlx-lm directory loads lazily: each rank keeps only its slices)", flush=True)
     return TensorParallelAdapters(group) if group.size() > 1 else None
 
+
+
+_EXPERTS = ("num_experts", "n_routed_experts", "num_local_experts")  # a mixture of experts splits its MLPs its own way
+
+
+def base_model_config(path: str) -> tuple[dict[str, Any], str] | None:
+    """``(config.json, where it was read)`` of a base model, without loading it: an mlx-lm / Hugging Face
+    directory, or a Hugging Face repo id already in the local cache; None otherwise (a GGUF file, a repo id not
+    downloaded yet, an unreadable file: the ranks then check the model they load).
+
+    Example: ``base_model_config("base")`` -> ``({"num_attention_heads": 9, ...}, "base/config.json")``
+    """
+    found: str | None = os.path.join(path, "config.json")
+    if not os.path.isfile(str(found)):
+        found = None
+        if not path.endswith(".gguf") and not os.path.exists(path):
+            try:
+                from huggingface_hub import try_to_load_from_cache
+
+                cached = try_to_load_from_cache(path, "config.json")
+                found = cached if isinstance(cached, str) else None
+            except Exception:  # noqa: BLE001 - not a repo id, no hub library: the ranks will say
+                found = None
+    if found is None:
+        return None
+    try:
+        with open(found, encoding="utf-8") as file:
+            config = json.load(file)
+    except (OSError, ValueError):
+        return None
+    return (config, found) if isinstance(config, dict) else None
+
+
+def check_process_count(config: Any, processes: int) -> None:
+    """Refuse, before launching, ``processes`` ranks that cannot split ``config.model`` (a FinetuneConfig's base)
+    by tensor parallelism: its attention and key/value heads and its MLP size as its config.json gives them,
+    by the rule the ranks apply (``distributed.tensor.layers.split_problem``). The error names the numbers of
+    processes that split it. Nothing is checked when the config cannot be read without loading the model.
+
+    Example: ``check_process_count(FinetuneConfig(model="base"), 4)`` raises ConfigError for 3 key/value heads.
+    """
+    found = base_model_config(str(config.model)) if config.model and processes > 1 else None
+    if found is None:
+        return
+    model_config, where = found
+    sizes = {key: model_config.get(key) for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size")}
+    heads, kv, width = (value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+                        for value in sizes.values())
+    mlp = [width] if width is not None and not any(key in model_config for key in _EXPERTS) else []
+    quantized = config.quantized if config.quantized is not None else mx.default_device() == mx.gpu
+    uneven = not (quantized and "quantization" in model_config)  # quantized layers are split only evenly
+    why = split_problem(processes, heads, kv, mlp, uneven)
+    if why is None:
+        return
+    counts = describe_counts(process_counts(max(processes, kv or heads or 1), heads, kv, mlp, uneven))
+    given = ", ".join(f"{key} {value}" for key, value in sizes.items() if value is not None)
+    fits = f"launch -n {counts}" if counts else "no number of processes splits it"
+    raise ConfigError(
+        f"-n {processes} cannot split {config.model} by tensor parallelism: {why} ({where}: {given}); {fits}, or "
+        "train with --strategy data_parallel. Nothing was launched")

@@ -36,7 +36,7 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, cast, runtime_checkable
 
 import mlx.core as mx
@@ -50,7 +50,8 @@ from mlx_train.errors import ConfigError
 from mlx_train.snapshot import rng_key, set_rng_key
 
 __all__ = ["Shardable", "shard_model", "materialize", "VocabularySlice", "VocabParallelEmbedding",
-           "VocabParallelHead", "shard_vocabulary", "group_counts", "HEAD_COUNTS"]
+           "VocabParallelHead", "shard_vocabulary", "group_counts", "HEAD_COUNTS", "split_problem", "process_counts",
+           "describe_counts"]
 
 
 @runtime_checkable
@@ -234,20 +235,73 @@ def shard_vocabulary(model: nn.Module, group: Any, head: nn.Module | None) -> bo
 HEAD_COUNTS = ("n_heads", "n_kv_heads", "num_heads", "num_key_value_heads")
 
 
+def split_problem(size: int, heads: int | None, kv_heads: int | None = None, mlp: Sequence[int] = (),
+                  uneven: bool = True) -> str | None:
+    """Why attention with ``heads`` query heads in ``kv_heads`` key/value groups (None: as many as ``heads``) and
+    MLPs of ``mlp`` hidden units cannot be split over ``size`` processes, or None when they can: evenly, or
+    unevenly by whole key/value groups where ``uneven`` (llama-style unquantized attention, see the module
+    docstring). The one rule for the check before launching and the ranks' own.
+
+    Example: ``split_problem(4, 9, 3)`` -> ``"its 3 key/value heads cannot go to 4 processes: each needs one"``
+    """
+    if size <= 1:
+        return None
+    kv = kv_heads or heads
+    if heads is not None and kv is not None and (heads % size or kv % size):
+        if kv < size:
+            return f"its {kv} key/value head{'s' if kv != 1 else ''} cannot go to {size} processes: each needs one"
+        if not uneven or heads % kv:
+            return (f"its {heads} attention heads in {kv} key/value groups do not divide by {size}, and this "
+                    "attention is split only evenly (unequal runs of whole groups need llama-style unquantized "
+                    "q/k/v/o projections)")
+    for width in mlp:
+        if width % size:
+            return f"its MLP's {width} hidden units do not divide by {size}"
+    return None
+
+
+def process_counts(most: int, heads: int | None, kv_heads: int | None = None, mlp: Sequence[int] = (),
+                   uneven: bool = True) -> list[int]:
+    """The numbers of processes from 2 to ``most`` that ``split_problem`` allows.
+
+    Example: ``process_counts(8, 9, 3)`` -> ``[2, 3]``
+    """
+    return [size for size in range(2, most + 1) if split_problem(size, heads, kv_heads, mlp, uneven) is None]
+
+
+def describe_counts(counts: list[int]) -> str:
+    """``"2 or 3"``, ``"2, 4 or 8"`` (past twelve: ``"2, 3, ... 13, ..."``); empty for none."""
+    words = [str(n) for n in counts]
+    if len(words) > 12:
+        return f"{', '.join(words[:12])}, ..."
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}" if words else ""
+
+
+def _llama_attention(module: nn.Module) -> bool:
+    """mlx-lm's llama-style attention, unquantized: what ``_uneven_attention`` can split by whole groups."""
+    return _count(module, "n_heads") is not None and _count(module, "n_kv_heads") is not None and \
+        all(type(module.get(n)) is nn.Linear for n in ATTENTION_LINEARS)
+
+
 def _check_heads(model: nn.Module, size: int, skip: list[nn.Module] | None = None) -> None:
-    """Attention heads must divide over the ranks (mlx-lm's ``shard`` divides them without checking, and
-    the model then fails at its first forward pass), unless the attention is split unevenly (``skip``)."""
+    """Attention heads must split over the ranks (mlx-lm's ``shard`` divides them without checking, and the
+    model then fails at its first forward pass), evenly or, for the attention in ``skip``, by key/value groups;
+    the error names the numbers of processes that split it."""
     skipped = {id(m) for m in skip or []}
     for path, module in model.named_modules():
-        if id(module) in skipped:
+        heads = _count(module, "n_heads") or _count(module, "num_heads")
+        kv = _count(module, "n_kv_heads") or _count(module, "num_key_value_heads")
+        if id(module) in skipped or (heads is None and kv is None):
             continue
-        for name in HEAD_COUNTS:
-            count = getattr(module, name, None)
-            if isinstance(count, int) and not isinstance(count, bool) and count % size:
-                raise ConfigError(
-                    f"{path}.{name} is {count}: {count} attention heads do not split over {size} processes. "
-                    f"Launch a number of processes that divides it, or split only the MLPs (a shard(group) that "
-                    "leaves attention whole; see mlx_train.distributed.tensor.layers)")
+        uneven = _llama_attention(module)
+        why = split_problem(size, heads or kv, kv, uneven=uneven)
+        if why:
+            counts = describe_counts(process_counts(max(size, kv or heads or 1), heads or kv, kv, uneven=uneven))
+            fits = f"this attention splits over {counts} processes: launch that many" if counts else \
+                "no number of processes splits it: train with strategy 'data_parallel'"
+            raise ConfigError(
+                f"{path} cannot be split over {size} processes: {why}; {fits}, or split only the MLPs (a "
+                "shard(group) that leaves attention whole; see mlx_train.distributed.tensor.layers)")
 
 
 # -- attention split unevenly by key/value groups --------------------------------------------------
