@@ -232,3 +232,32 @@ def test_readme_set_up_works_on_a_fresh_debian_and_matches_ci(tmp_path):
     sample = tmp_path / "sample.yaml"
     sample.write_text(yaml_block)
     assert TrainConfig.from_yaml(sample).precision == "float32"  # bfloat16 crawls on the Linux CPU
+
+
+CONSOLE_SCRIPT = "import sys\nfrom mlx_train.cli.main import main\nsys.exit(main())\n"  # what pip writes for mlx-train
+
+
+@pytest.mark.parametrize("point", ["start", "imports"])
+@pytest.mark.parametrize("entry", ["python -m mlx_train", "mlx-train"])
+def test_ctrl_c_from_the_very_start_is_one_line_and_exit_code_130(tmp_path, entry, point):
+    """SIGINT where the command holds (its test hook reports it on stderr): as mlx_train starts to import, and
+    after the CLI's imports, right before main() catches KeyboardInterrupt. One line, 130, nothing written."""
+    import signal
+
+    script = tmp_path / "mlx-train"
+    script.write_text(CONSOLE_SCRIPT)
+    command = [sys.executable, "-m", "mlx_train"] if entry.startswith("python") else [sys.executable, str(script)]
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "MLX_TRAIN_HOLD_AT_START": point}
+    run_dir = tmp_path / "run"
+    child = subprocess.Popen([*command, "train", "--run-dir", str(run_dir), "--max-steps", "1"], env=env, cwd=tmp_path,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # Ctrl-C's default
+    try:
+        assert child.stderr.readline() == f"mlx-train test hook: held at {point}\n"
+        child.send_signal(signal.SIGINT)
+        out, err = child.communicate(timeout=120)
+    finally:
+        child.kill()
+    assert (child.returncode, out, err) == (130, "", "mlx-train: interrupted\n")
+    assert not run_dir.exists()  # nothing that would stand in the way of a fresh start

@@ -9,10 +9,15 @@ Example::
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+# First: in the mlx-train command's process, Ctrl-C before the command can catch it is one line (see _start.py).
+from mlx_train import _start
+
+_start.guard()
+
+from typing import TYPE_CHECKING  # noqa: E402
 
 # The optimized BLAS must be loaded before anything imports mlx.core (Linux CPU; see _blas.py).
-from mlx_train import _blas
+from mlx_train import _blas  # noqa: E402
 
 _blas.preload()
 

@@ -22,6 +22,7 @@ import warnings
 from collections.abc import Iterable, Sequence
 from typing import NoReturn, TypeVar, overload
 
+from mlx_train import _start
 from mlx_train.errors import ConfigError, MLXTrainError, did_you_mean
 
 _N = TypeVar("_N")  # a namespace object given to parse_args
@@ -153,6 +154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not debug:
         warnings.formatwarning = _format_warning
     try:
+        _start.release()  # Ctrl-C is a KeyboardInterrupt from here on, caught below
         args = build_parser(chosen_command(argv)).parse_args(argv)
         return int(args.handler(args) or 0)
     except SystemExit as exit_request:  # --help and --version
@@ -181,6 +183,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         warnings.formatwarning = default_format
 
+
+_start.hold("imports")  # test hook: the last moment before main() can catch Ctrl-C
 
 if __name__ == "__main__":
     sys.exit(main())
