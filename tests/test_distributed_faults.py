@@ -145,3 +145,41 @@ def test_n_and_a_configured_cluster_agree(tmp_path, capsys):
     assert code == 0, out.err
     assert "distributed run: 2 processes x batch 32" in out.out
     assert sorted(p.name for p in run_dir.glob("heartbeat-*.json")) == ["heartbeat-0.json", "heartbeat-1.json"]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_rank_stopped_from_outside_is_the_one_the_restart_names(tmp_path, rank):
+    """SIGTERM to one rank (not to the supervisor): every rank stops at one step and exits 143, and the restart
+    names the rank the signal reached, as its heartbeat says, not the first exit mlx.launch reported."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "MLX_TRAIN_HOME": str(tmp_path / "home")}
+    argv = [sys.executable, "-m", "mlx_train", "train", "--distributed", "-n", "2", "--run-dir", str(run_dir),
+            "--epochs", "1000", "--max-restarts", "1", "--set", "num_workers=0"]
+    supervisor = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    restarts = run_dir / "distributed" / "restarts.jsonl"
+    try:
+        deadline = time.monotonic() + 180
+        beats: dict = {}
+        while time.monotonic() < deadline and not (len(beats) == 2 and min(b["step"] for b in beats.values()) >= 3):
+            time.sleep(0.05)
+            beats = {}
+            for r in (0, 1):
+                try:
+                    beats[r] = json.loads((run_dir / f"heartbeat-{r}.json").read_text())
+                except (OSError, ValueError):
+                    pass
+        os.kill(beats[rank]["pid"], signal.SIGTERM)
+        while time.monotonic() < deadline and not restarts.exists():
+            time.sleep(0.05)
+    finally:
+        supervisor.send_signal(signal.SIGTERM)  # ends the restarted group (it saves and stops)
+        err = supervisor.communicate(timeout=180)[1]
+    (entry,) = [json.loads(line) for line in restarts.open()]
+    assert re.fullmatch(rf"rank {rank} got SIGTERM from outside the supervisor, and the other ranks stopped with it "
+                        r"after step \d+", entry["cause"]), (entry, err[-3000:])
+    assert f"restart 1 of 1: {entry['cause']}; resuming from checkpoint" in err

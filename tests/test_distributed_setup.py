@@ -32,6 +32,8 @@ from mlx_train.rundir import atomic_write_json as write_json_atomic
 from mlx_train.rundir import heartbeat_path as rank_file
 from mlx_train.training import DistributedTrainer, Trainer
 
+SRC = os.path.dirname(os.path.dirname(os.path.abspath(processes.__file__)))
+
 
 @pytest.fixture(autouse=True)
 def home(tmp_path, monkeypatch):
@@ -381,6 +383,36 @@ def test_a_launcher_killed_from_outside_is_a_failure_not_a_success(tmp_path, mon
     monkeypatch.setattr(supervisor_module, "launcher_path", lambda: str(launcher))
     with pytest.raises(DistributedError, match="max_restarts \\(0\\) is used up; last failure: mlx.launch was killed "
                                                "by SIGTERM before it reported on its ranks"):
+        supervisor_module.supervise([sys.executable, "-c", "pass"], num_processes=2, run_dir=tmp_path / "run",
+                                    policy=supervisor_module.RecoveryPolicy(max_restarts=0),
+                                    output=(io.StringIO(), io.StringIO()))
+
+
+FAKE_LAUNCHER = r'''import os, subprocess, sys
+args = sys.argv[1:]
+env = dict(os.environ, **dict(args[i + 1].split("=", 1) for i, a in enumerate(args) if a == "--env"))
+rank = "import sys; from mlx_train.distributed.rank import tee_output; tee_output(sys.argv[1], int(sys.argv[2])); " \
+       "print(sys.argv[3], file=sys.stderr)"
+said = {1: "RuntimeError: boom", 0: "mlx-train: error: DistributedError: rank 0 lost its connection to the group"}
+for r in (1, 0):  # rank 1 fails; rank 0 then loses its peer and prints last
+    subprocess.run([sys.executable, "-c", rank, env["MLX_TRAIN_RUN_DIR"], str(r), said[r]], env=env, check=True)
+print("[WARN] Node with rank 1 exited with code 1", file=sys.stderr, flush=True)
+print("[WARN] Node with rank 0 exited with code 7", file=sys.stderr, flush=True)
+'''
+
+
+def test_a_failed_rank_is_credited_with_the_error_it_printed_not_the_last_line_of_the_group(tmp_path, monkeypatch):
+    """mlx.launch merges the ranks' output: the last error line there was rank 0's (a lost peer), but rank 1
+    failed, and its own log says with what."""
+    from mlx_train.launch import supervisor as supervisor_module
+
+    launcher = tmp_path / "fake-mlx.launch"
+    launcher.write_text(f"#!{sys.executable}\n{FAKE_LAUNCHER}")
+    launcher.chmod(0o755)
+    monkeypatch.setattr(supervisor_module, "launcher_path", lambda: str(launcher))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]))  # for the fake ranks
+    with pytest.raises(DistributedError, match=r"max_restarts \(0\) is used up; last failure: rank 1 exited with "
+                                               r"code 1 after printing: RuntimeError: boom\."):
         supervisor_module.supervise([sys.executable, "-c", "pass"], num_processes=2, run_dir=tmp_path / "run",
                                     policy=supervisor_module.RecoveryPolicy(max_restarts=0),
                                     output=(io.StringIO(), io.StringIO()))

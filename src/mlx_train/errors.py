@@ -81,12 +81,14 @@ class TrainingInterrupted(SystemExit):
 
     A ``SystemExit`` whose code is ``128 + signal`` (143 for SIGTERM, 130 for SIGINT), so an
     uncaught one ends the process the way schedulers expect; ``checkpoint`` is the path saved
-    (None without a ``checkpoint_dir``).
+    (None without a ``checkpoint_dir``); ``received`` is False on a rank of a group that stopped because
+    another rank got the signal (the ranks' stop vote).
     """
 
-    def __init__(self, signum: int, step: int, checkpoint: str | None, message: str) -> None:
+    def __init__(self, signum: int, step: int, checkpoint: str | None, message: str, received: bool = True) -> None:
         super().__init__(128 + signum)
         self.signum, self.step, self.checkpoint, self.message = signum, step, checkpoint, message
+        self.received = received
 
     def __str__(self) -> str:
         return self.message

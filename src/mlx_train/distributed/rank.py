@@ -246,6 +246,8 @@ class RankMonitor:
         self._waiting = None
         if isinstance(error, (KeyboardInterrupt, TrainingInterrupted)):  # stopped on request, not failed
             self.state = "interrupted"
+            if isinstance(error, TrainingInterrupted) and error.received:  # the signal came here, not by the vote
+                self.error = error
             self.write()
             return
         self.record_failure(error)

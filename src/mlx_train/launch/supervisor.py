@@ -62,6 +62,7 @@ SSH_FAILED = {255, 127}
 _RANK_EXIT = re.compile(r"Node with rank (\d+) exited with code (-?\d+)")
 _RANK_KILLED = re.compile(r"Node with rank (\d+) was killed")
 _LOG = logging.getLogger("mlx_train.supervisor")
+_SIGNAL_NAME = re.compile(r"\bSIG[A-Z]+\b")
 _ERROR_LINE = re.compile(r"^(mlx-train: error: |[\w.]*Error: )")  # the CLI's one-line errors, a traceback's last line
 
 
@@ -157,8 +158,10 @@ class Supervisor:
         self.out, self.err = output or (sys.stdout, sys.stderr)
         self.backend = choose_backend(hostfile.backend, hostfile.has_rdma)
         self.run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-        self._events: queue.Queue[tuple[int, int | None]] = queue.Queue()  # (rank, exit code; None: killed)
-        self._last_error: str | None = None  # the last error line the ranks printed
+        # (attempt, rank, exit code; None: killed), as mlx.launch reports them
+        self._events: queue.Queue[tuple[int, int, int | None]] = queue.Queue()
+        self._last_error: str | None = None  # the last error line any rank of this attempt printed
+        self._attempt_number, self._attempt_started = 0, 0.0
         # rank -> (its heartbeat's ``time``, supervisor monotonic time when that value was first read)
         self._beats: dict[int, tuple[float, float]] = {}
         # One local process runs without mlx.launch (whose one-host MLX_HOSTFILE is empty, which
@@ -272,12 +275,13 @@ class Supervisor:
     def _attempt(self, attempt: int) -> Cause | None:
         for stale in self.run_dir.glob(rundir.HEARTBEAT_GLOB):  # the last attempt's
             stale.unlink(missing_ok=True)
-        self._beats = {}
+        self._beats, self._last_error = {}, None
+        self._attempt_number, self._attempt_started = attempt, time.time()
         process = subprocess.Popen(self._argv(attempt), env=self._env(attempt), stdin=subprocess.PIPE,
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
         self._process = process
-        readers = [threading.Thread(target=self._pump, args=(process.stdout, self.out, False), daemon=True),
-                   threading.Thread(target=self._pump, args=(process.stderr, self.err, True), daemon=True)]
+        readers = [threading.Thread(target=self._pump, args=(process.stdout, self.out, None), daemon=True),
+                   threading.Thread(target=self._pump, args=(process.stderr, self.err, attempt), daemon=True)]
         for reader in readers:
             reader.start()
         causes: list[Cause] = []
@@ -288,7 +292,7 @@ class Supervisor:
             for reader in readers:
                 reader.join(timeout=5)
             if self._direct and process.returncode:
-                self._events.put((0, process.returncode))
+                self._events.put((attempt, 0, process.returncode))
             self._drain(causes, teardown=True)
             if not self._direct and process.returncode and not causes:
                 # mlx.launch exits 0 even when ranks fail; anything else means it was itself stopped
@@ -383,7 +387,9 @@ class Supervisor:
                 registry.unregister(Path(entry["path"]))
 
     # ------------------------------------------------------------------ evidence
-    def _pump(self, stream: IO[bytes], sink: TextIO, parse: bool) -> None:
+    def _pump(self, stream: IO[bytes], sink: TextIO, attempt: int | None) -> None:
+        """Copy the launcher's ``stream`` to ``sink``; for the stderr of ``attempt`` (None: stdout), also read the
+        error lines and mlx.launch's reports of its ranks' exits."""
         previous, repeats = None, 0
         for raw in iter(stream.readline, b""):
             line = raw.decode(errors="replace")
@@ -397,14 +403,15 @@ class Supervisor:
                 sink.flush()
             except (OSError, ValueError):
                 pass
-            if parse and _ERROR_LINE.search(line):
+            if attempt is None:
+                continue
+            if _ERROR_LINE.search(line):
                 self._last_error = line.strip()
-            if parse:
-                killed, exited = _RANK_KILLED.search(line), _RANK_EXIT.search(line)
-                if killed:
-                    self._events.put((int(killed[1]), None))
-                elif exited:
-                    self._events.put((int(exited[1]), int(exited[2])))
+            killed, exited = _RANK_KILLED.search(line), _RANK_EXIT.search(line)
+            if killed:
+                self._events.put((attempt, int(killed[1]), None))
+            elif exited:
+                self._events.put((attempt, int(exited[1]), int(exited[2])))
         if repeats:
             try:
                 sink.write(f"  (previous line repeated {repeats} more times)\n")
@@ -415,19 +422,53 @@ class Supervisor:
     def _drain(self, causes: list[Cause], teardown: bool = False) -> None:
         while True:
             try:
-                rank, code = self._events.get_nowait()
+                attempt, rank, code = self._events.get_nowait()
             except queue.Empty:
                 break
+            if attempt != self._attempt_number:
+                continue  # a report of an attempt already over, read late
             cause = _exit_cause(rank, code, after_failure=bool(causes) or teardown)
             if code in SSH_FAILED and self._no_heartbeat_seen(rank):
                 cause = self._ssh_cause(rank, code)
-            elif code and code > 0 and self._last_error:
-                final = cause.final or any(name in self._last_error for name in FINAL_ERRORS)
-                cause = Cause(f"{cause.text} after printing: {self._last_error}", cause.weight, final)
+            elif code and code > 0:
+                cause = self._with_error_line(rank, cause)
             _add(causes, cause)
         for rank, info in rundir.read_heartbeats(self.run_dir).items():
             if info.state == "failed":
                 _add(causes, self._failed(rank, info))
+            elif info.state == "interrupted" and info.error_type == "TrainingInterrupted":  # the rank the signal hit
+                sent = _SIGNAL_NAME.search(info.error or "")
+                _add(causes, Cause(f"rank {rank} got {sent[0] if sent else 'a stop signal'} from outside the "
+                                   f"supervisor, and the other ranks stopped with it after step {info.step}"))
+
+    def _with_error_line(self, rank: int, cause: Cause) -> Cause:
+        """``cause`` with the error line ``rank`` printed last: from its own log (``logs/rank-<r>.log``, written
+        in this attempt); else, with one rank, the group's last one; else the group's, said to be the group's
+        (mlx.launch merges the ranks' output, so a line there may be another rank's)."""
+        line, own = self._own_error_line(rank), True
+        if line is None:
+            line, own = self._last_error, self.hostfile.num_processes == 1
+        if line is None:
+            return cause
+        final = cause.final or any(name in line for name in FINAL_ERRORS)
+        text = f"{cause.text} after printing: {line}" if own else f"{cause.text} (the group's last error line: {line})"
+        return Cause(text, cause.weight, final)
+
+    def _own_error_line(self, rank: int) -> str | None:
+        """The last error line in ``rank``'s log since this attempt started it (None without one)."""
+        path = rundir.rank_log_path(self.run_dir, rank)
+        try:
+            if path.stat().st_mtime < self._attempt_started - 1.0:
+                return None  # not written in this attempt
+            text = path.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return None
+        start = text.rfind(f"--- rank {rank}, pid ")
+        header = text[start:text.find("\n", start)] if start >= 0 else ""
+        if f", attempt {self._attempt_number}, " not in header:
+            return None
+        lines = [line.strip() for line in text[start:].splitlines() if _ERROR_LINE.search(line)]
+        return lines[-1] if lines else None
 
     def _no_heartbeat_seen(self, rank: int) -> bool:
         """True when ``rank`` runs over ssh and no heartbeat of it was seen in this attempt (it never
@@ -542,6 +583,9 @@ def _exit_cause(rank: int, code: int | None, after_failure: bool) -> Cause:
         return Cause(f"rank {rank} was killed by {name}", weight=2 if after_failure and -code == signal.SIGTERM else 0)
     if code == DistributedError.exit_code:
         return Cause(f"rank {rank} exited with a DistributedError (exit code {code})", weight=2)
+    if code - 128 in (signal.SIGTERM, signal.SIGINT):  # the ranks stop together: the signal reached it or another
+        return Cause(f"rank {rank} exited with code {code} (stopped by {signal.Signals(code - 128).name}, sent to it "
+                     "or to another rank)", weight=1)
     return Cause(f"rank {rank} exited with code {code}", final=code in FINAL_EXIT_CODES)
 
 

@@ -91,7 +91,9 @@ class Heartbeat(Callback):
 
     def on_exception(self, trainer: Trainer, error: BaseException) -> None:
         state = "interrupted" if isinstance(error, (KeyboardInterrupt, TrainingInterrupted)) else "failed"
-        self.beat(trainer, state, error)
+        # A rank stopped by the group's vote records no error: the one the signal reached says what stopped it.
+        voted = isinstance(error, TrainingInterrupted) and not error.received
+        self.beat(trainer, state, None if voted else error)
 
     # -- writing ------------------------------------------------------------------------
 

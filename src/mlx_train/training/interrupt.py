@@ -33,12 +33,14 @@ class StopSignals:
 
     In a group the ranks agree after each step (``vote``: ``vote(requested) -> any rank asked``, or None for
     one process, where the local request decides): ``stopping`` is then the decision of the last vote.
+    ``received`` is the signal that reached this process (None on a rank that stops by the vote alone).
     """
 
     def __init__(self, log: Callable[[str], None] = print, step: Callable[[], int] = lambda: 0,
                  vote: Callable[[bool], bool | None] = lambda requested: None) -> None:
         self.log, self.step, self._vote = log, step, vote
         self.requested: int | None = None
+        self.received: int | None = None
         self.voted: bool | None = None  # the ranks' last vote (None: no vote)
         self._previous: dict[int, Any] = {}
 
@@ -70,6 +72,6 @@ class StopSignals:
             message = f"{name} again: stopped at once at step {self.step()}, without a new checkpoint"
             self.log(message)
             raise TrainingInterrupted(signum, self.step(), None, message)
-        self.requested = signum
+        self.requested = self.received = signum
         self.log(f"{name} received: finishing step {self.step() + 1}, then saving a checkpoint and stopping "
                  f"({name} again stops at once)")

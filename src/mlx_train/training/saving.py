@@ -64,15 +64,18 @@ def restore_checkpoint(path: str, loader: Any, callbacks: Any, state: Any, model
 
 
 def interruption(signum: int, step: int, checkpoints: CheckpointManager | None, is_main: bool,
-                 log: Callable[[str], None]) -> TrainingInterrupted:
-    """The error a run stopped by ``signum`` at ``step`` ends with (logged): where it was saved, how to resume."""
+                 log: Callable[[str], None], received: bool = True) -> TrainingInterrupted:
+    """The error a run stopped by ``signum`` at ``step`` ends with (logged): where it was saved, how to resume.
+    ``received``: the signal reached this process (False on a rank that stopped with its group)."""
     name = signal.Signals(signum).name
     saved: Any = None
     if checkpoints is None:
         where = "no checkpoint_dir was set, so nothing was saved"
+    elif not is_main:
+        where = "rank 0 saved the checkpoint"
     else:
-        saved = checkpoints.resolve("auto") if is_main else None
+        saved = checkpoints.resolve("auto")
         where = f"saved {saved}; resume with train(..., resume='auto') or --resume"
     message = f"training stopped by {name} at step {step}: {where}"
     log(message)
-    return TrainingInterrupted(signum, step, saved, message)
+    return TrainingInterrupted(signum, step, saved, message, received)

@@ -254,7 +254,8 @@ class Trainer:
                 if checkpoints:
                     checkpoints.wait()
                 if signals.stopping:  # in a group, the vote: a signal after the last step is too late
-                    raise self._interruption(signals.requested or signal.SIGTERM, checkpoints)
+                    raise self._interruption(signals.requested or signal.SIGTERM, checkpoints,
+                                             received=signals.received is not None)
             except BaseException as error:
                 callbacks.call("on_exception", self, error)
                 raise
@@ -434,11 +435,12 @@ class Trainer:
         return (signals is not None and signals.stopping) or self.state.stop_training or \
             (max_steps is not None and self.state.step >= max_steps)
 
-    def _interruption(self, signum: int, checkpoints: CheckpointManager | None) -> TrainingInterrupted:
+    def _interruption(self, signum: int, checkpoints: CheckpointManager | None,
+                      received: bool) -> TrainingInterrupted:
         # Every rank stopped at the same step; none leaves before rank 0 has written its checkpoint (a rank
         # that exits makes ``mlx.launch`` stop the others, which would cut that save short).
         self.topology.barrier("the barrier after the stop checkpoint")
-        return interruption(signum, self.state.step, checkpoints, self.is_main, self.log)
+        return interruption(signum, self.state.step, checkpoints, self.is_main, self.log, received)
 
     def _check_finite(self, batches: Batches) -> bool:
         """A look for non-finite steps (``NonFiniteSteps``): True when the run must stop here."""
