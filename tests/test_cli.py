@@ -261,3 +261,20 @@ def test_ctrl_c_from_the_very_start_is_one_line_and_exit_code_130(tmp_path, entr
         child.kill()
     assert (child.returncode, out, err) == (130, "", "mlx-train: interrupted\n")
     assert not run_dir.exists()  # nothing that would stand in the way of a fresh start
+
+
+@pytest.mark.parametrize("entry", ["python -m mlx_train", "mlx-train"])
+def test_ctrl_c_caught_by_the_command_exits_130_even_when_it_landed_in_exec_d_code(tmp_path, entry):
+    """A KeyboardInterrupt raised inside exec'd code (dataclasses and namedtuple build methods so: a Ctrl-C during
+    imports often lands there) makes Python end a ``python -m`` process by SIGINT after main() returned 130; the
+    command exits 130 itself. The interrupt is planted by a sitecustomize module, before the command starts."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import mlx_train.cli.train as train\ntrain.run = lambda *args, **kwargs: exec('raise KeyboardInterrupt')\n")
+    script = tmp_path / "mlx-train"
+    script.write_text(CONSOLE_SCRIPT)
+    command = [sys.executable, "-m", "mlx_train"] if entry.startswith("python") else [sys.executable, str(script)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), SRC, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([*command, "train", "--run-dir", str(tmp_path / "run")], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 130, (done.returncode, done.stderr)
+    assert done.stderr.strip().splitlines()[-1] == "mlx-train: interrupted" and "Traceback" not in done.stderr

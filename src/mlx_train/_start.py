@@ -7,7 +7,9 @@ nothing has been written then. ``mlx_train/__init__`` calls ``guard()`` before a
 gives SIGINT back to Python (``release()``) inside its ``try``. A program that imports mlx_train keeps
 its own SIGINT handling, and a SIGINT the process was started to ignore stays ignored.
 
-This module uses the standard library only (it runs before every other part of mlx_train).
+This module runs before every other part of mlx_train, and imports only modules built into the interpreter
+(``_signal`` rather than ``signal``, which is looked for on ``sys.path``), so that its own import is as short
+as it can be: a Ctrl-C can land there too.
 
 Example::
 
@@ -19,11 +21,12 @@ Example::
 
 from __future__ import annotations
 
+import _signal  # type: ignore[import-not-found]  # the C module: no stub, no search on sys.path
+import atexit
 import os
-import signal
 import sys
 import time
-from types import FrameType
+from types import FrameType  # (already imported by the interpreter's start)
 
 HOLD_ENV = "MLX_TRAIN_HOLD_AT_START"  # test hook: the point to wait at (see hold)
 INTERRUPTED = b"mlx-train: interrupted\n"
@@ -46,15 +49,30 @@ def _interrupted(signum: int, frame: FrameType | None) -> None:
 
 def guard() -> None:
     """In the command's process, make SIGINT end it with one line until ``release``."""
-    if started_as_command() and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-        signal.signal(signal.SIGINT, _interrupted)
+    if started_as_command() and _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler:
+        _signal.signal(_signal.SIGINT, _interrupted)
     hold("start")
 
 
 def release() -> None:
     """Give SIGINT back to Python (``KeyboardInterrupt``), where the command catches it."""
-    if signal.getsignal(signal.SIGINT) is _interrupted:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if _signal.getsignal(_signal.SIGINT) is _interrupted:
+        _signal.signal(_signal.SIGINT, _signal.default_int_handler)
+
+
+def end(code: int) -> None:
+    """In the command's process, exit now with ``code``, after the exit handlers and a flush. Python would
+    otherwise end a process whose KeyboardInterrupt was raised inside ``exec``'d code (dataclasses, namedtuple
+    build their methods so) by SIGINT, whatever ``main`` returned; elsewhere, return."""
+    if not started_as_command():
+        return
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def hold(point: str) -> None:

@@ -164,6 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if debug:
             traceback.print_exc()
         print("mlx-train: interrupted", file=sys.stderr)
+        _start.end(130)  # the command's process: 130 itself, not the death by SIGINT Python may choose
         return 130
     except MLXTrainError as error:
         if debug and not isinstance(error, UsageError):  # a usage error's traceback is argparse's
