@@ -139,4 +139,4 @@ def test_two_data_parallel_ranks_train_what_one_process_trains_with_accumulation
     assert rank0.keys() == rank1.keys() == one.keys()
     assert all(mx.array_equal(rank0[k], rank1[k]) for k in rank0)
     worst = max(float(mx.abs(rank0[k] - one[k]).max() / mx.abs(one[k]).max()) for k in one)
-    assert worst < 1e-5, worst
+    assert worst < 1e-4, worst  # rollouts padded per rank (8-token widths) round differently from one process
