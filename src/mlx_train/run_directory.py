@@ -137,16 +137,20 @@ class RunDirectory:
         return saved or (local and any(Path(str(self.checkpoint_dir)).glob("step-*")))
 
     # ------------------------------------------------------------------------------ one run per directory
+    def _locks(self) -> list[RunLock]:
+        """The locks of this run: its checkpoint directory's, and its run directory's when that is another."""
+        locks = []
+        if self.checkpoint_dir is not None:
+            locks.append(RunLock(self.checkpoint_dir, "checkpoint_dir"))
+        if self.path and (self.checkpoint_dir is None or
+                          os.path.abspath(self.path) != os.path.abspath(self.checkpoint_dir)):
+            locks.append(RunLock(self.path, "run_dir"))
+        return locks
+
     @contextlib.contextmanager
     def locks(self, main: bool) -> Iterator[None]:
         """One run per checkpoint and run directory (the main process holds the locks); proves them writable."""
-        locks = []
-        if main:
-            if self.checkpoint_dir is not None:
-                locks.append(RunLock(self.checkpoint_dir, "checkpoint_dir"))
-            if self.path and (self.checkpoint_dir is None or
-                              os.path.abspath(self.path) != os.path.abspath(self.checkpoint_dir)):
-                locks.append(RunLock(self.path, "run_dir"))
+        locks = self._locks() if main else []
         try:
             for lock in locks:
                 lock.acquire()
@@ -154,6 +158,17 @@ class RunDirectory:
         finally:
             for lock in locks:
                 lock.release()
+
+    def refuse_if_held(self) -> None:
+        """Raise CheckpointError (naming the holder's pid and host) while a live process holds this run's locks,
+        before anything is launched on it; nothing is changed (a lock taken here is given back at once).
+
+        Example: ``RunDirectory.of("runs/a").refuse_if_held()`` raises while a run trains in runs/a.
+        """
+        for lock in self._locks():
+            if "://" not in lock.directory and os.path.isdir(lock.directory):
+                with lock:
+                    pass
 
     def previous_runs(self) -> list[tuple[str, list[str]]]:
         """``[(directory, what of a run it holds)]``: the run directory, and a checkpoint directory outside it."""

@@ -80,12 +80,16 @@ def pause_point(point: str, where: str) -> None:
 
     MLX_TRAIN_SAVE_PAUSE_AFTER=<file name, "files moved" or "commit"> makes the writer announce itself
     on stderr and sleep right after writing that file, after an object store's commit moved the data
-    files but not yet the manifest, or after the final rename. MLX_TRAIN_SAVE_PAUSE_SECONDS: how long.
+    files but not yet the manifest, or after the final rename. MLX_TRAIN_SAVE_PAUSE_SECONDS: how long;
+    MLX_TRAIN_SAVE_PAUSE_UNTIL=<file>: until that file exists instead (at most that long).
     """
     if os.environ.get("MLX_TRAIN_SAVE_PAUSE_AFTER") != point:
         return
     print(f"mlx-train test hook: save paused after {point} in {where}", file=sys.stderr, flush=True)
-    time.sleep(float(os.environ.get("MLX_TRAIN_SAVE_PAUSE_SECONDS", "3600")))
+    until, deadline = os.environ.get("MLX_TRAIN_SAVE_PAUSE_UNTIL"), \
+        time.monotonic() + float(os.environ.get("MLX_TRAIN_SAVE_PAUSE_SECONDS", "3600"))
+    while time.monotonic() < deadline and not (until and os.path.exists(until)):
+        time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
 
 
 def split_location(path: str) -> tuple[str, str]:

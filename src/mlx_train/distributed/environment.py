@@ -7,7 +7,8 @@ that the supervisor process does not load them.
 Environment set by the supervisor for its ranks: ``MLX_TRAIN_RUN_ID``, ``MLX_TRAIN_STATE_DIR``
 (the run's ``distributed/`` folder, inside the run directory that holds the heartbeats),
 ``MLX_TRAIN_RUN_DIR`` (per-rank logs go to ``logs/rank-<r>.log``), ``MLX_TRAIN_ATTEMPT``
-(0, 1, ... one per restart), ``MLX_TRAIN_BACKEND`` and, on restarts, ``MLX_TRAIN_RESUME=auto``.
+(0, 1, ... one per restart), ``MLX_TRAIN_BACKEND``, ``MLX_TRAIN_SUPERVISOR`` (``PID@HOST`` of the
+supervisor, which its ranks watch) and, on restarts, ``MLX_TRAIN_RESUME=auto``.
 
 Example::
 
@@ -26,10 +27,20 @@ ENV_RUN_DIR = "MLX_TRAIN_RUN_DIR"
 ENV_ATTEMPT = "MLX_TRAIN_ATTEMPT"
 ENV_RESUME = "MLX_TRAIN_RESUME"
 ENV_BACKEND = "MLX_TRAIN_BACKEND"
+ENV_SUPERVISOR = "MLX_TRAIN_SUPERVISOR"
 
 def supervised() -> bool:
     """True inside a rank started by the mlx-train supervisor."""
     return bool(os.environ.get(ENV_STATE_DIR))
+
+
+def supervisor_process() -> tuple[int, str] | None:
+    """``(pid, host)`` of the supervisor that started this rank (None outside a supervised group).
+
+    Example: ``supervisor_process()`` is ``(4242, "mac1")`` in a rank started with ``MLX_TRAIN_SUPERVISOR=4242@mac1``.
+    """
+    pid, _, host = os.environ.get(ENV_SUPERVISOR, "").partition("@")
+    return (int(pid), host) if pid.isdigit() and host else None
 
 
 def restart_resume() -> str | None:

@@ -6,7 +6,8 @@ seconds: pid, host, completed steps, whether it is waiting in a collective, and 
 (``running``, ``failed`` with the error, ``finished``...). The Trainer's ``Heartbeat`` callback
 adds the progress figures to the same file. The supervisor reads these files to notice a rank
 that stopped responding; a rank whose collective waits longer than ``timeout`` reads its peers'
-files to name the missing rank.
+files to name the missing rank. The same thread watches the supervisor
+(``mlx_train.distributed.orphan``): a rank whose supervisor is gone stops as on SIGTERM.
 
 A blocked collective cannot be interrupted from Python (MLX waits in C++ with the GIL
 released), so the watchdog thread ends the process: it records and prints the
@@ -47,6 +48,7 @@ from mlx_train.distributed.environment import is_main_process as is_main_process
 from mlx_train.distributed.environment import launched_rank as launched_rank
 from mlx_train.distributed.environment import restart_resume as restart_resume
 from mlx_train.distributed.environment import supervised as supervised
+from mlx_train.distributed.orphan import SupervisorWatch
 from mlx_train.errors import DistributedError, TrainingInterrupted
 from mlx_train.rundir import HeartbeatRecord
 
@@ -118,6 +120,7 @@ class RankMonitor:
         # A peer silent for this long is frozen; well below the timeout, so that it shows by then.
         self.stale_after = min(STALE_AFTER, max(2 * interval, self.timeout / 2))
         self._writer = rundir.HeartbeatWriter.of(self.directory, rank) if self.directory is not None else None
+        self._supervisor = SupervisorWatch.from_environment()
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> RankMonitor:
@@ -144,6 +147,8 @@ class RankMonitor:
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):
             self.write()
+            if self._supervisor is not None:
+                self._supervisor.check(self.rank)
             waiting = self._waiting
             if waiting is not None and not self._fired and time.monotonic() - waiting[1] > self.timeout:
                 self._fired = True
@@ -270,7 +275,8 @@ def _exit_with(error: DistributedError) -> None:
 
 
 class _Tee:
-    """A text stream that also appends everything to a log file."""
+    """A text stream that also appends everything to a log file. The console may go (the pipe of a
+    supervisor that was killed): the rank goes on, and stops as its watch says, with the log complete."""
 
     def __init__(self, stream: TextIO, log: TextIO) -> None:
         self._stream, self._log = stream, log
@@ -278,11 +284,17 @@ class _Tee:
     def write(self, text: str) -> int:
         self._log.write(text)
         self._log.flush()
-        return self._stream.write(text)
+        try:
+            return self._stream.write(text)
+        except (OSError, ValueError):
+            return len(text)
 
     def flush(self) -> None:
-        self._stream.flush()
         self._log.flush()
+        try:
+            self._stream.flush()
+        except (OSError, ValueError):
+            pass
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._stream, name)

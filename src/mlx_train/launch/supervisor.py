@@ -15,7 +15,9 @@ checkpoint, device or memory error is not restarted: it would fail the same way.
 SIGTERM or SIGINT to the supervisor (preemption, Ctrl-C) is forwarded to the local ranks: they
 agree on one step to stop at (the Trainer's stop vote), rank 0 saves a checkpoint there, and
 they exit; the supervisor waits up to ``interrupt_timeout`` seconds for that (then kills them)
-and raises ``TrainingInterrupted`` (exit code 128 + signal). A second signal stops at once.
+and raises ``TrainingInterrupted`` (exit code 128 + signal). A second signal stops at once. The ranks
+watch the supervisor (``MLX_TRAIN_SUPERVISOR``, ``mlx_train.distributed.orphan``): killed with
+SIGKILL, it cannot stop them, so they stop by themselves as on SIGTERM.
 
 Example::
 
@@ -174,9 +176,9 @@ class Supervisor:
         cannot (restarts exhausted, or an error a restart would repeat)."""
         self.state_dir.mkdir(parents=True, exist_ok=True)
         handlers = self._open_log()
-        entry = registry.register("supervisor", run_id=self.run_id, run_dir=str(self.run_dir),
+        entry = registry.register("supervisor", run_id=self.run_id, run_dir=str(self.run_dir.resolve()),
                                   ranks=self.hostfile.num_processes, backend=self.backend.name,
-                                  state_dir=str(self.state_dir))
+                                  state_dir=str(self.state_dir.resolve()))
         result, start = SupervisedRun(str(self.run_dir)), time.monotonic()
         n = self.hostfile.num_processes
         where = "127.0.0.1" if self.hostfile.is_local else ", ".join(dict.fromkeys(h.ssh for h in self.hostfile.hosts))
@@ -544,7 +546,8 @@ class Supervisor:
     def _run_env(self, attempt: int) -> dict[str, str]:
         env = {rank_env.ENV_RUN_ID: self.run_id, rank_env.ENV_STATE_DIR: str(self.state_dir.resolve()),
                rank_env.ENV_RUN_DIR: str(self.run_dir.resolve()), rank_env.ENV_ATTEMPT: str(attempt),
-               rank_env.ENV_BACKEND: self.backend.name}
+               rank_env.ENV_BACKEND: self.backend.name,
+               rank_env.ENV_SUPERVISOR: f"{os.getpid()}@{socket.gethostname()}"}  # the ranks stop when it is gone
         if attempt > 0:
             env[rank_env.ENV_RESUME] = "auto"
         return env

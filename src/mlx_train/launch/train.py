@@ -17,6 +17,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -88,6 +89,40 @@ def cluster_for(num_processes: int | None, hostfile: str | None, backend: str) -
     return cluster
 
 
+def refuse_held_run(run_dir: str | os.PathLike[str], checkpoint_dir: str | None) -> None:
+    """Raise CheckpointError while another process holds the run in ``run_dir``: a supervisor or rank of this
+    machine recorded for it (a rank whose supervisor was killed finishes its step, saves and exits on its own),
+    or a process holding its locks. Nothing is launched or written before this check.
+
+    Example: ``refuse_held_run("runs/a", "runs/a/checkpoints")`` raises while a run trains in runs/a.
+    """
+    from mlx_train.distributed import registry
+    from mlx_train.errors import CheckpointError
+    from mlx_train.run_directory import RunDirectory
+
+    here, entries = os.path.realpath(run_dir), registry.entries()
+    supervisors = {e.get("run_id"): e for e in entries if e.get("kind") == "supervisor" and e["alive"]}
+    for entry in sorted(entries, key=lambda e: e.get("kind") != "supervisor"):  # the supervisor says the most
+        if not entry["alive"] or entry.get("pid") == os.getpid() or not entry.get("run_dir") \
+                or os.path.realpath(entry["run_dir"]) != here:
+            continue
+        pid = entry["pid"]
+        if entry.get("kind") == "supervisor":
+            raise CheckpointError(
+                f"run directory {run_dir} is held by another process: pid {pid}, the supervisor of a distributed run "
+                f"on it. Wait for that run to end, or stop it (kill -TERM {pid}: its ranks save a checkpoint first) "
+                "and resume then")
+        if entry.get("kind") == "rank":
+            supervisor = supervisors.get(entry.get("run_id"))
+            whose = (f"its supervisor pid {supervisor['pid']} still runs" if supervisor else
+                     "its supervisor is gone, so it finishes its current step, saves a checkpoint and exits")
+            raise CheckpointError(
+                f"run directory {run_dir} is held by another process: pid {pid}, rank {entry.get('rank')} of a "
+                f"distributed run on it ({whose}). Resume once it has exited; 'mlx-train status' shows it, "
+                "'mlx-train reset-distributed' stops it at once")
+    RunDirectory.of(run_dir, checkpoint_dir).refuse_if_held()
+
+
 def train_distributed(args: argparse.Namespace, config: Any, log: Callable[[str], None] = print,
                       command_name: str = "train") -> int:
     """Run ``mlx-train train --distributed`` (or ``command_name``: ``finetune``) with the parsed ``args`` and
@@ -99,6 +134,7 @@ def train_distributed(args: argparse.Namespace, config: Any, log: Callable[[str]
         config = config.replace(distributed_strategy=args.strategy)
     hosts = cluster_for(args.num_processes, args.hostfile, config.distributed_backend)
     run_dir = rundir.choose_run_dir(config, args.resume)
+    refuse_held_run(run_dir, config.checkpoint_dir)
     config = config.replace(run_dir=str(run_dir),
                             checkpoint_dir=rundir.checkpoints_path(run_dir, config.checkpoint_dir))
     state_dir = rundir.distributed_dir(run_dir)
