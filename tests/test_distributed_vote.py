@@ -39,3 +39,24 @@ def test_a_new_run_does_not_inherit_the_vote_that_stopped_the_last_one():
     trainer.gradient_reduction.state["stop"] = mx.array(2.0)  # the sum after a run that two ranks stopped
     trainer.train((np.ones((32, 4), np.float32), np.zeros(32, np.int32)), epochs=1)
     assert trainer.step == 2 and trainer.gradient_reduction.state["stop"].item() == 0.0
+
+
+def test_a_signal_to_a_rank_that_the_vote_already_stops_is_its_first_not_a_second():
+    """A rank whose peer asked to stop stops by the vote; a signal of its own that comes just after (a
+    supervisor's, or the rank's own watch of a dead supervisor) must not cut it short before the stop
+    checkpoint's barrier, where its peers wait for it: only a second signal to the same process does."""
+    import os
+    import signal
+
+    import pytest
+
+    from mlx_train.errors import TrainingInterrupted
+    from mlx_train.training.interrupt import StopSignals
+
+    with StopSignals(lambda line: None, lambda: 7, vote=lambda requested: True) as signals:
+        signals.vote()  # another rank asked: this one stops after this step too
+        assert signals.requested == signal.SIGTERM and signals.received is None and signals.stopping
+        os.kill(os.getpid(), signal.SIGTERM)  # its own, late
+        assert signals.received == signal.SIGTERM and signals.stopping
+        with pytest.raises(TrainingInterrupted, match="SIGTERM again: stopped at once at step 7"):
+            os.kill(os.getpid(), signal.SIGTERM)

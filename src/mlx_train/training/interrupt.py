@@ -28,8 +28,8 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class StopSignals:
-    """Records the first SIGTERM/SIGINT (``requested``: its number, or None); a second one raises
-    ``TrainingInterrupted`` immediately.
+    """Records the first SIGTERM/SIGINT (``requested``: its number, or None); a second one to this process
+    raises ``TrainingInterrupted`` immediately.
 
     In a group the ranks agree after each step (``vote``: ``vote(requested) -> any rank asked``, or None for
     one process, where the local request decides): ``stopping`` is then the decision of the last vote.
@@ -68,7 +68,7 @@ class StopSignals:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
-        if self.requested is not None:
+        if self.received is not None:  # a second signal to this process (a stop the vote asked for is no first one)
             message = f"{name} again: stopped at once at step {self.step()}, without a new checkpoint"
             self.log(message)
             raise TrainingInterrupted(signum, self.step(), None, message)
