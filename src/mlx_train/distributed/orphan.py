@@ -71,8 +71,9 @@ class SupervisorWatch:
             return f"the launcher of this rank (pid {self.parent}) is gone"
         return None
 
-    def check(self, rank: int) -> bool:
-        """Once the supervisor is gone: say so and send this process SIGTERM (unless the kernel did); True then."""
+    def check(self, rank: int, stop: bool = True) -> bool:
+        """Once the supervisor is gone: say so and send this process SIGTERM (unless the kernel did, or not
+        ``stop``: a rank already stopping, which only says why); True then."""
         if self.stopped:
             return True
         why = self.gone()
@@ -84,6 +85,6 @@ class SupervisorWatch:
                   "SIGTERM", file=sys.stderr, flush=True)
         except (OSError, ValueError):
             pass  # a console that died with the supervisor: the stop matters, not the line
-        if not (self.kernel_notice and self.parent == self.pid):
+        if stop and not (self.kernel_notice and self.parent == self.pid):
             os.kill(os.getpid(), signal.SIGTERM)
         return True
