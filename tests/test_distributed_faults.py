@@ -180,6 +180,19 @@ def test_a_rank_stopped_from_outside_is_the_one_the_restart_names(tmp_path, rank
         supervisor.send_signal(signal.SIGTERM)  # ends the restarted group (it saves and stops)
         err = supervisor.communicate(timeout=180)[1]
     (entry,) = [json.loads(line) for line in restarts.open()]
+    # The SIGTERM reached the supervisor while it restarted the group: whatever it had started stops with it.
+    deadline = time.monotonic() + 120
+    while (left := _processes_of_run(entry["run_id"])) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not left, f"processes of the run left running after the supervisor exited: {left}"
     assert re.fullmatch(rf"rank {rank} got SIGTERM from outside the supervisor, and the other ranks stopped with it "
                         r"after step \d+", entry["cause"]), (entry, err[-3000:])
     assert f"restart 1 of 1: {entry['cause']}; resuming from checkpoint" in err
+
+
+def _processes_of_run(run_id: str) -> dict[int, str]:
+    """``{pid: command line}`` of the live processes started for the supervised run ``run_id``."""
+    from mlx_train.distributed.environment import ENV_RUN_ID
+
+    return {pid: processes.cmdline(pid) for pid in processes.pids()
+            if processes.environ(pid).get(ENV_RUN_ID) == run_id and processes.alive(pid)}

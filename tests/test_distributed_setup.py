@@ -24,7 +24,7 @@ from mlx_train.distributed.backends import check_strategy, choose_backend, passt
 from mlx_train.distributed.checksum import mismatching_ranks
 from mlx_train.distributed.hostfile import Host, Hostfile
 from mlx_train.distributed.rank import RankMonitor
-from mlx_train.errors import ConfigError, DistributedError
+from mlx_train.errors import ConfigError, DistributedError, TrainingInterrupted
 from mlx_train.launch import describe_cluster, reset_distributed
 from mlx_train.launch.network import check_host, verdict
 from mlx_train.launch.supervisor import Cause, _best, _exit_cause
@@ -387,6 +387,32 @@ def test_a_launcher_killed_from_outside_is_a_failure_not_a_success(tmp_path, mon
                                     policy=supervisor_module.RecoveryPolicy(max_restarts=0),
                                     output=(io.StringIO(), io.StringIO()))
 
+
+
+def test_a_stop_signal_just_as_a_group_starts_stops_that_group_too(tmp_path, monkeypatch):
+    """SIGTERM lands right after the supervisor started a group (a restart, say), before any rank runs to
+    forward it to: the group it started is stopped as well, and no further attempt starts."""
+    from mlx_train.launch import supervisor as supervisor_module
+
+    launcher = tmp_path / "fake-mlx.launch"
+    launcher.write_text("#!/bin/sh\nexec sleep 600\n")  # a group that runs until stopped
+    launcher.chmod(0o755)
+    monkeypatch.setattr(supervisor_module, "launcher_path", lambda: str(launcher))
+    started, popen = [], subprocess.Popen
+
+    def start_then_signal(*args, **kwargs):
+        process = popen(*args, **kwargs)
+        started.append(process)
+        os.kill(os.getpid(), signal.SIGTERM)  # its handler runs here, before the supervisor watches the group
+        return process
+
+    monkeypatch.setattr(supervisor_module.subprocess, "Popen", start_then_signal)
+    with pytest.raises(TrainingInterrupted, match="stopped by SIGTERM"):
+        supervisor_module.supervise([sys.executable, "-c", "pass"], num_processes=2, run_dir=tmp_path / "run",
+                                    policy=supervisor_module.RecoveryPolicy(max_restarts=2),
+                                    output=(io.StringIO(), io.StringIO()))
+    (group,) = started  # one attempt, not a restart after the signal
+    assert not processes.alive(group.pid) and group.returncode is not None
 
 FAKE_LAUNCHER = r'''import os, subprocess, sys
 args = sys.argv[1:]

@@ -168,7 +168,10 @@ class Supervisor:
         # mx.distributed.init() then fails to parse).
         self._direct = hostfile.num_processes == 1 and hostfile.is_local
         self._process: subprocess.Popen[bytes] | None = None  # the running attempt's launcher (or lone rank)
-        self._interrupt: tuple[int, float] | None = None  # (signal, monotonic time) once forwarded
+        # (signal, monotonic time, whether a rank was told) from the first stop signal on. The handler only
+        # records it: the watch and the attempt loop act on it, so no signal lands between starting a
+        # group and watching it (which left a restarted group running with no supervisor).
+        self._interrupt: tuple[int, float, bool] | None = None
 
     # ------------------------------------------------------------------ running
     def run(self) -> SupervisedRun:
@@ -186,6 +189,8 @@ class Supervisor:
         previous = self._forward_stop_signals()
         try:
             for attempt in range(self.policy.max_restarts + 1):
+                if self._interrupt is not None:  # stopped between attempts: no new group
+                    raise self._interrupted(self._interrupt[0])
                 registry.update(entry, attempt=attempt, status="running")
                 result.attempts = attempt + 1
                 cause = self._attempt(attempt)
@@ -202,6 +207,8 @@ class Supervisor:
                     )
                 result.restarts.append(self._record_restart(attempt + 1, cause))
         finally:
+            if self._process is not None and self._process.poll() is None:  # a second signal's SystemExit
+                self._kill_leftovers(self._process)
             result.seconds = time.monotonic() - start
             registry.unregister(entry)
             for handler in handlers:
@@ -226,10 +233,10 @@ class Supervisor:
             self.log(f"{name} again: stopping the group at once, without a new checkpoint")
             raise SystemExit(128 + signum)
         told = self._signal_ranks(signum)
-        if not told:
+        self._interrupt = (signum, time.monotonic(), bool(told))
+        if not told:  # the watch stops the group; no attempt starts after this one
             self.log(f"{name} received before any rank was running: stopping the group")
-            raise SystemExit(128 + signum)
-        self._interrupt = (signum, time.monotonic())
+            return
         self.log(f"{name} received: forwarded to rank{'s' if len(told) > 1 else ''} "
                  f"{', '.join(map(str, sorted(told)))}; the ranks finish their step, save a checkpoint and stop "
                  f"(waiting up to {self.policy.interrupt_timeout:g} s; {name} again stops at once)")
@@ -306,6 +313,9 @@ class Supervisor:
         while process.poll() is None:
             now = time.monotonic()
             if self._interrupt is not None:  # the ranks are saving and stopping: their exits are no failure
+                if not self._interrupt[2]:  # none was running to tell
+                    self._stop(process)
+                    return
                 if now - self._interrupt[1] > policy.interrupt_timeout:
                     self.log(f"the ranks did not stop within {policy.interrupt_timeout:g} s of the "
                              f"{signal.Signals(self._interrupt[0]).name}: killing them")
