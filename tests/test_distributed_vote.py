@@ -1,10 +1,18 @@
-"""The ranks' stop vote travels in the gradient all-reduce of the compiled step (no collective of its
-own), here on a group of one; tests/test_distributed_interrupt.py stops two real ranks with it."""
+"""The ranks' votes travel in the gradient all-reduce of the compiled step (no collective of their own),
+here on a group of one and on two real ranks; tests/test_distributed_interrupt.py stops two real ranks with
+the stop vote, tests/test_oom.py makes them recover together from running out of memory."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
 
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
+import pytest
 
 from mlx_train.distributed.reduction import fused_average
 from mlx_train.training.losses import Loss
@@ -60,3 +68,60 @@ def test_a_signal_to_a_rank_that_the_vote_already_stops_is_its_first_not_a_secon
         assert signals.received == signal.SIGTERM and signals.stopping
         with pytest.raises(TrainingInterrupted, match="SIGTERM again: stopped at once at step 7"):
             os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_the_votes_travel_as_the_digits_of_one_number_that_a_sum_over_ranks_keeps_apart():
+    from mlx_train.distributed.reduction import Votes
+
+    names = ("stop", "out_of_memory", "check_after")
+    ranks = [Votes(3, names) for _ in range(3)]
+    ranks[0].cast(stop=True, check_after=True)
+    ranks[1].cast(check_after=True)
+    ranks[2].cast(stop=True, out_of_memory=True, check_after=True)
+    total = sum(votes.state["stop"] for votes in ranks)  # what the all-reduce computes
+    for votes in ranks:
+        votes.state["stop"] = total
+        assert votes.summed() == {"stop": 2, "out_of_memory": 1, "check_after": 3}
+        assert votes.summed() is votes.summed() and votes.reads == 1  # read once per step
+    assert ranks[0].fits(mx.float32) and ranks[0].fits(mx.bfloat16)  # 4**3 - 1 = 63: exact in bfloat16
+    assert not Votes(8, names).fits(mx.bfloat16) and Votes(8, names).fits(mx.float32)  # 9**3 - 1 = 728
+
+
+def test_every_collective_the_library_makes_goes_through_the_seam_that_lists_them():
+    import ast
+    import pathlib
+
+    import mlx_train
+
+    root = pathlib.Path(mlx_train.__file__).parent
+    exempt = {"distributed/collectives.py", "distributed/probe.py"}  # the seam; check-network's own probe
+    direct = []
+    for path in sorted(root.rglob("*.py")):
+        if path.relative_to(root).as_posix() in exempt:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and ast.unparse(node.value) == "mx.distributed" and \
+                    node.attr.startswith(("all_", "sum_scatter", "send", "recv")):
+                direct.append(f"{path.relative_to(root)}:{node.lineno} mx.distributed.{node.attr}")
+    assert direct == []  # use mlx_train.distributed.collectives: recording_collectives then lists them
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_data_parallel_step_makes_one_all_reduce_and_one_host_read(tmp_path):
+    script = os.path.join(os.path.dirname(__file__), "scripts", "dp_count_run.py")
+    launcher = shutil.which("mlx.launch") or os.path.join(os.path.dirname(sys.executable), "mlx.launch")
+    out = tmp_path / "counts.json"
+    subprocess.run([launcher, "-n", "2", "--", sys.executable, script, str(out), "--accumulation", "2",
+                    "--steps", "8"], check=True, env={**os.environ, "OPENBLAS_NUM_THREADS": "1"}, timeout=300,
+                   stdout=subprocess.DEVNULL)
+    counts = json.load(open(out))
+    steps = counts["steps"]
+    assert [s["step"] for s in steps] == list(range(1, 9))
+    # Every step: one all-reduce in the compiled step (of its 2 micro-batches, the update's), carrying the
+    # gradients, the item count and the vote word; one host read of the summed votes.
+    assert all(s["inside"] == [["all_sum", counts["parameters"] + 2]] for s in steps)
+    assert all(s["reads"] == 1 for s in steps)
+    # Outside the compiled step: nothing once the steps are past their shape's first two, which the memory
+    # guard checks after the update (step 2: that check alone; step 1 also traces the step and plans).
+    assert [s["outside"] for s in steps[1:]] == [1] + [0] * 6

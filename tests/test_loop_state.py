@@ -192,6 +192,7 @@ class FakeStep:
         self.model, self.optimizer = nn.Linear(2, 2), optim.SGD(0.1)
         self.options = type("O", (), {"precision": "float32"})()
         self.state = [counter]
+        self.votes = None  # one process: no all-reduce to vote in
 
     def __call__(self, state, batch):
         micro = -(-batch[0].shape[0] // self.accumulation)

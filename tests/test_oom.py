@@ -296,19 +296,27 @@ def _ranks(out):
     return events, params
 
 
+def _launched(out, *options, ranks=2):
+    """Run oom_run.py (on ``ranks`` ranks, each with one BLAS thread); returns ``_ranks(out)`` (rank 0's
+    parameters alone for one process)."""
+    command = [sys.executable, SCRIPT, str(out), *options]
+    if ranks > 1:
+        command = [_launcher(), "-n", str(ranks), "--", *command]
+    subprocess.run(command, check=True, env={**os.environ, "OPENBLAS_NUM_THREADS": "1"}, timeout=300,
+                   stdout=subprocess.DEVNULL)
+    if ranks == 1:
+        return {k: np.array(v) for k, v in mx.load(str(out / "params-rank0.safetensors")).items()}
+    return _ranks(out)
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_all_ranks_take_the_same_decision(tmp_path):
-    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
-    run = dict(check=True, env=env, timeout=300, stdout=subprocess.DEVNULL)
-    subprocess.run([sys.executable, SCRIPT, str(tmp_path / "one")], **run)
-    reference = {k: np.array(v) for k, v in mx.load(str(tmp_path / "one" / "params-rank0.safetensors")).items()}
+    reference = _launched(tmp_path / "one", ranks=1)
 
     # Step 2 fails on both ranks before the gradient exchange; step 4 fails on rank 1 alone, after it:
     # every rank redoes both steps with half the micro-batch (16 -> 8 -> 4 per rank).
-    subprocess.run([_launcher(), "-n", "2", "--", sys.executable, SCRIPT, str(tmp_path / "fail"),
-                    "--fail", "0:2", "--fail", "1:2", "--fail", "1:4:late"], **run)
-    events, params = _ranks(tmp_path / "fail")
+    events, params = _launched(tmp_path / "fail", "--fail", "0:2", "--fail", "1:2", "--fail", "1:4:late")
     assert [e["outcome"] for e in events] == ["finished", "finished"] and events[0]["step"] == 6
     assert [[(e["step"], e["batch_size"]) for e in rank["events"]] for rank in events] == [[(2, 8), (4, 4)]] * 2
     assert [e["reason"] for e in events[0]["events"]] == [METAL_MESSAGE, "another rank ran out of memory"]
@@ -317,9 +325,7 @@ def test_all_ranks_take_the_same_decision(tmp_path):
     assert _max_rel_err(params[0], reference) < 1e-5
 
     # Only rank 0 has a (hopeless) budget: both ranks shrink together, then stop at the same step.
-    subprocess.run([_launcher(), "-n", "2", "--", sys.executable, SCRIPT, str(tmp_path / "budget"),
-                    "--budget-rank", "0"], **run)
-    events, params = _ranks(tmp_path / "budget")
+    events, params = _launched(tmp_path / "budget", "--budget-rank", "0")
     assert all(e["outcome"].startswith("OutOfMemoryError: out of memory at step") for e in events)
     assert events[0]["step"] == events[1]["step"] and events[0]["events"] == [
         {**e, "reason": events[0]["events"][i]["reason"]} for i, e in enumerate(events[1]["events"])]
@@ -327,9 +333,30 @@ def test_all_ranks_take_the_same_decision(tmp_path):
     assert all(np.array_equal(params[0][k], params[1][k]) for k in params[0])
 
     # Rank 0's budget is below its weights, gradients and optimizer state: both ranks stop before a step.
-    subprocess.run([_launcher(), "-n", "2", "--", sys.executable, SCRIPT, str(tmp_path / "floor"),
-                    "--budget-rank", "0", "--budget", "1000"], **run)
-    events, _ = _ranks(tmp_path / "floor")
+    events, _ = _launched(tmp_path / "floor", "--budget-rank", "0", "--budget", "1000")
     assert [e["step"] for e in events] == [0, 0]
     assert "below what training holds at any micro-batch" in events[0]["outcome"]
     assert "another rank's memory_limit is below what training holds" in events[1]["outcome"]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_rank_that_runs_out_of_memory_alone_before_the_all_reduce_is_retried_on_every_rank(tmp_path):
+    reference = _launched(tmp_path / "one", ranks=1)
+
+    # Rank 1 alone fails at step 3 before its all-reduce (a step past its shape's first two, which no rank
+    # asked to check after the update): it joins rank 0's all-reduce with its vote, rank 0 skips its update,
+    # and both retry the step with the same micro-batch.
+    events, params = _launched(tmp_path / "fail", "--fail", "1:3")
+    assert [e["outcome"] for e in events] == ["finished", "finished"] and events[0]["step"] == 6
+    assert [[(e["step"], e["batch_size"]) for e in rank["events"]] for rank in events] == [[(3, 8)]] * 2
+    assert [rank["events"][0]["reason"] for rank in events] == ["another rank ran out of memory", METAL_MESSAGE]
+    assert all(np.array_equal(params[0][k], params[1][k]) for k in params[0])
+    assert _max_rel_err(params[0], reference) < 1e-5
+
+    # After its all-reduce, on such a step, the other rank has applied it: the run ends, with advice (and the
+    # other rank, left alone, with the lost connection).
+    events, _ = _launched(tmp_path / "late", "--fail", "0:3:late")
+    assert events[0]["outcome"].startswith("OutOfMemoryError: out of memory at step 3 on this rank after the "
+                                           "step's all-reduce") and events[0]["step"] == 2
+    assert events[1]["outcome"].startswith("DistributedError") and events[0]["events"] == events[1]["events"] == []

@@ -23,8 +23,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import mlx.core as mx
-
 from mlx_train.training.oom import CPU_MESSAGE, CUDA_MESSAGE, METAL_MESSAGE
 from mlx_train.training.step import StepObserver, TrainStep
 
@@ -71,7 +69,7 @@ class SimulatedOutOfMemory(StepObserver):
         chosen = update if self.micro_batch == -1 else index == self.micro_batch
         if chosen and number in self.steps and self.failures.count(number) < self.times:
             if self.evaluated:
-                mx.eval(step.state, result)
+                step.evaluate(*result, update)  # as the step evaluates it (distributed: the all-reduce first)
             self.failures.append(number)
             self._index = 0
             raise RuntimeError(self.message)

@@ -23,6 +23,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
+from mlx_train.distributed import collectives
 from mlx_train.errors import ConfigError, DistributedError
 
 if TYPE_CHECKING:
@@ -46,7 +47,7 @@ def gather_checksums(checksum: mx.array, group: Any) -> np.ndarray:
     world, rank = group.size(), group.rank()
     table = mx.zeros((world, checksum.size), dtype=mx.float32)
     table[rank] = checksum
-    return np.array(mx.distributed.all_sum(table, group=group, stream=mx.cpu))
+    return np.array(collectives.all_sum(table, group=group, stream=mx.cpu))
 
 
 def mismatching_ranks(table: np.ndarray) -> list[int]:
@@ -64,7 +65,7 @@ def broadcast_from_rank0(tree: Any, group: Any) -> Any:
     for key, value in tree_flatten(tree):
         if isinstance(value, mx.array):
             mine = value if is_root else mx.zeros_like(value)
-            value = mx.distributed.all_sum(mine, group=group, stream=mx.cpu).astype(value.dtype)
+            value = collectives.all_sum(mine, group=group, stream=mx.cpu).astype(value.dtype)
         flat.append((key, value))
     return tree_unflatten(flat)
 

@@ -1,15 +1,17 @@
-"""The collectives of a split model's step, made through one seam that can list them.
+"""The collectives of a training run, made through one seam that can list them.
 
 Every layer ``distributed.tensor.shard_model`` leaves in a model (MLX's sharded linears become the
 ``Tracked*`` layers of ``distributed.tensor.layers``, which compute exactly what MLX's do), the split
-vocabulary, the sharded adapters of ``llm.adapters``, the loss over a split vocabulary (``llm.loss``) and the
-step's reduction make their collectives with these functions: ``mx.distributed``'s own, recorded while
-``recording_collectives`` is active in the calling context (a context variable; nothing of MLX is replaced).
-Building a step's value and gradient inside the block -- lazily, never evaluated -- lists every collective it
-makes, in call order, with the shape and dtype of what it moves: a backward-pass collective is made when the
-gradient graph is built (``sum_gradients``' VJP runs then). Collectives a model's own code makes with
-``mx.distributed`` directly are not listed (``distributed.tensor.untracked_modules`` names split layers of
-other types).
+vocabulary, the sharded adapters of ``llm.adapters``, the loss over a split vocabulary (``llm.loss``), the
+step's reduction, and whatever else of the library communicates in a run (the memory guard's votes, report
+sums, barriers, checksums) make their collectives with these functions: ``mx.distributed``'s own, recorded
+while ``recording_collectives`` is active in the calling context (a context variable; nothing of MLX is
+replaced). Building a step's value and gradient inside the block -- lazily, never evaluated -- lists every
+collective it makes, in call order, with the shape and dtype of what it moves: a backward-pass collective is
+made when the gradient graph is built (``sum_gradients``' VJP runs then); a compiled step lists its own when it
+is traced. Not listed: collectives a model's own code makes with ``mx.distributed`` directly
+(``distributed.tensor.untracked_modules`` names split layers of other types), and those of MLX's own functions
+(``nn.average_gradients``, which data parallelism uses for gradients over 32 MB, and FSDP's ``fully_shard``).
 
 Example::
 

@@ -42,7 +42,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlx_train.distributed.collectives import Collective, recording_collectives
+from mlx_train.distributed.collectives import Collective, all_sum, recording_collectives
 
 __all__ = ["AllReduceTiming", "time_all_sum", "gradient_bytes", "estimate_step_comm_seconds", "Collective",
            "recording_collectives", "time_collectives", "StepComm", "StepCommunication"]
@@ -91,7 +91,7 @@ def time_all_sum(group: Any, nbytes: int = 8 * 2**20, repeats: int = 5, small_re
     mx.eval(small, big)
 
     def reduce(x: mx.array) -> Callable[[], None]:
-        return lambda: mx.eval(mx.distributed.all_sum(x, group=group, stream=mx.cpu))
+        return lambda: mx.eval(all_sum(x, group=group, stream=mx.cpu))
 
     reduce(small)()  # warm up the connections
     latency = statistics.median(_timed(reduce(small), small_repeats))

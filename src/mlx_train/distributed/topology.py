@@ -6,7 +6,7 @@ anywhere, so the loop has no test of a group. A topology decides:
 - who writes files (``is_main``), ``rank``/``size``, how many ranks split each batch (``batch_ranks``);
 - how the data is sharded (``shard``) and the gradients reduced (``reduction``, built into the step);
 - how values are summed over ranks at report time (``reduce``) and how the ranks agree to stop
-  (``vote_stop``: the vote travels in the step's own all-reduce, ``Reduction.state``);
+  (``vote_stop``: the vote travels in the step's own all-reduce, ``Reduction.votes``);
 - the checkpoint manager and what a save or restore does besides rank 0's checkpoint;
 - extra callbacks (the rank's heartbeat and watchdog, parameter checksums), a ``barrier``, the
   watchdog around a blocking collective (``collective``) and transport errors (``errors``).
@@ -29,6 +29,7 @@ import mlx.nn as nn
 
 from mlx_train.checkpointing.manager import CheckpointManager
 from mlx_train.config import TrainConfig
+from mlx_train.distributed import collectives
 from mlx_train.distributed.environment import ENV_BACKEND, ENV_RUN_DIR, ENV_STATE_DIR, restart_resume, supervised
 from mlx_train.distributed.reduction import Reduction, fused_average, sharded_reduction
 from mlx_train.errors import ConfigError, DistributedError
@@ -111,8 +112,8 @@ class Topology:
 
     def start_run(self) -> None:
         """A new run: no vote carries over from the last one."""
-        if self.reduction is not None and self.reduction.state is not None:
-            self.reduction.state["stop"] = mx.array(0.0)
+        if self.reduction is not None and self.reduction.votes is not None:
+            self.reduction.votes.reset()
 
     def vote_stop(self, requested: bool) -> bool | None:
         """After each step: did any rank ask to stop (all then stop at the same step)? None: no vote (one
@@ -209,21 +210,22 @@ class Group(Topology):
         return extra
 
     def vote_stop(self, requested: bool) -> bool | None:
-        """Every rank votes right after each step, still under the step's watchdog; a reduction with a vote
-        slot sums the votes with the gradients (the vote cast before the step), with no collective of its own."""
+        """Every rank votes right after each step, still under the step's watchdog; a reduction with votes
+        sums them with the gradients (the vote cast before the step), with no collective of its own, and the
+        step has already read the sum when it carried other votes (``Votes.summed``: one read a step)."""
         if self._size == 1:
             return None
-        votes = self.reduction.state if self.reduction is not None else None
+        votes = self.reduction.votes if self.reduction is not None else None
         if votes is None:
             return any_rank(requested, self.group)
-        voted = bool(votes["stop"].item() > 0)  # type: ignore[operator]  # a float32 scalar
-        votes["stop"] = mx.array(1.0 if requested else 0.0)  # for the next step
+        voted = votes.summed()["stop"] > 0
+        votes.cast(stop=requested)  # for the next step
         return voted
 
     def reduce(self, values: dict[str, mx.array]) -> dict[str, float]:
         if self._size > 1:
             with self.collective("metric reduction"):
-                values = {k: mx.distributed.all_sum(v, group=self.group, stream=mx.cpu) for k, v in values.items()}
+                values = {k: collectives.all_sum(v, group=self.group, stream=mx.cpu) for k, v in values.items()}
                 mx.eval(values)
         return super().reduce(values)
 
@@ -236,7 +238,7 @@ class Group(Topology):
     def barrier(self, what: str) -> None:
         if self._size > 1:
             with self.collective(what):
-                mx.eval(mx.distributed.all_sum(mx.array(1, dtype=mx.int32), group=self.group, stream=mx.cpu))
+                mx.eval(collectives.all_sum(mx.array(1, dtype=mx.int32), group=self.group, stream=mx.cpu))
 
     def collective(self, what: str) -> AbstractContextManager[Any]:
         return self.monitor.collective(what) if self.monitor is not None else nullcontext()
@@ -288,7 +290,8 @@ class Group(Topology):
 
 class DataParallel(Group):
     """Every rank holds the whole model and trains on its slice of each global batch; gradients, item
-    counts and the stop vote are summed in one all-reduce inside the compiled step (``fused_average``).
+    counts and the ranks' votes (stop, out of memory) are summed in one all-reduce inside the compiled step
+    (``fused_average``): a step makes no other collective, unless the memory guard checks it after its update.
 
     Example::
 
@@ -381,5 +384,5 @@ def any_rank(flag: bool, group: Any = None) -> bool:
     """
     if group is None or group.size() == 1:
         return bool(flag)
-    votes = mx.distributed.all_sum(mx.array(1 if flag else 0, dtype=mx.int32), group=group, stream=mx.cpu)
+    votes = collectives.all_sum(mx.array(1 if flag else 0, dtype=mx.int32), group=group, stream=mx.cpu)
     return bool(votes.item() > 0)  # type: ignore[operator]  # an int32 scalar

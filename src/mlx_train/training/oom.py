@@ -19,8 +19,7 @@ the budget is treated as above (that step is kept: it did finish). Decisions com
 first steps, measured as the growth over the memory held before them plus what the run held when
 it started, which identical runs measure alike (later steps of a shape vary by the order in which
 MLX frees buffers): two identical runs shrink at the same step, and the checkpoint records what
-was measured, so a resumed run takes the same decisions. In a distributed run every rank votes
-after every step, so all ranks take the same decision.
+was measured, so a resumed run takes the same decisions.
 
 A step can be undone when the guard kept the state of before it. Keeping it costs a little (MLX
 cannot update those buffers in place), so the guard keeps it where running out of memory is
@@ -29,6 +28,17 @@ reached there), after a step that used more than half of the device's memory, an
 once memory has proved tight, when ``memory_limit`` is set, or in a distributed run. A failure
 anywhere else (a shape that already ran well within memory: another process took it) ends with
 advice instead.
+
+In a distributed run all ranks take the same decision. In data parallelism the ranks vote in the
+step's own all-reduce (``distributed.reduction.Votes``): a rank whose step ran out of memory before
+the all-reduce joins it with zero gradients and its vote, the others then skip their update, and every
+rank retries the step with the same smaller micro-batch. What is known only after the update (a rank
+that ran out of memory after the all-reduce, a peak over the budget) the ranks compare in a small
+all-reduce of their own, on the steps that some rank asks to check: where running out of memory is
+plausible (as above) and measured steps. A step no rank asked to check makes no collective besides its
+all-reduce and one host read of the votes (already evaluated by then); running out of memory after its
+all-reduce ends the run with advice (the other ranks applied the step). With tensor parallelism and FSDP,
+whose all-reduces carry no such vote, the ranks compare after every step.
 
 Example::
 
@@ -49,13 +59,16 @@ from typing import TYPE_CHECKING, Any, cast
 import mlx.core as mx
 
 from mlx_train.device import format_bytes
+from mlx_train.distributed import collectives
 from mlx_train.distributed.topology import any_rank
 from mlx_train.errors import MLXTrainError, OutOfMemoryError
 from mlx_train.snapshot import array_slots as array_slots
 from mlx_train.snapshot import set_rng_key
 from mlx_train.training.losses import batch_size_of
+from mlx_train.training.step import ANOTHER_RANK
 
 if TYPE_CHECKING:
+    from mlx_train.distributed.reduction import Votes
     from mlx_train.training.step import StepObserver
 
 __all__ = ["is_out_of_memory", "out_of_memory", "any_rank", "MemoryGuard", "MemoryPolicy", "CPU_MESSAGE",
@@ -109,6 +122,9 @@ def out_of_memory(where: str, advice: str) -> Iterator[None]:
 #: Steps of each batch shape (and settings) that keep the state to undo them: the first run
 #: compiles, the second is the first at steady memory.
 WARMUP = 2
+
+#: The state arrays and random key of before a step (what undoing it puts back).
+_Saved = tuple[list[Any], mx.array]
 
 
 def _shape(batch: Any) -> tuple[Any, ...]:
@@ -172,7 +188,7 @@ class MemoryGuard:
         self._tight_above = memory / 2 if memory else 0
         self._tight = False
         # Always ready to undo a step: with a budget (memory matters more than a few microseconds) and
-        # when distributed (a rank must be able to undo a step that failed on another).
+        # when distributed (a rank must be able to undo a step that failed on another before the all-reduce).
         self._always = policy.budget is not None or self.group is not None
         self.step: Any = None
         self._bind()
@@ -186,8 +202,7 @@ class MemoryGuard:
         # that used over half the memory there is, and every step once memory has proved tight.
         if not self.planned and (self.policy.budget is not None or self.group is not None):
             self._plan(state, batch)
-        shape = batch[0].shape if type(batch) is tuple else _shape(batch)
-        if self._runs.get(shape, 0) >= WARMUP and not (self._tight or self._always or self.events):
+        if not (self._always or self._plausible(batch)):
             try:  # the common case: a known shape well within memory, no budget, no group to vote with
                 result = self.step(state, batch)
             except MLXTrainError:
@@ -195,33 +210,49 @@ class MemoryGuard:
             except Exception as error:
                 if not is_out_of_memory(error):
                     raise
+                self._stand_in()
                 raise self._not_undoable(state, str(error)) from error
             self._tight = mx.get_peak_memory() > self._tight_above
             return result  # type: ignore[no-any-return]  # the step's running sums
-        saved, key = [container[name] for container, name in self._slots], mx.random.state[0]  # type: ignore[index]
+        saved = [container[name] for container, name in self._slots], mx.random.state[0]  # type: ignore[index]
         try:
-            result, failure = self._attempt(state, batch)
-            while failure is not None:
-                self._restore(saved, key)  # nothing of the failed attempt stays applied
-                mx.clear_cache()
+            result, failure = self._attempt(state, batch, saved)
+            while failure is not None:  # (the state of before the step is back)
                 self._shrink(state, batch, failure)
-                result, failure = self._attempt(state, batch)
+                result, failure = self._attempt(state, batch, saved)
         except BaseException:
             # Any failure (a bad batch, an interrupted trace) leaves the state as before the step: a
             # failed first trace would otherwise leave placeholders in the model and MLX's random state.
-            self._restore(saved, key, strict=False)
+            self._restore(saved, strict=False)
             raise
+        shape = batch[0].shape if type(batch) is tuple else _shape(batch)
         self._runs[shape] = self._runs.get(shape, 0) + 1
         self._tight = mx.get_peak_memory() > self._tight_above
         return result  # type: ignore[return-value]  # not None: the loop ends on a step that ran
 
-    def _attempt(self, state: Any, batch: Any) -> tuple[dict[str, Any] | None, str | None]:
+    def _plausible(self, batch: Any) -> bool:
+        """Whether running out of memory is plausible in this step: the first ``WARMUP`` steps of its shape with
+        these settings, after a step that used over half the memory there is, once memory proved tight."""
+        shape = batch[0].shape if type(batch) is tuple else _shape(batch)
+        return self._runs.get(shape, 0) < WARMUP or self._tight or bool(self.events)
+
+    def _attempt(self, state: Any, batch: Any, saved: _Saved) -> tuple[dict[str, Any] | None, str | None]:
         """Run the step once: ``(running, None)``, or ``(None, why)`` when it ran out of memory here or,
-        in a distributed run, on any rank. A step over the budget is kept, and the next ones shrink."""
+        in a distributed run, on any rank (the state of before the step is then back). A step over the
+        budget is kept, and the next ones shrink.
+
+        Distributed, the ranks agree in the step's own all-reduce (``Votes``) when a rank's step failed before
+        it; a failure after it, or a peak over the budget, is known only after the update: the ranks compare
+        those in a small all-reduce of their own, on the steps that some rank asked to check (where running out
+        of memory is plausible, or a step is measured), and on every step where the all-reduce carries no
+        votes (tensor parallelism, FSDP)."""
         budget = self.policy.budget
         key = f"{_shape(batch)} x{self.accumulation}{' checkpointed' if self.checkpointing else ''}"
         measured = budget is not None and key not in self.checked
         before = self._measure_from() if measured else 0
+        votes = self._votes
+        if votes is not None and self.group is not None:  # whether the ranks check this step after its update
+            votes.cast(out_of_memory=False, check_after=measured or self._plausible(batch))
         try:
             result, failure = self.step(state, batch), None
         except MLXTrainError:
@@ -230,25 +261,43 @@ class MemoryGuard:
             if not is_out_of_memory(error):
                 raise
             result, failure = None, str(error)  # leaving the except block drops the failed step's arrays
+        counts = votes.summed() if votes is not None and self.step.exchanged else None
+        if failure is not None:
+            self._restore(saved)  # nothing of the failed attempt stays applied
+            mx.clear_cache()
+            if votes is not None and counts is None:
+                counts = self._stand_in()
         peak = 0
         if measured and failure is None:
             peak = mx.get_peak_memory() - before + (self.resident or 0)
             self.checked.append(key)
         over = here = peak > (budget or 0)
-        if self.group is not None:  # every rank votes after every step, so that they stay in step
+        checked = counts is None or (counts["check_after"] > 0 and not counts["out_of_memory"])
+        if self.group is not None and checked:
             over, failed = self._vote(here, failure is not None)
             if failed and failure is None:
-                result, failure = None, "another rank ran out of memory"
+                self._restore(saved)
+                result, failure = None, ANOTHER_RANK
+        elif self.group is not None and failure is not None and counts is not None and not counts["out_of_memory"]:
+            raise self._after_all_reduce(state, failure)  # failed after the all-reduce, which others applied
         if over and failure is None:
             reason = (f"peak memory {format_bytes(int(peak))} is over the memory_limit budget of "
                       f"{format_bytes(budget or 0)}" if here else "another rank went over its memory_limit")
             self._shrink(state, batch, reason, kept=True)
         return result, failure
 
+    def _stand_in(self) -> dict[str, int] | None:
+        """After this rank's step failed before its all-reduce: join the other ranks' all-reduce with the failure
+        (``TrainStep.stand_in``); returns the summed votes (None without votes in the all-reduce)."""
+        if self._votes is None or self.step.exchanged:
+            return None
+        self.step.stand_in()
+        return self._votes.summed()
+
     def _vote(self, over: bool, failed: bool) -> tuple[bool, bool]:
         """(any rank over its budget, any rank out of memory): one small all_sum across the group."""
-        votes = mx.distributed.all_sum(mx.array([int(over), int(failed)], dtype=mx.int32),
-                                       group=self.group, stream=mx.cpu).tolist()
+        votes = collectives.all_sum(mx.array([int(over), int(failed)], dtype=mx.int32),
+                                    group=self.group, stream=mx.cpu).tolist()
         return votes[0] > 0, votes[1] > 0  # type: ignore[index,operator]  # a list of two ints
 
     # -- settings -----------------------------------------------------------------------
@@ -282,6 +331,8 @@ class MemoryGuard:
         """(Re)build the step function for the current settings."""
         self.step = self.build(self.accumulation, self.checkpointing)
         self._slots = array_slots(self.step.state, [])
+        votes = self.step.votes  # the ranks' votes in its all-reduce, when they include running out of memory
+        self._votes: Votes | None = votes if votes is not None and "out_of_memory" in votes.names else None
         self._runs: dict[tuple[Any, ...], int] = {}  # completed steps per batch shape, with these settings
         for observer in self.observers:
             self.step.observe(observer)
@@ -377,8 +428,9 @@ class MemoryGuard:
             "checkpoint, and set memory_limit below the free memory so the Trainer shrinks the micro-batch "
             "before running out")
 
-    def _restore(self, saved: list[Any], key: mx.array, strict: bool = True) -> None:
-        """Put back the state arrays of before the step: nothing of the failed step stays applied."""
+    def _restore(self, saved: _Saved, strict: bool = True) -> None:
+        """Put back the state arrays and random key of before the step: nothing of the failed step stays applied."""
+        arrays, key = saved
         current = array_slots(self.step.state, [])
         same = len(current) == len(self._slots) and all(
             a[0] is b[0] and a[1] == b[1] for a, b in zip(current, self._slots, strict=False))
@@ -390,9 +442,17 @@ class MemoryGuard:
                 "out of memory in a training step, and the model or optimizer state was restructured since "
                 "the run started, so the step cannot be undone safely; resume from the last checkpoint with a "
                 "smaller batch_size (or set memory_limit so the Trainer adapts before running out)")
-        for (container, name), value in zip(self._slots, saved, strict=False):
+        for (container, name), value in zip(self._slots, arrays, strict=False):
             container[name] = value
         set_rng_key(key.tolist())  # type: ignore[arg-type]  # mx.random.state is not a list: reseed to the same key
+
+    def _after_all_reduce(self, state: Any, failure: str) -> OutOfMemoryError:
+        return OutOfMemoryError(
+            f"out of memory at step {state.step + 1} on this rank after the step's all-reduce ({failure}): the "
+            "other ranks applied the step and went on, so it cannot be undone (the ranks compare this after the "
+            "update only on a shape's first steps, once memory is tight or ran out, and on measured steps). "
+            "Resume from the last checkpoint, and set memory_limit below the free memory so that every rank "
+            "shrinks the micro-batch before running out")
 
     def _shrink(self, state: Any, batch: Any, reason: str, kept: bool = False) -> None:
         """Take the next step down: half the micro-batch, else checkpointing, else fail."""
@@ -438,7 +498,7 @@ def _largest(value: int, group: Any = None) -> int:
     """The largest ``value`` over the ranks of ``group`` (every rank must call it); ``value`` alone."""
     if group is None or group.size() == 1:
         return value
-    values = mx.distributed.all_gather(mx.array([value], dtype=mx.int32), group=group, stream=mx.cpu)
+    values = collectives.all_gather(mx.array([value], dtype=mx.int32), group=group, stream=mx.cpu)
     return int(values.max().item())  # type: ignore[arg-type]  # an int32 scalar
 
 

@@ -29,14 +29,15 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_map
 
+from mlx_train.distributed import collectives
 from mlx_train.distributed.reduction import Reduction
 from mlx_train.errors import DataError
 from mlx_train.training.extensions import StepExtension
 from mlx_train.training.losses import METRIC_PREFIX, WINDOW_PREFIX, Loss, add_metrics, count_correct
 from mlx_train.training.state import assign_leaves, zero
 
-__all__ = ["Reduction", "StepObserver", "StepOptions", "TrainStep", "average_gradients", "build_eval_step",
-           "build_step", "describe_shapes", "split_batch"]
+__all__ = ["ANOTHER_RANK", "AnotherRankOutOfMemory", "Reduction", "StepObserver", "StepOptions", "TrainStep",
+           "average_gradients", "build_eval_step", "build_step", "describe_shapes", "split_batch"]
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
@@ -85,6 +86,15 @@ class StepObserver(Protocol):
         """Called after it was dispatched, with its result ``(gradient sum, running sums)``, not evaluated."""
 
 
+#: What a step raises when its all-reduce carried another rank's out-of-memory vote.
+ANOTHER_RANK = "another rank ran out of memory"
+
+
+class AnotherRankOutOfMemory(RuntimeError):
+    """Another rank's step ran out of memory before the all-reduce (its vote said so): this rank's update
+    was not applied. An out-of-memory error (``is_out_of_memory``) like the other rank's own."""
+
+
 def average_gradients(group: Any) -> Reduction:
     """Data-parallel reduction: gradients and item counts averaged over ``group`` (MLX's all-reduce)."""
     world = group.size()
@@ -92,7 +102,7 @@ def average_gradients(group: Any) -> Reduction:
     def reduce(grads: Any, n_items: mx.array | None) -> tuple[Any, mx.array | None]:
         grads = nn.average_gradients(grads, group=group)
         if n_items is not None:
-            n_items = mx.distributed.all_sum(n_items, group=group) / world
+            n_items = collectives.all_sum(n_items, group=group) / world
         return grads, n_items
 
     return Reduction(reduce)
@@ -143,8 +153,12 @@ class TrainStep:
         if self.dynamic_scaling:  # only when used: fewer inputs per call
             self.state.append(loss_scale)
         self.state += [ext.step_state for ext in self.extensions]
-        if reduction is not None and reduction.state is not None:
-            self.state.append(reduction.state)
+        #: The ranks' votes its all-reduce carries (``Reduction.votes``), or None.
+        self.votes = reduction.votes if reduction is not None else None
+        if self.votes is not None:
+            self.state.append(self.votes.state)
+        #: Whether this step's all-reduce has run (with out-of-memory votes: see ``evaluate``).
+        self.exchanged = False
         wrap = partial(mx.compile, inputs=self.state, outputs=self.state) if options.compile else (lambda f: f)
         self._compiled = {(update, weighted): wrap(partial(self._micro, update=update, weighted=weighted))
                           for update in (False, True) for weighted in (False, True)}
@@ -184,12 +198,40 @@ class TrainStep:
         running, grads = state.running, None
         parts = split_batch(batch, self.options.accumulation)
         last = len(parts) - 1
+        self.exchanged = False
         for i, part in enumerate(parts):
             if i == last and self.reduction is not None and self.reduction.before_update is not None:
                 self.reduction.before_update()
             grads, running = self.micro(part, grads, running, i == last, not self._single)
-            mx.eval(self.state, grads, running)
+            self.evaluate(grads, running, i == last)
         return cast("dict[str, mx.array]", running)
+
+    def evaluate(self, grads: Any, running: dict[str, Any], update: bool) -> None:
+        """Evaluate a micro-batch's result (``micro``'s). When the all-reduce carries the ranks' out-of-memory
+        votes, the update's micro-batch first evaluates the all-reduce (``exchanged`` is then True) and reads
+        the votes: if a rank's step failed before it, the update is not evaluated and ``AnotherRankOutOfMemory``
+        is raised, on every other rank alike."""
+        votes = self.votes
+        if update and votes is not None and "out_of_memory" in votes.names:
+            mx.eval(votes.state)
+            self.exchanged = True
+            if votes.summed()["out_of_memory"]:
+                raise AnotherRankOutOfMemory(ANOTHER_RANK)
+        mx.eval(self.state, grads, running)
+
+    def stand_in(self) -> None:
+        """After this rank's step failed before its all-reduce: the all-reduce with zero gradients and this
+        rank's out-of-memory vote in their place, so that the other ranks' step completes and raises
+        ``AnotherRankOutOfMemory`` (their update is not evaluated)."""
+        votes, reduction = self.votes, self.reduction
+        if votes is None or reduction is None:
+            return
+        if reduction.before_update is not None:
+            reduction.before_update()
+        votes.cast(out_of_memory=True)
+        zeros = tree_map(mx.zeros_like, self.model.trainable_parameters())
+        mx.eval(reduction.reduce(zeros, mx.array(0.0)), votes.state)
+        self.exchanged = True
 
     def observe(self, observer: StepObserver) -> None:
         """Show every micro-batch to ``observer`` (see ``StepObserver``), the single micro-batch's too."""

@@ -24,6 +24,7 @@ import mlx.nn as nn
 from mlx.nn.layers import distributed as mlx_distributed
 from mlx.utils import tree_flatten
 
+from mlx_train.distributed import collectives
 from mlx_train.errors import ConfigError
 
 __all__ = ["Split", "Entry", "Layout", "axis_of", "sizes_of", "split_sizes", "layout_record", "layout_from_record",
@@ -197,7 +198,7 @@ def gather_parameters(flat: dict[str, mx.array], layout: Layout, group: Any) -> 
         longest = max(sizes) if sizes else moved.shape[0]
         if longest > moved.shape[0]:
             moved = mx.concatenate([moved, mx.zeros((longest - moved.shape[0], *moved.shape[1:]), moved.dtype)])
-        joined = mx.distributed.all_gather(moved, group=group, stream=mx.cpu)
+        joined = collectives.all_gather(moved, group=group, stream=mx.cpu)
         if sizes and len(set(sizes)) > 1:
             joined = mx.concatenate([joined[r * longest:r * longest + n] for r, n in enumerate(sizes)])
         out[key] = mx.moveaxis(joined, 0, axis)

@@ -22,7 +22,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map_with_path
 
 from mlx_train.distributed import collectives
-from mlx_train.distributed.reduction import Reduction
+from mlx_train.distributed.reduction import Reduction, Votes
 from mlx_train.distributed.tensor.layout import Layout
 
 __all__ = ["tensor_parallel_reduction", "replicated_agree"]
@@ -36,10 +36,10 @@ def tensor_parallel_reduction(group: Any, layout: Layout, before_update: Callabl
 
     Example: ``build_step(model, optimizer, loss, options, scale, reduction=tensor_parallel_reduction(group, layout))``
     """
-    votes = {"stop": mx.array(0.0)}
+    votes = Votes(group.size())
 
     def reduce(grads: Any, n_items: mx.array | None) -> tuple[Any, mx.array | None]:
-        votes["stop"] = collectives.all_sum(votes["stop"], group=group)
+        votes.state["stop"] = collectives.all_sum(votes.state["stop"], group=group)
         return grads, n_items
 
     def clip(grads: Any, max_norm: float | None) -> tuple[Any, mx.array | None]:
@@ -57,7 +57,7 @@ def tensor_parallel_reduction(group: Any, layout: Layout, before_update: Callabl
         normalizer = mx.minimum(max_norm / (norm + 1e-6), 1.0)  # as optim.clip_grad_norm
         return tree_map_with_path(lambda _, g: g * normalizer, grads), norm
 
-    return Reduction(reduce, clip, before_update, state=votes)
+    return Reduction(reduce, clip, before_update, votes=votes)
 
 
 def replicated_agree(model: nn.Module, layout: Layout, group: Any) -> list[str]:
@@ -71,7 +71,7 @@ def replicated_agree(model: nn.Module, layout: Layout, group: Any) -> list[str]:
     for key, value in tree_flatten(model.parameters()):
         if key in layout:
             continue
-        stacked = mx.distributed.all_gather(value.reshape(1, -1), group=group, stream=mx.cpu)
+        stacked = collectives.all_gather(value.reshape(1, -1), group=group, stream=mx.cpu)
         if not bool(mx.all(stacked == stacked[0:1]).item()):
             differing.append(key)
     return differing
