@@ -190,6 +190,44 @@ def test_dora_adapters_load_in_mlx_vlm(tiny, tmp_path):
     assert not np.isclose(vision_lm_loss(tiny[2], _batch(held_out))[0].item(), trained, rtol=1e-3)
 
 
+def _logits(model, batch):
+    from mlx_train.llm.vision.loss import image_inputs
+    from mlx_train.llm.vision.models import reset_position_caches
+
+    images = image_inputs(batch)
+    reset_position_caches(model)
+    output = model(batch["inputs"], images.pop("pixel_values", None), mask=batch["attention_mask"], **images)
+    return output.logits.astype(mx.float32)
+
+
+def test_fuse_writes_a_model_that_mlx_vlm_loads_and_generates_from(tiny, tmp_path, capsys):
+    """``finetune --fuse DIR`` on a vision-language model: mlx_vlm.load(DIR) gives the logits of the base with
+    the adapters (to float tolerance), and generates from a picture."""
+    import mlx_vlm
+
+    from mlx_train.cli.main import main
+
+    base, data = tiny[:2]
+    run, fused = tmp_path / "run", str(tmp_path / "fused")
+    code = main(["finetune", "--model", base, "--data", data, "--iters", "6", "--num-layers", "2", "--batch-size", "2",
+                 "--learning-rate", "5e-3", "--run-dir", str(run), "--fuse", fused])
+    out = capsys.readouterr().out
+    assert code == 0 and f"fused model: {fused} (mlx_vlm.load" in out, out[-2000:]
+    assert os.path.isfile(os.path.join(fused, "preprocessor_config.json"))
+    assert os.path.isfile(os.path.join(fused, "README.md"))  # the adapters' card, for the fused model
+    batch = _batch(_rows(tiny, [vlm_tiny.square_row(c) for c in vlm_tiny.COLOURS]))
+    with_adapters, _ = mlx_vlm.load(base, adapter_path=str(run / "adapters"))
+    model, processor = mlx_vlm.load(fused)
+    assert not any("lora" in name for name, _ in tree_flatten(model.parameters()))
+    expected, got = _logits(with_adapters, batch), _logits(model, batch)
+    assert float(mx.abs(got - expected).max()) < 1e-4
+    assert float(mx.abs(_logits(tiny[2], batch) - expected).max()) > 1e-2  # the adapters changed something
+    prompt = mlx_vlm.prompt_utils.apply_chat_template(processor, vars(model.config), vlm_tiny.QUESTION, num_images=1)
+    reply = mlx_vlm.generate(model, processor, prompt, image=[os.path.join(data, "images", "red.png")], max_tokens=4,
+                             verbose=False)
+    assert reply.generation_tokens > 0
+
+
 def _answer_logprobs(model, tiny):
     """log p(answer | picture) for each picture (rows) and each colour's answer (columns)."""
     colours = list(vlm_tiny.COLOURS)

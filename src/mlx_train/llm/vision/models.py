@@ -178,3 +178,42 @@ def trainer_settings(config: FinetuneConfig, model_type: str, log: Any = print) 
     log(f"compile: off for this {model_type} model: its forward pass reads the image token positions to Python, "
         "which mx.compile cannot trace, so each step runs uncompiled")
     return config.replace(compile=False)
+
+
+#: Files of a model directory that hold its weights: the fused model writes its own.
+WEIGHT_FILES = (".safetensors", "model.safetensors.index.json")
+
+
+def fuse(path: str, adapter_path: str, save_path: str, dequantize: bool = False) -> str:
+    """Fold the LoRA/DoRA adapters of ``adapter_path`` into the base ``path`` and write a model directory
+    that ``mlx_vlm.load`` loads and generates from: the base's files (config, tokenizer, processor, chat
+    template) with the fused weights. A quantized base stays quantized unless ``dequantize`` (its config
+    then loses ``quantization``). ``save_path`` is checked by the caller (a new or empty directory).
+
+    Example: ``fuse("Qwen2-VL-2B-Instruct", "runs/a/adapters", "qwen2-vl-tuned")``.
+    """
+    import shutil
+
+    from mlx.utils import tree_unflatten
+    from mlx_vlm.trainer.peft.dora_layers import DoRALinear
+    from mlx_vlm.trainer.peft.lora_layers import LoRALinear
+    from mlx_vlm.utils import get_model_path, save_config, save_weights
+    from mlx_vlm.utils import load as load_vlm
+
+    model, _ = load_vlm(path, adapter_path=adapter_path)  # the adapters as mlx-vlm adds them
+    fused = [(name, module.fuse(dequantize=dequantize)) for name, module in model.named_modules()
+             if isinstance(module, (LoRALinear, DoRALinear))]
+    if not fused:
+        raise ConfigError(f"{adapter_path} adds no LoRA or DoRA layer to {path}: nothing to fuse")
+    model.update_modules(tree_unflatten(fused))
+    source = str(get_model_path(path))
+    os.makedirs(save_path, exist_ok=True)
+    for name in os.listdir(source):
+        if os.path.isfile(os.path.join(source, name)) and not name.endswith(WEIGHT_FILES):
+            shutil.copy(os.path.join(source, name), os.path.join(save_path, name))
+    save_weights(save_path, model)
+    config = read_config(source) or {}
+    if dequantize and ("quantization" in config or "quantization_config" in config):
+        config = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
+        save_config(config, os.path.join(save_path, "config.json"))
+    return save_path
