@@ -22,15 +22,16 @@ import mlx_train  # noqa: E402, F401  (before mlx.core: BLAS preload)
 # isort: split
 
 import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
 import numpy as np  # noqa: E402
-from mlx.utils import tree_flatten  # noqa: E402
+from mlx.utils import tree_flatten, tree_map_with_path  # noqa: E402
 
 from mlx_train.errors import ConfigError, DataError  # noqa: E402
 from mlx_train.llm.chat_masks import Supervision  # noqa: E402
 from mlx_train.llm.data import Records, collate, load_records  # noqa: E402
 from mlx_train.llm.finetune import FineTuneConfig, finetune  # noqa: E402
-from mlx_train.llm.tasks import VisionSFT, task_for  # noqa: E402
-from mlx_train.llm.vision.data import ImageChatRows  # noqa: E402
+from mlx_train.llm.tasks import VisionPreference, VisionSFT, task_for  # noqa: E402
+from mlx_train.llm.vision.data import ImageChatRows, ImagePairRows  # noqa: E402
 from mlx_train.llm.vision.loss import vision_lm_loss  # noqa: E402
 from mlx_train.llm.vision.models import vision_model_type  # noqa: E402
 
@@ -76,8 +77,11 @@ def test_a_vision_language_model_is_recognised_and_gets_the_vision_task(tiny, tm
     assert vision_model_type(str(tmp_path / "text")) is None
     task = task_for(_config(tiny, tmp_path))
     assert isinstance(task, VisionSFT) and task.model_type == "qwen2_vl"
-    with pytest.raises(ConfigError, match="--train-mode dpo is not supported for vision-language models"):
-        task_for(_config(tiny, tmp_path, train_mode="dpo"))
+    with pytest.raises(ConfigError, match="--train-mode grpo is not supported for vision-language models"):
+        task_for(_config(tiny, tmp_path, train_mode="grpo", beta=0.0, max_seq_length=2048))
+    assert isinstance(task_for(_config(tiny, tmp_path, train_mode="dpo")), VisionPreference)
+    with pytest.raises(ConfigError, match="--reference-model-path is not supported for vision-language models"):
+        task_for(_config(tiny, tmp_path, train_mode="dpo", reference_model_path=base))
     with pytest.raises(ConfigError, match="rows with images are not packed"):
         task_for(_config(tiny, tmp_path, pack=True))
 
@@ -226,6 +230,104 @@ def test_fuse_writes_a_model_that_mlx_vlm_loads_and_generates_from(tiny, tmp_pat
     reply = mlx_vlm.generate(model, processor, prompt, image=[os.path.join(data, "images", "red.png")], max_tokens=4,
                              verbose=False)
     assert reply.generation_tokens > 0
+
+
+def _direct_logp(model, processor, row, reply, data):
+    """log p(reply | picture, question) of one sequence alone (no batch, no padding), through mlx-vlm's prompt
+    and processor functions."""
+    from mlx_vlm.prompt_utils import apply_chat_template
+    from mlx_vlm.utils import prepare_inputs
+
+    from mlx_train.llm.vision.models import reset_position_caches
+
+    config, image = vars(model.config), [os.path.join(data, row["images"][0])]
+    question = [{"role": "user", "content": row["prompt"]}]
+    prompt = apply_chat_template(processor, config, question, add_generation_prompt=True, num_images=1)
+    start = prepare_inputs(processor, images=image, prompts=prompt)["input_ids"].shape[1]
+    text = apply_chat_template(processor, config, [*question, {"role": "assistant", "content": reply}],
+                               add_generation_prompt=False, num_images=1)
+    inputs = prepare_inputs(processor, images=image, prompts=text)
+    ids = inputs["input_ids"]
+    reset_position_caches(model)
+    logits = model(ids[:, :-1], inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"]).logits
+    logp = nn.log_softmax(logits.astype(mx.float32), axis=-1)
+    return mx.take_along_axis(logp, ids[:, 1:, None], axis=-1)[0, start - 1:, 0].sum()
+
+
+@pytest.mark.parametrize("method", ["dpo", "orpo"])
+def test_preference_loss_and_gradients_equal_a_direct_computation(tiny, tmp_path, method):
+    """A batch of image pairs (padded, pictures shown to both replies, DPO's reference the adapters off) gives
+    the loss and the gradients of the formula computed on each sequence alone, the reference on a separate
+    copy of the base."""
+    import mlx_vlm
+
+    from mlx_train.llm.adapters import AdapterConfig, apply_adapters
+    from mlx_train.llm.preference import PreferenceConfig
+    from mlx_train.llm.vision.loss import VisionPreferenceLoss
+
+    base, _, reference, processor = tiny
+    data = vlm_tiny.write_square_pairs(str(tmp_path / "pairs"))
+    rows = [vlm_tiny.square_pair("red", "blue"), vlm_tiny.square_pair("green", "yellow"),
+            {**vlm_tiny.square_pair("blue", "red"), "rejected": "The square is red, I think, or maybe not."}]
+    pairs = ImagePairRows(Records(rows, os.path.join(data, "train.jsonl")), processor, vars(reference.config))
+    model, _ = mlx_vlm.load(base)
+    mx.random.seed(1)
+    apply_adapters(model, AdapterConfig("lora", num_layers=2, rank=4, scale=2.0))
+    model.update(tree_map_with_path(lambda k, v: mx.random.normal(v.shape) * 0.05 if "lora_b" in k else v,
+                                    model.trainable_parameters()))
+    model.train()
+    beta = 0.1
+    loss_fn = VisionPreferenceLoss(PreferenceConfig(method, beta=beta))
+    batch = {k: mx.array(v) for k, v in collate(pairs.samples()).items()}
+
+    def batched(m):
+        return loss_fn(m, batch)[0]
+
+    def direct(m):
+        losses = []
+        for row in rows:
+            chosen, rejected = (_direct_logp(m, processor, row, row[side], data) for side in ("chosen", "rejected"))
+            if method == "dpo":
+                ref = [_direct_logp(reference, processor, row, row[side], data) for side in ("chosen", "rejected")]
+                losses.append(-nn.log_sigmoid(beta * ((chosen - rejected) - (ref[0] - ref[1]))))
+            else:
+                n = [len(processor.tokenizer.encode(row[side] + "<|im_end|>\n")) for side in ("chosen", "rejected")]
+                c, r = chosen / n[0], rejected / n[1]
+                log_odds = (c - r) - (mx.log(-mx.expm1(c)) - mx.log(-mx.expm1(r)))
+                losses.append(-c - beta * nn.log_sigmoid(log_odds))
+        return mx.stack(losses).mean()
+
+    value, grads = nn.value_and_grad(model, batched)(model)
+    expected, expected_grads = nn.value_and_grad(model, direct)(model)
+    assert np.isclose(value.item(), expected.item(), rtol=1e-5), (value.item(), expected.item())
+    flat, want = dict(tree_flatten(grads)), dict(tree_flatten(expected_grads))
+    assert flat.keys() == want.keys() and len(flat) == 28  # lora_a, lora_b of 7 layers x 2 blocks
+    worst = max(float(mx.abs(flat[k] - want[k]).max() / (mx.abs(want[k]).max() + 1e-12)) for k in flat)
+    assert worst < 1e-4, worst
+    assert max(float(mx.abs(g).max()) for g in flat.values()) > 1e-4  # the gradients are not all zero
+
+
+def test_a_short_dpo_run_lowers_the_held_out_loss_and_its_adapters_load_in_mlx_vlm(tiny, tmp_path):
+    import mlx_vlm
+
+    from mlx_train.llm.preference import PreferenceConfig
+    from mlx_train.llm.vision.loss import VisionPreferenceLoss
+
+    data = vlm_tiny.write_square_pairs(str(tmp_path / "pairs"))
+    logs = []
+    result = finetune(_config(tiny, tmp_path, data=data, train_mode="dpo", iters=10, learning_rate=5e-3, beta=0.1,
+                              steps_per_eval=5), log=logs.append)
+    assert isinstance(result["task"], VisionPreference) and result["trained_pairs"] == 20
+    assert any(line.startswith("train: 8 preference pairs (8 with images)") for line in logs)
+    # before training the adapters add nothing: the policy is its reference, and the loss log 2 = 0.693
+    assert result["val_loss"] < np.log(2) - 0.1 and result["val_metrics"]["reward_margin"] > 0.1, result["val_metrics"]
+    loaded, processor = mlx_vlm.load(tiny[0], adapter_path=result["adapter_path"])
+    pairs = ImagePairRows(load_records(data)["valid"], processor, vars(loaded.config))
+    batch = {k: mx.array(v) for k, v in collate(pairs.samples()).items()}
+    score = VisionPreferenceLoss(PreferenceConfig("orpo"))  # (no reference: the metrics of the model alone)
+    trained, reloaded = score(result["model"], batch)[2], score(loaded, batch)[2]
+    for name in ("logps_chosen", "logps_rejected"):
+        assert np.isclose(reloaded[name].item(), trained[name].item(), rtol=1e-5)
 
 
 def _answer_logprobs(model, tiny):

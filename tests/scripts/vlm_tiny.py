@@ -158,6 +158,27 @@ def write_squares(directory: str, n_train: int = 16, n_valid: int = 4, text_rows
     return directory
 
 
+def square_pair(colour: str, wrong: str) -> dict:
+    """One preference row in mlx-vlm's format: the picture of ``colour``, the question, the right answer
+    chosen and ``wrong``'s rejected."""
+    return {"images": [f"images/{colour}.png"], "prompt": QUESTION, "chosen": f"The square is {colour}.",
+            "rejected": f"The square is {wrong}."}
+
+
+def write_square_pairs(directory: str, n_train: int = 8, n_valid: int = 4, side: int = 56) -> str:
+    """Coloured-squares preference pairs (train/valid/test.jsonl and images/): each picture's colour chosen,
+    the next colour rejected."""
+    os.makedirs(os.path.join(directory, "images"), exist_ok=True)
+    names = list(COLOURS)
+    for colour in names:
+        write_square(os.path.join(directory, "images", f"{colour}.png"), colour, side)
+    for split, n in (("train", n_train), ("valid", n_valid), ("test", n_valid)):
+        rows = [square_pair(names[i % 4], names[(i + 1) % 4]) for i in range(n)]
+        with open(os.path.join(directory, f"{split}.jsonl"), "w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in rows)
+    return directory
+
+
 if __name__ == "__main__":
     import sys
 
