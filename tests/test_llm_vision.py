@@ -380,13 +380,17 @@ def _resume_run(base, data, run_dir, out, *extra):
 
 
 @pytest.mark.slow
-def test_sigkill_then_resume_is_bit_exact(tiny, tmp_path):
+@pytest.mark.parametrize("quantized", [False, True], ids=["float", "qlora"])
+def test_sigkill_then_resume_is_bit_exact(tiny, tmp_path, quantized):
     base, data = tiny[:2]
-    full = _resume_run(base, data, tmp_path / "full", tmp_path / "full.safetensors")
+    extra = ()
+    if quantized:  # QLoRA: the language model in 4 bits, kept so
+        base, extra = vlm_tiny.write_model_dir(str(tmp_path / "q4"), bits=4), ("--quantized",)
+    full = _resume_run(base, data, tmp_path / "full", tmp_path / "full.safetensors", *extra)
     assert full.returncode == 0, full.stdout[-3000:]
-    killed = _resume_run(base, data, tmp_path / "cut", tmp_path / "unused.safetensors", "--kill-at", "3")
+    killed = _resume_run(base, data, tmp_path / "cut", tmp_path / "unused.safetensors", "--kill-at", "3", *extra)
     assert killed.returncode == -9, killed.stdout[-3000:]
-    resumed = _resume_run(base, data, tmp_path / "cut", tmp_path / "resumed.safetensors")
+    resumed = _resume_run(base, data, tmp_path / "cut", tmp_path / "resumed.safetensors", *extra)
     assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stdout[-3000:]
     a, b = mx.load(str(tmp_path / "full.safetensors")), mx.load(str(tmp_path / "resumed.safetensors"))
     assert a.keys() == b.keys() and any(k.startswith("optimizer.") for k in a)
@@ -394,6 +398,68 @@ def test_sigkill_then_resume_is_bit_exact(tiny, tmp_path):
     assert not different, f"{len(different)} tensors differ after resume, e.g. {different[:3]}"
     assert json.loads((tmp_path / "full.safetensors.json").read_text()) == \
         json.loads((tmp_path / "resumed.safetensors.json").read_text())
+
+
+def test_qlora_trains_on_a_quantized_language_model(tiny, tmp_path):
+    """A base whose language model is quantized (4 bits) stays so with ``quantized``: LoRA trains on top, the
+    held-out loss falls, and the adapters load in mlx-vlm over the same quantized base."""
+    import mlx_vlm
+
+    from mlx_train.llm.models import is_quantized
+
+    base = vlm_tiny.write_model_dir(str(tmp_path / "q4"), bits=4)
+    quantized, _ = mlx_vlm.load(base)
+    held_out = _batch(_rows(tiny, [vlm_tiny.square_row(c) for c in vlm_tiny.COLOURS]))
+    before = vision_lm_loss(quantized, held_out)[0].item()
+    result = finetune(_config(tiny, tmp_path, model=base, quantized=True, iters=8, learning_rate=5e-3,
+                              assistant_only_loss=True))
+    model = result["model"]
+    assert is_quantized(model) and not is_quantized(model.vision_tower)
+    model.eval()
+    after = vision_lm_loss(model, held_out)[0].item()
+    assert after < before - 1.0, (before, after)
+    loaded, _ = mlx_vlm.load(base, adapter_path=result["adapter_path"])
+    assert np.isclose(vision_lm_loss(loaded, held_out)[0].item(), after, rtol=1e-5)
+
+
+def _vision_weights(model):
+    return dict(tree_flatten(model.vision_tower.parameters()))
+
+
+@pytest.mark.parametrize("train_vision", [False, True])
+def test_the_vision_tower_trains_only_when_asked(tiny, tmp_path, train_vision):
+    """``train_vision`` (mlx-vlm's --train-vision): the vision tower and its projector (Qwen2-VL's merger) train
+    with the adapters, are saved with them and load with them in mlx-vlm; the language model's own weights stay.
+    Without it the tower does not change."""
+    import mlx_vlm
+
+    base_model = tiny[2]
+    result = finetune(_config(tiny, tmp_path, iters=3, learning_rate=5e-3, train_vision=train_vision))
+    model = result["model"]
+    tower, before = _vision_weights(model), _vision_weights(base_model)
+    changed = sorted(k for k in tower if not mx.array_equal(tower[k], before[k]))
+    trainable = dict(tree_flatten(model.trainable_parameters()))
+    language = {k.replace(".linear.", "."): v for k, v in tree_flatten(model.language_model.parameters())
+                if "lora_" not in k}
+    assert all(mx.array_equal(v, dict(tree_flatten(base_model.language_model.parameters()))[k])
+               for k, v in language.items())
+    with open(os.path.join(result["adapter_path"], "adapter_config.json")) as f:
+        facts = json.load(f)
+    if not train_vision:
+        assert not changed and not any(k.startswith("vision_tower") for k in trainable)
+        assert "train_vision" not in facts
+        return
+    assert "merger.mlp.0.weight" in changed and "blocks.0.attn.qkv.weight" in changed
+    assert len(changed) > 0.9 * len(tower), (len(changed), len(tower))
+    assert facts["train_vision"] is True
+    loaded, _ = mlx_vlm.load(tiny[0], adapter_path=result["adapter_path"])
+    assert all(mx.array_equal(_vision_weights(loaded)[k], tower[k]) for k in tower)
+
+
+def test_train_vision_is_refused_for_a_text_model(tmp_path):
+    llm_tiny.write_model_dir(str(tmp_path / "text"))
+    with pytest.raises(ConfigError, match="--train-vision trains the vision tower of a vision-language model"):
+        task_for(FineTuneConfig(model=str(tmp_path / "text"), data=str(tmp_path), train_vision=True))
 
 
 def test_qwen2_5_vl_trains_too(tmp_path):

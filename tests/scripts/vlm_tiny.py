@@ -85,9 +85,11 @@ def model_config(tokenizer, model_type: str = "qwen2_vl", size: str = "tiny") ->
             "eos_token_id": tokenizer.eos_token_id, "vision_config": vision, **ids}
 
 
-def write_model_dir(directory: str, seed: int = 0, model_type: str = "qwen2_vl", size: str = "tiny") -> str:
+def write_model_dir(directory: str, seed: int = 0, model_type: str = "qwen2_vl", size: str = "tiny",
+                    bits: int | None = None) -> str:
     """A random tiny (or ``size`` "small") model saved as an mlx-vlm / Hugging Face directory; returns the
-    directory. Its processor makes every picture ``SIZES[size]["side"]`` pixels square."""
+    directory. Its processor makes every picture ``SIZES[size]["side"]`` pixels square. ``bits``: the
+    language model quantized (``mlx.nn.quantize``, groups of 32), the vision tower left in float."""
     import importlib
 
     from mlx_vlm.utils import save_config, save_weights
@@ -103,6 +105,11 @@ def write_model_dir(directory: str, seed: int = 0, model_type: str = "qwen2_vl",
     settings.text_config = module.TextConfig.from_dict(settings.text_config)
     model = module.Model(settings)
     mx.eval(model.parameters())
+    if bits is not None:
+        import mlx.nn as nn
+
+        nn.quantize(model.language_model, group_size=32, bits=bits)
+        config["quantization"] = {"group_size": 32, "bits": bits}
     save_weights(directory, model)
     save_config(config, os.path.join(directory, "config.json"))
     tokenizer.save_pretrained(directory)

@@ -511,11 +511,20 @@ class _Vision:
         return load(self.config.model or "", quantized, log)
 
     def adapter_spec(self, model: Any, spec: Any) -> Any:
+        """The adapters' layers by full name (``mlx_vlm.load`` adds adapters where they say); with
+        ``train_vision`` the vision tower and projector are made trainable here (saved with the adapters,
+        which ``mlx_vlm.load`` also loads)."""
         import dataclasses
 
-        from mlx_train.llm.vision.models import adapter_keys
+        from mlx_train.llm.vision.models import adapter_keys, unfreeze_vision
 
-        return dataclasses.replace(spec, keys=adapter_keys(model))  # mlx_vlm.load adds adapters where they say
+        if self.config.train_vision:
+            unfreeze_vision(model, self.config.model or "")
+        return dataclasses.replace(spec, keys=adapter_keys(model))
+
+    def adapter_facts(self) -> dict[str, Any]:
+        facts: dict[str, Any] = super().adapter_facts()  # type: ignore[misc]
+        return {**facts, "train_vision": True} if self.config.train_vision else facts
 
 
 class VisionSFT(_Vision, SFT):
@@ -614,6 +623,9 @@ def task_for(config: FinetuneConfig) -> Task:
 
     model_type = vision_model_type(config.model) if config.model else None
     if model_type is None:
+        if config.train_vision:
+            raise ConfigError(f"--train-vision trains the vision tower of a vision-language model, but {config.model} "
+                              "is a text-only model (its config.json has no vision_config); leave it out")
         return TASKS[config.train_mode](config)
     if config.train_mode == "grpo":
         raise ConfigError(f"--train-mode grpo is not supported for vision-language models yet: {config.model} is "

@@ -163,6 +163,25 @@ def check_settings(config: FinetuneConfig, path: str) -> None:
             raise ConfigError(f"{path} is a vision-language model: {name} {getattr(config, name)!r}: {why}")
 
 
+#: The modules ``train_vision`` unfreezes (mlx-vlm's ``--train-vision`` list): the vision tower and projector.
+VISION_MODULES = ("vision_model", "vision_tower", "mm_projector", "multi_modal_projector", "aligner", "connector",
+                  "vision_resampler")
+
+
+def unfreeze_vision(model: nn.Module, path: str) -> list[str]:
+    """Make every weight of the vision tower and projector (``VISION_MODULES``) trainable; their names.
+
+    Example: ``unfreeze_vision(model, "Qwen2-VL-2B-Instruct")`` -> ``["vision_tower"]``.
+    """
+    names = [name for name in VISION_MODULES if isinstance(getattr(model, name, None), nn.Module)]
+    if not names:
+        raise ConfigError(f"--train-vision: {path} has none of the vision modules it trains "
+                          f"({', '.join(VISION_MODULES)}); leave it out")
+    for name in names:
+        getattr(model, name).unfreeze()
+    return names
+
+
 #: The blocks ``gradient_checkpointing: true`` recomputes in a vision-language model: the language model's.
 LANGUAGE_BLOCKS = "language_model.model.layers"
 
