@@ -49,6 +49,7 @@ def vision_lm_loss(model: nn.Module, batch: dict[str, Any]) -> tuple[mx.array, m
     images = image_inputs(batch)
     reset_position_caches(model)
     output = model(batch["inputs"], images.pop("pixel_values", None), mask=batch["attention_mask"], **images)
+    reset_position_caches(model)  # the model's state keeps no array of this call (models.reset_position_caches)
     logits = getattr(output, "logits", output).astype(mx.float32)
     losses = nn.losses.cross_entropy(logits, batch["targets"], reduction="none")
     weights = batch["loss_mask"].astype(mx.float32)
@@ -74,6 +75,7 @@ def pair_logps(model: nn.Module, batch: dict[str, Any], after: mx.array | None =
         images = {"image_grid_thw": mx.concatenate([images["image_grid_thw"], images["image_grid_thw"]])}
     reset_position_caches(model)
     output = model(inputs, pixels, mask=attention, **images)
+    reset_position_caches(model)
     logits = getattr(output, "logits", output).astype(mx.float32)
     picked = mx.take_along_axis(logits, targets[..., None], axis=-1)[..., 0] - mx.logsumexp(logits, axis=-1)
     return (picked * mask).sum(axis=-1), mask.sum(axis=-1)

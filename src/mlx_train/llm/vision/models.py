@@ -13,7 +13,9 @@ Two facts of mlx-vlm's Qwen2-VL family (0.7) shape the training step, each handl
 - the language model keeps the rotary positions of its last call (``_position_ids``,
   ``_rope_deltas``, for generation) and reuses them when the next call has no image: a text row after
   an image row would get the image row's positions. ``reset_position_caches`` clears them before
-  every forward pass.
+  every forward pass, and after it: kept, they are arrays in the model's state that come and go with
+  each call, and the Trainer's out-of-memory recovery can undo a step only when the state holds the
+  same arrays as when the run started.
 
 Example::
 
@@ -126,7 +128,8 @@ def load(path: str, quantized: bool, log: Any = print) -> tuple[nn.Module, Any, 
 
 
 def reset_position_caches(model: nn.Module) -> None:
-    """Clear the language model's cached rotary positions (``POSITION_CACHES``) before a forward pass."""
+    """Clear the language model's cached rotary positions (``POSITION_CACHES``), before and after a forward
+    pass (module docstring)."""
     language = getattr(model, "language_model", None)
     for name in POSITION_CACHES:
         if language is not None and hasattr(language, name):  # (an array is kept in the module, None beside it)
