@@ -30,7 +30,9 @@ ready) and the process's peak RSS, and the reported losses (each the mean over i
       image-marker targets, which mlx-train leaves out)
 
     python bench/vlm.py                          # tiny model, 60 steps, 2 rounds
-    python bench/vlm.py --size small --iters 30 --rounds 2
+    python bench/vlm.py --rounds 8               # the tiny model's table in docs/benchmarks.md
+    python bench/vlm.py --size small --rounds 3
+    python bench/vlm.py --size small --iters 200 --lr 5e-4 --rounds 2    # the small model learns the colours
 """
 
 from __future__ import annotations
@@ -269,12 +271,14 @@ def main() -> None:
         print(f"| {label} | **{statistics.median(ratios):.2f}x** | {', '.join(f'{x:.2f}' for x in ratios)} | "
               f"{statistics.median(ours) * scale:.1f} {unit} | {statistics.median(theirs) * scale:.1f} {unit} |")
 
-    print(f"\n(c) training loss of the last round, the mean of the {args.report} steps up to each report\n")
-    steps = [min(args.iters, (i + 1) * args.report) for i in range(len(runs["mlx-vlm"][-1]["losses"]))]
-    print("| step | " + " | ".join(str(s) for s in steps) + " |")
-    print("|---|" + "---|" * len(steps))
+    print(f"\n(c) training loss of the last round, the mean of the {args.report} steps up to each report (12 "
+          "reports at most)\n")
+    reports = len(runs["mlx-vlm"][-1]["losses"])
+    shown = sorted({round(i * (reports - 1) / 11) for i in range(12)}) if reports > 12 else list(range(reports))
+    print("| step | " + " | ".join(str(min(args.iters, (i + 1) * args.report)) for i in shown) + " |")
+    print("|---|" + "---|" * len(shown))
     for name in SIDES:
-        print(f"| {name} | " + " | ".join(f"{loss:.3f}" for loss in runs[name][-1]["losses"]) + " |")
+        print(f"| {name} | " + " | ".join(f"{runs[name][-1]['losses'][i]:.3f}" for i in shown) + " |")
 
 
 if __name__ == "__main__":
