@@ -204,9 +204,10 @@ def _logits(model, batch):
     return output.logits.astype(mx.float32)
 
 
-def test_fuse_writes_a_model_that_mlx_vlm_loads_and_generates_from(tiny, tmp_path, capsys):
+@pytest.mark.parametrize("method", ["lora", "dora"])
+def test_fuse_writes_a_model_that_mlx_vlm_loads_and_generates_from(tiny, tmp_path, capsys, method):
     """``finetune --fuse DIR`` on a vision-language model: mlx_vlm.load(DIR) gives the logits of the base with
-    the adapters (to float tolerance), and generates from a picture."""
+    the adapters (LoRA or DoRA; to float tolerance), and generates from a picture."""
     import mlx_vlm
 
     from mlx_train.cli.main import main
@@ -214,7 +215,7 @@ def test_fuse_writes_a_model_that_mlx_vlm_loads_and_generates_from(tiny, tmp_pat
     base, data = tiny[:2]
     run, fused = tmp_path / "run", str(tmp_path / "fused")
     code = main(["finetune", "--model", base, "--data", data, "--iters", "6", "--num-layers", "2", "--batch-size", "2",
-                 "--learning-rate", "5e-3", "--run-dir", str(run), "--fuse", fused])
+                 "--learning-rate", "5e-3", "--fine-tune-type", method, "--run-dir", str(run), "--fuse", fused])
     out = capsys.readouterr().out
     assert code == 0 and f"fused model: {fused} (mlx_vlm.load" in out, out[-2000:]
     assert os.path.isfile(os.path.join(fused, "preprocessor_config.json"))
