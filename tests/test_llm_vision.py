@@ -271,6 +271,15 @@ def test_preference_loss_and_gradients_equal_a_direct_computation(tiny, tmp_path
     rows = [vlm_tiny.square_pair("red", "blue"), vlm_tiny.square_pair("green", "yellow"),
             {**vlm_tiny.square_pair("blue", "red"), "rejected": "The square is red, I think, or maybe not."}]
     pairs = ImagePairRows(Records(rows, os.path.join(data, "train.jsonl")), processor, vars(reference.config))
+    # mlx-vlm's other layout: whole conversations, no prompt; the same pairs
+    whole = [{"images": r["images"], **{side: [{"role": "user", "content": r["prompt"]},
+                                              {"role": "assistant", "content": r[side]}]
+                                        for side in ("chosen", "rejected")}} for r in rows]
+    again = ImagePairRows(Records(whole, os.path.join(data, "train.jsonl")), processor, vars(reference.config))
+    assert all(np.array_equal(a[k], b[k]) for a, b in zip(pairs.samples(), again.samples(), strict=True) for k in a)
+    whole[1]["rejected"][0]["content"] = "Another question?"
+    with pytest.raises(DataError, match=r"record 2: the row has no \"prompt\", and its \"chosen\" and \"rejected\""):
+        ImagePairRows(Records(whole, os.path.join(data, "train.jsonl")), processor, vars(reference.config))
     model, _ = mlx_vlm.load(base)
     mx.random.seed(1)
     apply_adapters(model, AdapterConfig("lora", num_layers=2, rank=4, scale=2.0))

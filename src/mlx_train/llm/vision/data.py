@@ -269,6 +269,20 @@ def build_splits(config: Any, processor: Any, model_config: dict[str, Any], reco
     return splits
 
 
+def shared_prompt(record: Record) -> Record:
+    """A preference row whose ``chosen`` and ``rejected`` are whole conversations (mlx-vlm's other layout: no
+    ``prompt``) as one with a prompt: the messages before the last of each, which must be the same."""
+    chosen, rejected = record.get("chosen"), record.get("rejected")
+    if any(k in record for k in ("prompt", "messages")) or not isinstance(chosen, list) or \
+            not isinstance(rejected, list):
+        return record
+    if len(chosen) < 2 or chosen[:-1] != rejected[:-1]:
+        raise DataError("the row has no \"prompt\", and its \"chosen\" and \"rejected\" conversations do not share "
+                        "all their messages but the last (the replies): give the prompt as \"prompt\" and the replies "
+                        "alone, or whole conversations that differ only in their last message")
+    return {**record, "prompt": chosen[:-1], "chosen": chosen[-1:], "rejected": rejected[-1:]}
+
+
 @dataclass
 class ImagePair:
     """One encoded preference pair: both sequences (image markers repeated; they share the prompt's
@@ -285,7 +299,8 @@ class ImagePairRows(RowList):
     """Preference pairs with images, for DPO, ORPO and CPO: mlx-vlm's preference rows,
     ``{"images": [...], "prompt": ..., "chosen": ..., "rejected": ...}`` (the prompt a string or messages,
     also under ``messages``; a reply a string, a message or messages: ``mlx_train.llm.preference``'s rows,
-    with the images of the row shown with the prompt). Both replies follow the same prompt and the same
+    with the images of the row shown with the prompt), or ``chosen`` and ``rejected`` whole conversations
+    that differ in their last message only (``shared_prompt``). Both replies follow the same prompt and the same
     images; only the reply tokens are scored.
 
     A row holds ``chosen_inputs``/``chosen_targets``/``chosen_mask`` (1 on reply targets) and the same for
@@ -306,7 +321,7 @@ class ImagePairRows(RowList):
         self.features: tuple[int, ...] | None = None
         for i, record in enumerate(records):
             try:
-                prompt, chosen, rejected = pair_messages(record, places.place(i))
+                prompt, chosen, rejected = pair_messages(shared_prompt(record), places.place(i))
                 images = [_resolve(image, base, places.source) for image in images_of(record)]
                 pair, inputs = self._encode(prompt, chosen, rejected, images, max_seq_length)
             except DataError as error:
