@@ -82,6 +82,9 @@ def test_a_vision_language_model_is_recognised_and_gets_the_vision_task(tiny, tm
     assert isinstance(task_for(_config(tiny, tmp_path, train_mode="dpo")), VisionPreference)
     with pytest.raises(ConfigError, match="--reference-model-path is not supported for vision-language models"):
         task_for(_config(tiny, tmp_path, train_mode="dpo", reference_model_path=base))
+    with pytest.raises(ConfigError, match="--train-vision with --train-mode dpo"):
+        task_for(_config(tiny, tmp_path, train_mode="dpo", train_vision=True))
+    assert isinstance(task_for(_config(tiny, tmp_path, train_mode="orpo", train_vision=True)), VisionPreference)
     with pytest.raises(ConfigError, match="rows with images are not packed"):
         task_for(_config(tiny, tmp_path, pack=True))
 

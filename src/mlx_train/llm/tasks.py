@@ -579,6 +579,10 @@ class VisionPreference(_Vision, Preference):
                 raise ConfigError(f"--{name.replace('_', '-')} is not supported for vision-language models yet: the "
                                   "DPO reference is the model with its adapters off, computed in each step; leave it "
                                   "out")
+        if cfg.train_vision and self.options.needs_reference:
+            raise ConfigError("--train-vision with --train-mode dpo: the DPO reference is the model with its adapters "
+                              "off, which would see the vision tower as trained so far, not the base's; leave out "
+                              "--train-vision, or use --reference-free, --train-mode orpo or cpo")
 
     def datasets(self, model: Any, tokenizer: Any, records: dict[str, Any],
                  log: Callable[[str], None]) -> dict[str, Any]:
