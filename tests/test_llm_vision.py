@@ -388,17 +388,19 @@ def test_recomputing_the_language_blocks_changes_no_number(tiny, tmp_path):
 
 
 def _resume_run(base, data, run_dir, out, *extra):
-    return subprocess.run([sys.executable, RESUME_SCRIPT, base, data, str(run_dir), str(out), "--train-mode", "vision",
-                           *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=400)
+    return subprocess.run([sys.executable, RESUME_SCRIPT, base, data, str(run_dir), str(out), *extra],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=400)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("quantized", [False, True], ids=["float", "qlora"])
-def test_sigkill_then_resume_is_bit_exact(tiny, tmp_path, quantized):
+@pytest.mark.parametrize("kind", ["float", "qlora", "dpo"])
+def test_sigkill_then_resume_is_bit_exact(tiny, tmp_path, kind):
     base, data = tiny[:2]
-    extra = ()
-    if quantized:  # QLoRA: the language model in 4 bits, kept so
-        base, extra = vlm_tiny.write_model_dir(str(tmp_path / "q4"), bits=4), ("--quantized",)
+    extra: tuple = ("--train-mode", "vision")
+    if kind == "qlora":  # QLoRA: the language model in 4 bits, kept so
+        base, extra = vlm_tiny.write_model_dir(str(tmp_path / "q4"), bits=4), (*extra, "--quantized")
+    if kind == "dpo":  # preference pairs with pictures
+        data, extra = vlm_tiny.write_square_pairs(str(tmp_path / "pairs")), ("--train-mode", "vision-dpo")
     full = _resume_run(base, data, tmp_path / "full", tmp_path / "full.safetensors", *extra)
     assert full.returncode == 0, full.stdout[-3000:]
     killed = _resume_run(base, data, tmp_path / "cut", tmp_path / "unused.safetensors", "--kill-at", "3", *extra)

@@ -3,7 +3,8 @@
 ``--train-mode dpo``: DPO pairs with LoRA dropout, shuffled buckets and gradient accumulation;
 ``--train-mode grpo``: GRPO prompts (rewards from grpo_rewards.py) with the same;
 ``--train-mode vision``: SFT of a vision-language model (rows with images) with LoRA dropout, gradient
-accumulation, clipping and a warmup + cosine schedule.
+accumulation, clipping and a warmup + cosine schedule; ``--train-mode vision-dpo``: DPO of one on pairs with
+pictures, with gradient accumulation.
 
     python llm_resume_run.py BASE_DIR DATA_DIR RUN_DIR OUT.safetensors [--kill-at STEP] [--train-mode dpo]
         [--quantized]
@@ -39,6 +40,9 @@ SETTINGS = {
     "vision": {"iters": 16, "batch_size": 2, "grad_accumulation_steps": 2, "max_seq_length": 200,
                "assistant_only_loss": True, "max_grad_norm": 1.0,
                "lr_schedule": {"name": "cosine_decay", "warmup": 2, "arguments": [3e-3, 8, 1e-4]}},
+    # DPO of a vision-language model on preference pairs with pictures (DATA from vlm_tiny.write_square_pairs)
+    "vision-dpo": {"iters": 12, "batch_size": 2, "grad_accumulation_steps": 2, "max_seq_length": 200,
+                   "train_mode": "dpo", "beta": 0.5},
 }
 
 
