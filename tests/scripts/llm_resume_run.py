@@ -3,9 +3,11 @@
 ``--train-mode dpo``: DPO pairs with LoRA dropout, shuffled buckets and gradient accumulation;
 ``--train-mode grpo``: GRPO prompts (rewards from grpo_rewards.py) with the same;
 ``--train-mode vision``: SFT of a vision-language model (rows with images) with LoRA dropout, gradient
-accumulation, clipping and a warmup + cosine schedule.
+accumulation, clipping and a warmup + cosine schedule; ``--train-mode vision-dpo``: DPO of one on pairs with
+pictures, with gradient accumulation.
 
     python llm_resume_run.py BASE_DIR DATA_DIR RUN_DIR OUT.safetensors [--kill-at STEP] [--train-mode dpo]
+        [--quantized]
 
 --kill-at sends SIGKILL to the process itself after that optimizer step (no warning, no cleanup).
 OUT holds the trained parameters and the optimizer state (``optimizer.*``); OUT.json the step,
@@ -38,6 +40,9 @@ SETTINGS = {
     "vision": {"iters": 16, "batch_size": 2, "grad_accumulation_steps": 2, "max_seq_length": 200,
                "assistant_only_loss": True, "max_grad_norm": 1.0,
                "lr_schedule": {"name": "cosine_decay", "warmup": 2, "arguments": [3e-3, 8, 1e-4]}},
+    # DPO of a vision-language model on preference pairs with pictures (DATA from vlm_tiny.write_square_pairs)
+    "vision-dpo": {"iters": 12, "batch_size": 2, "grad_accumulation_steps": 2, "max_seq_length": 200,
+                   "train_mode": "dpo", "beta": 0.5},
 }
 
 
@@ -57,12 +62,13 @@ def main():
     parser.add_argument("--kill-at", type=int)
     parser.add_argument("--train-mode", choices=sorted(SETTINGS), default="sft")
     parser.add_argument("--fine-tune-type", default="lora")
+    parser.add_argument("--quantized", action="store_true", help="keep a quantized base quantized (QLoRA)")
     args = parser.parse_args()
     cfg = FineTuneConfig(model=args.base, data=args.data, run_dir=args.run_dir, num_layers=2,
                          learning_rate=3e-3, fine_tune_type=args.fine_tune_type,
                          lora_parameters={"rank": 4, "scale": 10.0, "dropout": 0.1},
                          steps_per_report=2, steps_per_eval=3, save_every=2, val_batches=2,
-                         **SETTINGS[args.train_mode])
+                         quantized=args.quantized or None, **SETTINGS[args.train_mode])
     result = finetune(cfg, callbacks=[KillAt(args.kill_at)] if args.kill_at else [], resume="auto")
     trainer = result["trainer"]
     arrays = dict(tree_flatten(result["model"].trainable_parameters()))

@@ -32,7 +32,16 @@ CHAT_TEMPLATE = (
     "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-PIXELS = 56 * 56
+#: Model sizes: "tiny" (the tests': 56x56 pictures) and "small" (a few million parameters, 224x224 pictures:
+#: 256 patches, 64 image tokens each), for the benchmark against mlx-vlm's trainer (bench/vlm.py).
+SIZES = {
+    "tiny": {"hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "mrope_section": [2, 3, 3], "depth": 2, "embed_dim": 32, "vision_heads": 2,
+             "mlp_ratio": 2, "side": 56},
+    "small": {"hidden_size": 256, "num_hidden_layers": 4, "intermediate_size": 768, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "mrope_section": [8, 12, 12], "depth": 4, "embed_dim": 128, "vision_heads": 4,
+              "mlp_ratio": 4, "side": 224},
+}
 
 
 def make_tokenizer():
@@ -52,34 +61,43 @@ def make_tokenizer():
                                    clean_up_tokenization_spaces=False)
 
 
-def model_config(tokenizer, model_type: str = "qwen2_vl") -> dict:
-    """config.json of a 2-layer, width-64 language model with a 2-block vision tower."""
+def model_config(tokenizer, model_type: str = "qwen2_vl", size: str = "tiny") -> dict:
+    """config.json of a 2-layer, width-64 language model with a 2-block vision tower (``size`` "tiny"), or
+    of ``SIZES["small"]``."""
+    dims = SIZES[size]
     ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in
            (("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
             ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
-    vision = {"model_type": model_type, "depth": 2, "embed_dim": 32, "hidden_size": 64, "num_heads": 2,
-              "mlp_ratio": 2, "patch_size": 14, "spatial_patch_size": 14, "spatial_merge_size": 2,
+    vision = {"model_type": model_type, "depth": dims["depth"], "embed_dim": dims["embed_dim"],
+              "hidden_size": dims["hidden_size"], "num_heads": dims["vision_heads"], "mlp_ratio": dims["mlp_ratio"],
+              "patch_size": 14, "spatial_patch_size": 14, "spatial_merge_size": 2,
               "temporal_patch_size": 2, "in_channels": 3}
     if model_type == "qwen2_5_vl":  # its vision blocks: an MLP of intermediate_size, windowed attention
-        vision.update({"hidden_size": 32, "out_hidden_size": 64, "intermediate_size": 64, "window_size": 56,
-                       "fullatt_block_indexes": [1]})
-    return {"model_type": model_type, "architectures": ["Qwen2VLForConditionalGeneration"], "hidden_size": 64,
-            "num_hidden_layers": 2, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+        vision.update({"hidden_size": dims["embed_dim"], "out_hidden_size": dims["hidden_size"],
+                       "intermediate_size": 2 * dims["embed_dim"], "window_size": 56,
+                       "fullatt_block_indexes": [dims["depth"] - 1]})
+    text = {k: dims[k] for k in ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
+                                 "num_key_value_heads")}
+    return {"model_type": model_type, "architectures": ["Qwen2VLForConditionalGeneration"], **text,
             "rms_norm_eps": 1e-6, "vocab_size": len(tokenizer), "rope_theta": 10000.0,
             "max_position_embeddings": 1024, "tie_word_embeddings": True,
-            "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},  # sums to head_dim / 2 = 8
+            "rope_scaling": {"type": "mrope", "mrope_section": dims["mrope_section"]},  # sums to head_dim / 2
             "eos_token_id": tokenizer.eos_token_id, "vision_config": vision, **ids}
 
 
-def write_model_dir(directory: str, seed: int = 0, model_type: str = "qwen2_vl") -> str:
-    """A random tiny model saved as an mlx-vlm / Hugging Face directory; returns the directory."""
+def write_model_dir(directory: str, seed: int = 0, model_type: str = "qwen2_vl", size: str = "tiny",
+                    bits: int | None = None) -> str:
+    """A random tiny (or ``size`` "small") model saved as an mlx-vlm / Hugging Face directory; returns the
+    directory. Its processor makes every picture ``SIZES[size]["side"]`` pixels square. ``bits``: the
+    language model quantized (``mlx.nn.quantize``, groups of 32), the vision tower left in float."""
     import importlib
 
     from mlx_vlm.utils import save_config, save_weights
 
     os.makedirs(directory, exist_ok=True)
     tokenizer = make_tokenizer()
-    config = model_config(tokenizer, model_type)
+    config = model_config(tokenizer, model_type, size)
+    pixels = SIZES[size]["side"] ** 2
     module = importlib.import_module(f"mlx_vlm.models.{model_type}")
     mx.random.seed(seed)
     settings = module.ModelConfig.from_dict(dict(config))
@@ -87,6 +105,11 @@ def write_model_dir(directory: str, seed: int = 0, model_type: str = "qwen2_vl")
     settings.text_config = module.TextConfig.from_dict(settings.text_config)
     model = module.Model(settings)
     mx.eval(model.parameters())
+    if bits is not None:
+        import mlx.nn as nn
+
+        nn.quantize(model.language_model, group_size=32, bits=bits)
+        config["quantization"] = {"group_size": 32, "bits": bits}
     save_weights(directory, model)
     save_config(config, os.path.join(directory, "config.json"))
     tokenizer.save_pretrained(directory)
@@ -95,8 +118,8 @@ def write_model_dir(directory: str, seed: int = 0, model_type: str = "qwen2_vl")
     processor = "Qwen2_5_VLProcessor" if model_type == "qwen2_5_vl" else "Qwen2VLProcessor"
     preprocessor = {"image_processor_type": "Qwen2VLImageProcessor", "processor_class": processor,
                     "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
-                    "min_pixels": PIXELS, "max_pixels": PIXELS, "size": {"shortest_edge": PIXELS,
-                                                                          "longest_edge": PIXELS},
+                    "min_pixels": pixels, "max_pixels": pixels, "size": {"shortest_edge": pixels,
+                                                                          "longest_edge": pixels},
                     "image_mean": [0.48145466, 0.4578275, 0.40821073],
                     "image_std": [0.26862954, 0.26130258, 0.27577711], "do_resize": True, "do_rescale": True,
                     "rescale_factor": 1 / 255, "do_normalize": True, "do_convert_rgb": True}
@@ -124,19 +147,40 @@ def square_row(colour: str, image: str | None = "auto") -> dict:
     return row
 
 
-def write_squares(directory: str, n_train: int = 16, n_valid: int = 4, text_rows: int = 2) -> str:
-    """The coloured-squares data set (train/valid/test.jsonl and images/), with ``text_rows`` text-only rows
-    in train (no image: mixed rows, as mlx-vlm's format allows)."""
+def write_squares(directory: str, n_train: int = 16, n_valid: int = 4, text_rows: int = 2, side: int = 56) -> str:
+    """The coloured-squares data set (train/valid/test.jsonl and images/ of ``side`` pixels), with ``text_rows``
+    text-only rows in train (no image: mixed rows, as mlx-vlm's format allows)."""
     os.makedirs(os.path.join(directory, "images"), exist_ok=True)
     names = list(COLOURS)
     for colour in names:
-        write_square(os.path.join(directory, "images", f"{colour}.png"), colour)
+        write_square(os.path.join(directory, "images", f"{colour}.png"), colour, side)
     text = {"messages": [{"role": "user", "content": "What is two plus two?"},
                          {"role": "assistant", "content": "Two plus two is four."}]}
     for split, n in (("train", n_train), ("valid", n_valid), ("test", n_valid)):
         rows = [square_row(names[i % len(names)]) for i in range(n)]
         if split == "train":
             rows += [text] * text_rows
+        with open(os.path.join(directory, f"{split}.jsonl"), "w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in rows)
+    return directory
+
+
+def square_pair(colour: str, wrong: str) -> dict:
+    """One preference row in mlx-vlm's format: the picture of ``colour``, the question, the right answer
+    chosen and ``wrong``'s rejected."""
+    return {"images": [f"images/{colour}.png"], "prompt": QUESTION, "chosen": f"The square is {colour}.",
+            "rejected": f"The square is {wrong}."}
+
+
+def write_square_pairs(directory: str, n_train: int = 8, n_valid: int = 4, side: int = 56) -> str:
+    """Coloured-squares preference pairs (train/valid/test.jsonl and images/): each picture's colour chosen,
+    the next colour rejected."""
+    os.makedirs(os.path.join(directory, "images"), exist_ok=True)
+    names = list(COLOURS)
+    for colour in names:
+        write_square(os.path.join(directory, "images", f"{colour}.png"), colour, side)
+    for split, n in (("train", n_train), ("valid", n_valid), ("test", n_valid)):
+        rows = [square_pair(names[i % 4], names[(i + 1) % 4]) for i in range(n)]
         with open(os.path.join(directory, f"{split}.jsonl"), "w") as f:
             f.writelines(json.dumps(row) + "\n" for row in rows)
     return directory

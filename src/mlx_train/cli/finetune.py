@@ -160,11 +160,12 @@ def main(args: argparse.Namespace) -> int:
         return 0
     lines = result["task"].summary(result)
     lines.append(f"  adapters: {result['adapter_path']} (mlx-lm format, model card README.md)")
+    library = result["task"].library.replace("-", "_")  # mlx_lm, or mlx_vlm for a vision-language model
     if args.fuse:
         fuse_model(cfg.model, result["adapter_path"], args.fuse, dequantize=not is_quantized(result["model"]))
-        lines.append(f"  fused model: {args.fuse} (mlx_lm.load / mlx_lm.generate --model {args.fuse})")
+        lines.append(f"  fused model: {args.fuse} ({library}.load / {library}.generate --model {args.fuse})")
     elif not str(cfg.model).endswith(".gguf"):
-        lines.append(f"  try: mlx_lm.generate --model {cfg.model} --adapter-path {result['adapter_path']}")
+        lines.append(f"  try: {library}.generate --model {cfg.model} --adapter-path {result['adapter_path']}")
     else:
         lines.append("  mlx-lm does not read .gguf bases: add --fuse DIR to get a model directory it loads")
     print("\n".join(lines), flush=True)

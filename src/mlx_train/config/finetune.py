@@ -240,6 +240,8 @@ class FinetuneConfig(LaunchConfig):
     resume_adapter_file: str | None = in_llm(None, "Adapters (directory or adapters.safetensors) to start from.")
     quantized: bool | None = in_llm(None, "Keep a quantized base quantized (QLoRA); null: keep it on a GPU, "
                                           "dequantize to float32 on a CPU (quantized matmuls are slow there).")
+    train_vision: bool = in_llm(False, "Vision-language models: also train the vision tower and its projector (all "
+                                       "their weights, saved with the adapters; mlx-vlm's --train-vision).")
     test: bool = in_llm(False, "Evaluate on the test split (test.jsonl) after training.")
     test_batches: int | None = in_llm(500, "Test batches (null or -1: the whole test set).", minimum=1,
                                       parse=_all_batches)

@@ -460,19 +460,21 @@ def check_fuse_target(model: str | None, fuse: str) -> None:
 def fuse_model(model_path: str, adapter_path: str, save_path: str, dequantize: bool = False) -> str:
     """Load a base model, add the adapters of ``adapter_path``, fold them in and write an mlx-lm
     model directory (``mlx_lm.load(save_path)`` reads it), with the adapters' model card when they
-    have one. Works for GGUF bases too.
+    have one. Works for GGUF bases too; a vision-language base gives an mlx-vlm model directory
+    (``mlx_vlm.load(save_path)``: ``mlx_train.llm.vision.models.fuse``).
 
     ``save_path`` must be a new or empty directory, outside a base model's directory (``check_fuse_target``).
 
     Example: ``fuse_model("SmolLM2-135M-Instruct.Q4_1.gguf", "runs/a/adapters", "smol-tuned")``.
     """
     from mlx_train.llm import adapters, card, models
-    from mlx_train.llm.vision.models import vision_model_type
+    from mlx_train.llm.vision import models as vision
 
     check_fuse_target(model_path, save_path)
-    if vision_model_type(model_path):
-        raise ConfigError(f"{model_path} is a vision-language model: fusing adapters into one is not supported yet; "
-                          "load the base with its adapters instead: mlx_vlm.load(BASE, adapter_path=ADAPTERS)")
+    if vision.vision_model_type(model_path):  # an mlx-vlm model directory, which mlx_vlm.load reads
+        vision.fuse(model_path, adapter_path, save_path, dequantize=dequantize)
+        card.write_fused_card(adapter_path, save_path)
+        return save_path
     model, tokenizer, config = models.load_model(model_path, quantized=not dequantize)
     adapters.load_adapters(model, adapter_path)
     adapters.fuse_adapters(model, dequantize=dequantize)

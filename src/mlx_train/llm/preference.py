@@ -270,6 +270,16 @@ def load_pairs(data: str) -> dict[str, tuple[list[dict[str, Any]], list[str]]]:
 # -- log-probabilities and the losses ----------------------------------------------------
 
 
+def both_sequences(batch: dict[str, Any], after: mx.array | None = None) -> tuple[mx.array, mx.array, mx.array]:
+    """``(inputs, targets, mask)`` of a batch of pairs, chosen rows then rejected rows; the inputs wait for
+    ``after`` (if given). The mask is float32 (1 on reply targets)."""
+    inputs = mx.concatenate([batch["chosen_inputs"], batch["rejected_inputs"]])
+    if after is not None:
+        inputs = mx.depends(inputs, after)
+    targets = mx.concatenate([batch["chosen_targets"], batch["rejected_targets"]])
+    return inputs, targets, mx.concatenate([batch["chosen_mask"], batch["rejected_mask"]]).astype(mx.float32)
+
+
 def sequence_logps(model: nn.Module, batch: dict[str, Any], after: mx.array | None = None,
                    grad: bool = True, chunk: int | None = None) -> tuple[mx.array, mx.array]:
     """Summed reply log-probabilities and reply token counts, chosen rows then rejected rows
@@ -284,11 +294,7 @@ def sequence_logps(model: nn.Module, batch: dict[str, Any], after: mx.array | No
     """
     from mlx_train.llm.loss import target_logprobs, target_weights
 
-    inputs = mx.concatenate([batch["chosen_inputs"], batch["rejected_inputs"]])
-    if after is not None:
-        inputs = mx.depends(inputs, after)
-    targets = mx.concatenate([batch["chosen_targets"], batch["rejected_targets"]])
-    mask = mx.concatenate([batch["chosen_mask"], batch["rejected_mask"]]).astype(mx.float32)
+    inputs, targets, mask = both_sequences(batch, after)
     positions = None
     if "chosen_positions" in batch:
         positions = mx.concatenate([batch["chosen_positions"], batch["rejected_positions"]])
@@ -374,7 +380,7 @@ class PreferenceLoss:
         # the reference pass first: its activations are gone before the policy's (kept for the
         # backward pass) are built, so a step holds one forward pass's worth, not two
         ref = self._reference(model, batch)
-        logps, tokens = sequence_logps(model, batch, after=ref, chunk=self.chunk)
+        logps, tokens = self.sequence_logps(model, batch, after=ref)
         if cfg.method == "orpo":
             return self._orpo(logps, tokens, pairs)
         if ref is None:
@@ -399,8 +405,14 @@ class PreferenceLoss:
         if "reference_chosen" in batch:
             return mx.concatenate([batch["reference_chosen"], batch["reference_rejected"]]).astype(mx.float32)
         with adapters_off(model):
-            ref, _ = sequence_logps(model, batch, grad=False, chunk=self.chunk)
+            ref, _ = self.sequence_logps(model, batch, grad=False)
         return mx.stop_gradient(ref)
+
+    def sequence_logps(self, model: nn.Module, batch: dict[str, Any], after: mx.array | None = None,
+                       grad: bool = True) -> tuple[mx.array, mx.array]:
+        """The pairs' summed reply log-probabilities and reply token counts (:func:`sequence_logps`); the
+        vision-language loss (``mlx_train.llm.vision.loss.VisionPreferenceLoss``) shows the model the pictures."""
+        return sequence_logps(model, batch, after=after, grad=grad, chunk=self.chunk)
 
     def _orpo(self, logps: mx.array, tokens: mx.array, pairs: int) -> tuple[mx.array, mx.array, dict[str, mx.array]]:
         beta = self.config.beta

@@ -477,25 +477,21 @@ class GRPO(Task):
         return {**counts, "trained_completions": counts["trained"]} if self.unit == "completions" else counts
 
 
-class VisionSFT(SFT):
-    """SFT of a vision-language model (mlx-vlm's Qwen2-VL family) on rows with images, in mlx-vlm's format
-    (``mlx_train.llm.vision``): mlx-vlm loads the model and its processor and builds the prompts; the loss
-    masks are SFT's (``mask_prompt``, ``assistant_only_loss``); the step runs uncompiled. Picked by
-    ``task_for`` when ``model`` is a vision-language model.
-
-    Example: ``VisionSFT(FinetuneConfig(model="Qwen2-VL-2B-Instruct", dataset="pictures"), "qwen2_vl").loss()``.
-    """
+class _Vision:
+    """What the vision-language tasks share: mlx-vlm loads the model (a Qwen2-VL family one) and its processor,
+    the step runs uncompiled, rows may have images, and the adapters' files name their layers in full."""
 
     library = "mlx-vlm"
+    config: FinetuneConfig
 
     def __init__(self, config: FinetuneConfig, model_type: str) -> None:
         self.model_type = model_type
-        super().__init__(config)
+        super().__init__(config)  # type: ignore[call-arg]
 
     def check(self) -> None:
         from mlx_train.llm.vision import models
 
-        super().check()
+        super().check()  # type: ignore[misc]
         path = self.config.model or ""
         models.require_mlx_vlm(path, self.model_type)
         models.check_family(path, self.model_type)
@@ -507,7 +503,7 @@ class VisionSFT(SFT):
         return trainer_settings(config, self.model_type, log)
 
     def check_records(self, records: dict[str, Any]) -> None:
-        pass  # images are what this task trains on
+        pass  # images are what these tasks train on
 
     def load_model(self, quantized: bool, lazy: bool, log: Callable[[str], None]) -> tuple[Any, Any, dict[str, Any]]:
         from mlx_train.llm.vision.models import load
@@ -515,11 +511,30 @@ class VisionSFT(SFT):
         return load(self.config.model or "", quantized, log)
 
     def adapter_spec(self, model: Any, spec: Any) -> Any:
+        """The adapters' layers by full name (``mlx_vlm.load`` adds adapters where they say); with
+        ``train_vision`` the vision tower and projector are made trainable here (saved with the adapters,
+        which ``mlx_vlm.load`` also loads)."""
         import dataclasses
 
-        from mlx_train.llm.vision.models import adapter_keys
+        from mlx_train.llm.vision.models import adapter_keys, unfreeze_vision
 
-        return dataclasses.replace(spec, keys=adapter_keys(model))  # mlx_vlm.load adds adapters where they say
+        if self.config.train_vision:
+            unfreeze_vision(model, self.config.model or "")
+        return dataclasses.replace(spec, keys=adapter_keys(model))
+
+    def adapter_facts(self) -> dict[str, Any]:
+        facts: dict[str, Any] = super().adapter_facts()  # type: ignore[misc]
+        return {**facts, "train_vision": True} if self.config.train_vision else facts
+
+
+class VisionSFT(_Vision, SFT):
+    """SFT of a vision-language model (mlx-vlm's Qwen2-VL family) on rows with images, in mlx-vlm's format
+    (``mlx_train.llm.vision``): mlx-vlm loads the model and its processor and builds the prompts; the loss
+    masks are SFT's (``mask_prompt``, ``assistant_only_loss``); the step runs uncompiled. Picked by
+    ``task_for`` when ``model`` is a vision-language model.
+
+    Example: ``VisionSFT(FinetuneConfig(model="Qwen2-VL-2B-Instruct", dataset="pictures"), "qwen2_vl").loss()``.
+    """
 
     def datasets(self, model: Any, tokenizer: Any, records: dict[str, Any],
                  log: Callable[[str], None]) -> dict[str, Any]:
@@ -546,6 +561,46 @@ class VisionSFT(SFT):
             result["test_perplexity"] = math.exp(min(result["test_loss"], 50))
 
 
+class VisionPreference(_Vision, Preference):
+    """DPO, ORPO or CPO of a vision-language model on preference pairs with images (mlx-vlm's preference rows:
+    ``{"images", "prompt", "chosen", "rejected"}``, ``mlx_train.llm.vision.data.ImagePairRows``): the
+    preference task's losses, rewards and metrics, with the pictures shown to both replies. DPO's reference is
+    the model with its adapters off, inside each step.
+
+    Example: ``VisionPreference(FinetuneConfig(model="Qwen2-VL-2B-Instruct", dataset="prefs", train_mode="dpo"),
+    "qwen2_vl").loss()``.
+    """
+
+    def check(self) -> None:
+        super().check()
+        cfg = self.config
+        for name in ("reference_model_path", "precompute_ref_log_probs"):
+            if getattr(cfg, name):
+                raise ConfigError(f"--{name.replace('_', '-')} is not supported for vision-language models yet: the "
+                                  "DPO reference is the model with its adapters off, computed in each step; leave it "
+                                  "out")
+        if cfg.train_vision and self.options.needs_reference:
+            raise ConfigError("--train-vision with --train-mode dpo: the DPO reference is the model with its adapters "
+                              "off, which would see the vision tower as trained so far, not the base's; leave out "
+                              "--train-vision, or use --reference-free, --train-mode orpo or cpo")
+
+    def datasets(self, model: Any, tokenizer: Any, records: dict[str, Any],
+                 log: Callable[[str], None]) -> dict[str, Any]:
+        from mlx_train.llm.vision.data import build_pair_splits
+
+        splits = build_pair_splits(self.config, tokenizer, model.config.__dict__, records, log)
+        if "train" not in splits:
+            raise ConfigError(f"{self.config.dataset} has no training pairs (train.jsonl is missing or empty)")
+        if self.options.needs_reference:
+            log("reference policy: the model with its adapters off, inside each step (no second copy of the weights)")
+        return splits
+
+    def loss(self) -> Any:
+        from mlx_train.llm.vision.loss import VisionPreferenceLoss
+
+        return VisionPreferenceLoss(self.options)
+
+
 #: train_mode -> its task. A new task: its class above and one line here (and its name in TRAIN_MODES).
 TASKS: dict[str, Callable[[FinetuneConfig], Task]] = {
     "sft": SFT,
@@ -559,8 +614,8 @@ TASKS: dict[str, Callable[[FinetuneConfig], Task]] = {
 def task_for(config: FinetuneConfig) -> Task:
     """The task of a fine-tuning run, from its ``train_mode``; its settings are checked here.
 
-    A ``model`` that is a vision-language model (``mlx_train.llm.vision.vision_model_type``) gets the vision
-    task (:class:`VisionSFT`), for ``train_mode`` sft alone.
+    A ``model`` that is a vision-language model (``mlx_train.llm.vision.vision_model_type``) gets a vision
+    task: :class:`VisionSFT` for ``train_mode`` sft, :class:`VisionPreference` for dpo, orpo and cpo.
 
     Example: ``task_for(FinetuneConfig(model="base", dataset="data")).name`` -> ``"sft"``.
     """
@@ -572,8 +627,11 @@ def task_for(config: FinetuneConfig) -> Task:
 
     model_type = vision_model_type(config.model) if config.model else None
     if model_type is None:
+        if config.train_vision:
+            raise ConfigError(f"--train-vision trains the vision tower of a vision-language model, but {config.model} "
+                              "is a text-only model (its config.json has no vision_config); leave it out")
         return TASKS[config.train_mode](config)
-    if config.train_mode != "sft":
-        raise ConfigError(f"--train-mode {config.train_mode} is not supported for vision-language models yet: "
-                          f"{config.model} is one ({model_type}); fine-tune it with --train-mode sft")
-    return VisionSFT(config, model_type)
+    if config.train_mode == "grpo":
+        raise ConfigError(f"--train-mode grpo is not supported for vision-language models yet: {config.model} is "
+                          f"one ({model_type}); fine-tune it with --train-mode sft, dpo, orpo or cpo")
+    return VisionSFT(config, model_type) if config.train_mode == "sft" else VisionPreference(config, model_type)

@@ -146,6 +146,18 @@ class Encoder:
         out = self.prepare_inputs(self.processor, images=images or None, prompts=text)
         return {k: np.asarray(v) for k, v in out.items() if v is not None and k in ("input_ids", *IMAGE_INPUTS)}
 
+    def image_arrays(self, text: str, images: list[Any], features: tuple[int, ...] | None) -> dict[str, np.ndarray]:
+        """A training row's image arrays (``pixel_values``, ``image_grid_thw``): its pictures read again (none
+        for a text row of a data set with images; nothing at all when no row has one: ``features`` None)."""
+        if features is None:
+            return {}
+        if not images:
+            return {"pixel_values": np.zeros((0, *features), dtype=np.float32),
+                    "image_grid_thw": np.zeros((0, 3), dtype=np.int32)}
+        inputs = self.inputs(text, images)
+        return {"pixel_values": inputs["pixel_values"].astype(np.float32),
+                "image_grid_thw": inputs["image_grid_thw"].astype(np.int32)}
+
     def encode(self, record: Record, base: str | None, where: str) -> tuple[ImageChat, dict[str, Any]]:
         """The row encoded, and its model inputs."""
         messages = _messages(record)
@@ -181,7 +193,8 @@ class ImageChatRows(RowList):
         places = records if isinstance(records, Records) else Records(records, where)
         base = os.path.dirname(places.source) if os.path.isfile(places.source) else None
         self.rows: list[ImageChat] = []
-        self.truncated, self.features = 0, None
+        self.truncated = 0
+        self.features: tuple[int, ...] | None = None
         for i, record in enumerate(records):
             try:
                 row, inputs = self.encoder.encode(record, base, places.source)
@@ -224,14 +237,7 @@ class ImageChatRows(RowList):
         tokens = row.tokens
         sample = {"inputs": tokens[:-1], "targets": tokens[1:], "loss_mask": row.mask[1:].astype(np.int32),
                   "attention_mask": np.ones(len(tokens) - 1, dtype=np.int32)}
-        if self.features is None:  # no image in the whole data set: no image inputs at all
-            return sample
-        if not row.images:
-            return {**sample, "pixel_values": np.zeros((0, *self.features), dtype=np.float32),
-                    "image_grid_thw": np.zeros((0, 3), dtype=np.int32)}
-        inputs = self.encoder.inputs(row.text, row.images)  # the same pictures, read again
-        return {**sample, "pixel_values": inputs["pixel_values"].astype(np.float32),
-                "image_grid_thw": inputs["image_grid_thw"].astype(np.int32)}
+        return {**sample, **self.encoder.image_arrays(row.text, row.images, self.features)}
 
     def describe(self, name: str) -> str:
         """One line about a split: rows, images, tokens, truncation."""
@@ -260,4 +266,136 @@ def build_splits(config: Any, processor: Any, model_config: dict[str, Any], reco
         splits[name] = rows
     if splits and all(rows.features is None for rows in splits.values()):
         log(f"{config.dataset}: no row has an image; the vision-language model trains on the text alone")
+    return splits
+
+
+def shared_prompt(record: Record) -> Record:
+    """A preference row whose ``chosen`` and ``rejected`` are whole conversations (mlx-vlm's other layout: no
+    ``prompt``) as one with a prompt: the messages before the last of each, which must be the same."""
+    chosen, rejected = record.get("chosen"), record.get("rejected")
+    if any(k in record for k in ("prompt", "messages")) or not isinstance(chosen, list) or \
+            not isinstance(rejected, list):
+        return record
+    if len(chosen) < 2 or chosen[:-1] != rejected[:-1]:
+        raise DataError("the row has no \"prompt\", and its \"chosen\" and \"rejected\" conversations do not share "
+                        "all their messages but the last (the replies): give the prompt as \"prompt\" and the replies "
+                        "alone, or whole conversations that differ only in their last message")
+    return {**record, "prompt": chosen[:-1], "chosen": chosen[-1:], "rejected": rejected[-1:]}
+
+
+@dataclass
+class ImagePair:
+    """One encoded preference pair: both sequences (image markers repeated; they share the prompt's
+    ``prompt_length`` tokens), the prompt text and the images."""
+
+    chosen: np.ndarray
+    rejected: np.ndarray
+    prompt_length: int
+    text: str
+    images: list[Any]
+
+
+class ImagePairRows(RowList):
+    """Preference pairs with images, for DPO, ORPO and CPO: mlx-vlm's preference rows,
+    ``{"images": [...], "prompt": ..., "chosen": ..., "rejected": ...}`` (the prompt a string or messages,
+    also under ``messages``; a reply a string, a message or messages: ``mlx_train.llm.preference``'s rows,
+    with the images of the row shown with the prompt), or ``chosen`` and ``rejected`` whole conversations
+    that differ in their last message only (``shared_prompt``). Both replies follow the same prompt and the same
+    images; only the reply tokens are scored.
+
+    A row holds ``chosen_inputs``/``chosen_targets``/``chosen_mask`` (1 on reply targets) and the same for
+    ``rejected``, and the pair's images once (``pixel_values``, ``image_grid_thw``: the loss gives them to
+    both sequences). ``lengths``: the longer sequence of each pair.
+
+    Example: ``pairs = ImagePairRows(records, processor, config, 1024); pairs[0]["chosen_mask"]``
+    """
+
+    def __init__(self, records: Sequence[Record], processor: Any, config: dict[str, Any],
+                 max_seq_length: int | None = None, where: str = "data") -> None:
+        from mlx_train.llm.preference import pair_messages
+
+        self.encoder = Encoder(processor, config, Supervision())
+        places = records if isinstance(records, Records) else Records(records, where)
+        base = os.path.dirname(places.source) if os.path.isfile(places.source) else None
+        self.rows: list[ImagePair] = []
+        self.features: tuple[int, ...] | None = None
+        for i, record in enumerate(records):
+            try:
+                prompt, chosen, rejected = pair_messages(shared_prompt(record), places.place(i))
+                images = [_resolve(image, base, places.source) for image in images_of(record)]
+                pair, inputs = self._encode(prompt, chosen, rejected, images, max_seq_length)
+            except DataError as error:
+                message = str(error)
+                raise DataError(message if message.startswith(places.place(i)) else
+                                f"{places.place(i)}: {message}") from None
+            if "pixel_values" in inputs and self.features is None:
+                self.features = inputs["pixel_values"].shape[1:]
+            self.rows.append(pair)
+        if not self.rows:
+            raise DataError(f"{where}: no preference pair to train on")
+        self.lengths = [max(len(p.chosen), len(p.rejected)) for p in self.rows]
+
+    def _render(self, messages: list[Record], images: list[Any], generation: bool) -> str:
+        return str(self.encoder.apply_chat_template(self.encoder.processor, self.encoder.config, messages,
+                                                    add_generation_prompt=generation, num_images=len(images)))
+
+    def _encode(self, prompt: list[Record], chosen: list[Record], rejected: list[Record], images: list[Any],
+                max_seq_length: int | None) -> tuple[ImagePair, dict[str, Any]]:
+        try:
+            start = self.encoder.inputs(self._render(prompt, images, True), images)
+            texts = [self._render(prompt + reply, images, False) for reply in (chosen, rejected)]
+            inputs = [self.encoder.inputs(text, images) for text in texts]
+        except DataError:
+            raise
+        except Exception as error:  # noqa: BLE001 - image readers and processors raise anything
+            raise DataError(f"the processor failed on this row: {type(error).__name__}: {error}") from None
+        head = start["input_ids"].reshape(-1)
+        sequences = [x["input_ids"].reshape(-1).astype(np.int32) for x in inputs]
+        for side, tokens in zip(("chosen", "rejected"), sequences, strict=True):
+            if len(tokens) <= len(head) or not np.array_equal(tokens[:len(head)], head):
+                raise DataError(f"the chat template renders the prompt differently before the {side} reply (or the "
+                                "reply is empty), so it cannot be scored after the prompt's tokens; use a template "
+                                "that renders the prompt the same whatever follows it")
+            if max_seq_length is not None and len(tokens) > max_seq_length:
+                raise DataError(f"prompt and {side} reply are {len(tokens)} tokens (image tokens included), more than "
+                                f"max_seq_length={max_seq_length}; raise --max-seq-length, or make the images "
+                                "smaller (max_pixels in the model's preprocessor_config.json)")
+        if images and "pixel_values" not in inputs[0]:
+            raise DataError("the processor returned no pixel_values for this row's images")
+        return ImagePair(sequences[0], sequences[1], len(head), texts[0], images), inputs[0]
+
+    @property
+    def trained_tokens(self) -> int:
+        """Reply tokens scored over the whole data set (both replies of every pair)."""
+        return int(sum(len(p.chosen) + len(p.rejected) - 2 * p.prompt_length for p in self.rows))
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        pair = self.rows[index]
+        row: dict[str, np.ndarray] = {}
+        for side, tokens in (("chosen", pair.chosen), ("rejected", pair.rejected)):
+            mask = np.zeros(len(tokens) - 1, dtype=np.int32)
+            mask[pair.prompt_length - 1:] = 1  # target j is token j + 1: the reply's tokens
+            row[f"{side}_inputs"], row[f"{side}_targets"], row[f"{side}_mask"] = tokens[:-1], tokens[1:], mask
+        return {**row, **self.encoder.image_arrays(pair.text, pair.images, self.features)}
+
+    def describe(self, name: str) -> str:
+        with_images = sum(1 for p in self.rows if p.images)
+        return (f"{name}: {len(self)} preference pairs ({with_images} with images), {self.trained_tokens} reply "
+                "tokens")
+
+
+def build_pair_splits(config: Any, processor: Any, model_config: dict[str, Any], records: dict[str, Any],
+                      log: Any = print) -> dict[str, ImagePairRows]:
+    """The preference pairs of each split (train, valid, test) that has records.
+
+    Example: ``build_pair_splits(cfg, processor, model_config, load_records(cfg.dataset))["train"]``
+    """
+    splits: dict[str, ImagePairRows] = {}
+    for name in ("train", "valid", "test"):
+        if not records[name]:
+            continue
+        pairs = ImagePairRows(records[name], processor, model_config, config.max_seq_length,
+                              where=f"{config.dataset}/{name}.jsonl")
+        log(pairs.describe(name))
+        splits[name] = pairs
     return splits

@@ -22,6 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from mlx_train.llm.preference import PreferenceLoss, both_sequences
 from mlx_train.llm.vision.models import reset_position_caches
 
 
@@ -48,8 +49,45 @@ def vision_lm_loss(model: nn.Module, batch: dict[str, Any]) -> tuple[mx.array, m
     images = image_inputs(batch)
     reset_position_caches(model)
     output = model(batch["inputs"], images.pop("pixel_values", None), mask=batch["attention_mask"], **images)
+    reset_position_caches(model)  # the model's state keeps no array of this call (models.reset_position_caches)
     logits = getattr(output, "logits", output).astype(mx.float32)
     losses = nn.losses.cross_entropy(logits, batch["targets"], reduction="none")
     weights = batch["loss_mask"].astype(mx.float32)
     tokens = weights.sum()
     return (losses * weights).sum() / mx.maximum(tokens, 1.0), tokens
+
+
+def pair_logps(model: nn.Module, batch: dict[str, Any], after: mx.array | None = None) -> tuple[mx.array, mx.array]:
+    """Summed reply log-probabilities and reply token counts of a batch of preference pairs with images
+    (``mlx_train.llm.vision.data.ImagePairRows``), chosen rows then rejected rows (``[2 * pairs]`` each), from
+    one forward pass over both; each pair's pictures are shown to both of its sequences. The pass starts once
+    ``after`` is computed (see ``mlx_train.llm.preference.sequence_logps``).
+
+    Example: ``logps, tokens = pair_logps(model, batch); chosen = logps[:len(logps) // 2]``.
+    """
+    inputs, targets, mask = both_sequences(batch, after)
+    # right padding: a row's tokens run to its last scored target (the reply ends the sequence)
+    attention = (mx.cumsum(mask[:, ::-1], axis=1)[:, ::-1] > 0).astype(mx.int32)
+    images = image_inputs(batch)
+    pixels = images.get("pixel_values")
+    if pixels is not None:
+        pixels = mx.concatenate([pixels, pixels])
+        images = {"image_grid_thw": mx.concatenate([images["image_grid_thw"], images["image_grid_thw"]])}
+    reset_position_caches(model)
+    output = model(inputs, pixels, mask=attention, **images)
+    reset_position_caches(model)
+    logits = getattr(output, "logits", output).astype(mx.float32)
+    picked = mx.take_along_axis(logits, targets[..., None], axis=-1)[..., 0] - mx.logsumexp(logits, axis=-1)
+    return (picked * mask).sum(axis=-1), mask.sum(axis=-1)
+
+
+class VisionPreferenceLoss(PreferenceLoss):
+    """DPO, ORPO or CPO (``mlx_train.llm.preference.PreferenceLoss``: the same losses, rewards and metrics) on
+    preference pairs with images: the log-probabilities come from :func:`pair_logps`.
+
+    Example: ``loss, pairs, metrics = VisionPreferenceLoss(PreferenceConfig("dpo"))(model, batch)``.
+    """
+
+    def sequence_logps(self, model: nn.Module, batch: dict[str, Any], after: mx.array | None = None,
+                       grad: bool = True) -> tuple[mx.array, mx.array]:
+        return pair_logps(model, batch, after)

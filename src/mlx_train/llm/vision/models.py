@@ -13,7 +13,9 @@ Two facts of mlx-vlm's Qwen2-VL family (0.7) shape the training step, each handl
 - the language model keeps the rotary positions of its last call (``_position_ids``,
   ``_rope_deltas``, for generation) and reuses them when the next call has no image: a text row after
   an image row would get the image row's positions. ``reset_position_caches`` clears them before
-  every forward pass.
+  every forward pass, and after it: kept, they are arrays in the model's state that come and go with
+  each call, and the Trainer's out-of-memory recovery can undo a step only when the state holds the
+  same arrays as when the run started.
 
 Example::
 
@@ -126,7 +128,8 @@ def load(path: str, quantized: bool, log: Any = print) -> tuple[nn.Module, Any, 
 
 
 def reset_position_caches(model: nn.Module) -> None:
-    """Clear the language model's cached rotary positions (``POSITION_CACHES``) before a forward pass."""
+    """Clear the language model's cached rotary positions (``POSITION_CACHES``), before and after a forward
+    pass (module docstring)."""
     language = getattr(model, "language_model", None)
     for name in POSITION_CACHES:
         if language is not None and hasattr(language, name):  # (an array is kept in the module, None beside it)
@@ -163,6 +166,25 @@ def check_settings(config: FinetuneConfig, path: str) -> None:
             raise ConfigError(f"{path} is a vision-language model: {name} {getattr(config, name)!r}: {why}")
 
 
+#: The modules ``train_vision`` unfreezes (mlx-vlm's ``--train-vision`` list): the vision tower and projector.
+VISION_MODULES = ("vision_model", "vision_tower", "mm_projector", "multi_modal_projector", "aligner", "connector",
+                  "vision_resampler")
+
+
+def unfreeze_vision(model: nn.Module, path: str) -> list[str]:
+    """Make every weight of the vision tower and projector (``VISION_MODULES``) trainable; their names.
+
+    Example: ``unfreeze_vision(model, "Qwen2-VL-2B-Instruct")`` -> ``["vision_tower"]``.
+    """
+    names = [name for name in VISION_MODULES if isinstance(getattr(model, name, None), nn.Module)]
+    if not names:
+        raise ConfigError(f"--train-vision: {path} has none of the vision modules it trains "
+                          f"({', '.join(VISION_MODULES)}); leave it out")
+    for name in names:
+        getattr(model, name).unfreeze()
+    return names
+
+
 #: The blocks ``gradient_checkpointing: true`` recomputes in a vision-language model: the language model's.
 LANGUAGE_BLOCKS = "language_model.model.layers"
 
@@ -178,3 +200,42 @@ def trainer_settings(config: FinetuneConfig, model_type: str, log: Any = print) 
     log(f"compile: off for this {model_type} model: its forward pass reads the image token positions to Python, "
         "which mx.compile cannot trace, so each step runs uncompiled")
     return config.replace(compile=False)
+
+
+#: Files of a model directory that hold its weights: the fused model writes its own.
+WEIGHT_FILES = (".safetensors", "model.safetensors.index.json")
+
+
+def fuse(path: str, adapter_path: str, save_path: str, dequantize: bool = False) -> str:
+    """Fold the LoRA/DoRA adapters of ``adapter_path`` into the base ``path`` and write a model directory
+    that ``mlx_vlm.load`` loads and generates from: the base's files (config, tokenizer, processor, chat
+    template) with the fused weights. A quantized base stays quantized unless ``dequantize`` (its config
+    then loses ``quantization``). ``save_path`` is checked by the caller (a new or empty directory).
+
+    Example: ``fuse("Qwen2-VL-2B-Instruct", "runs/a/adapters", "qwen2-vl-tuned")``.
+    """
+    import shutil
+
+    from mlx.utils import tree_unflatten
+    from mlx_vlm.trainer.peft.dora_layers import DoRALinear
+    from mlx_vlm.trainer.peft.lora_layers import LoRALinear
+    from mlx_vlm.utils import get_model_path, save_config, save_weights
+    from mlx_vlm.utils import load as load_vlm
+
+    model, _ = load_vlm(path, adapter_path=adapter_path)  # the adapters as mlx-vlm adds them
+    fused = [(name, module.fuse(dequantize=dequantize)) for name, module in model.named_modules()
+             if isinstance(module, (LoRALinear, DoRALinear))]
+    if not fused:
+        raise ConfigError(f"{adapter_path} adds no LoRA or DoRA layer to {path}: nothing to fuse")
+    model.update_modules(tree_unflatten(fused))
+    source = str(get_model_path(path))
+    os.makedirs(save_path, exist_ok=True)
+    for name in os.listdir(source):
+        if os.path.isfile(os.path.join(source, name)) and not name.endswith(WEIGHT_FILES):
+            shutil.copy(os.path.join(source, name), os.path.join(save_path, name))
+    save_weights(save_path, model)
+    config = read_config(source) or {}
+    if dequantize and ("quantization" in config or "quantization_config" in config):
+        config = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
+        save_config(config, os.path.join(save_path, "config.json"))
+    return save_path
