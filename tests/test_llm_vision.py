@@ -87,6 +87,11 @@ def test_a_vision_language_model_is_recognised_and_gets_the_vision_task(tiny, tm
     assert isinstance(task_for(_config(tiny, tmp_path, train_mode="orpo", train_vision=True)), VisionPreference)
     with pytest.raises(ConfigError, match="rows with images are not packed"):
         task_for(_config(tiny, tmp_path, pack=True))
+    with pytest.raises(ConfigError, match="--fine-tune-type full with --train-mode dpo"):
+        task_for(_config(tiny, tmp_path, train_mode="dpo", fine_tune_type="full"))
+    assert isinstance(task_for(_config(tiny, tmp_path, train_mode="orpo", fine_tune_type="full")), VisionPreference)
+    with pytest.raises(ConfigError, match="quantized True: full fine-tuning trains float weights"):
+        task_for(_config(tiny, tmp_path, fine_tune_type="full", quantized=True))
 
 
 def test_without_mlx_vlm_a_vision_model_is_refused_before_loading(tiny, tmp_path, monkeypatch):
@@ -207,10 +212,11 @@ def _logits(model, batch):
     return output.logits.astype(mx.float32)
 
 
-@pytest.mark.parametrize("method", ["lora", "dora"])
+@pytest.mark.parametrize("method", ["lora", "dora", "full"])
 def test_fuse_writes_a_model_that_mlx_vlm_loads_and_generates_from(tiny, tmp_path, capsys, method):
     """``finetune --fuse DIR`` on a vision-language model: mlx_vlm.load(DIR) gives the logits of the base with
-    the adapters (LoRA or DoRA; to float tolerance), and generates from a picture."""
+    the adapters (LoRA or DoRA; to float tolerance) or with the full fine-tuning's weights, and generates from a
+    picture."""
     import mlx_vlm
 
     from mlx_train.cli.main import main
@@ -393,10 +399,12 @@ def _resume_run(base, data, run_dir, out, *extra):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["float", "qlora", "dpo"])
+@pytest.mark.parametrize("kind", ["float", "qlora", "dpo", "full"])
 def test_sigkill_then_resume_is_bit_exact(tiny, tmp_path, kind):
     base, data = tiny[:2]
     extra: tuple = ("--train-mode", "vision")
+    if kind == "full":  # full fine-tuning: the language blocks' own weights and their Adam moments
+        extra = (*extra, "--fine-tune-type", "full")
     if kind == "qlora":  # QLoRA: the language model in 4 bits, kept so
         base, extra = vlm_tiny.write_model_dir(str(tmp_path / "q4"), bits=4), (*extra, "--quantized")
     if kind == "dpo":  # preference pairs with pictures
@@ -442,6 +450,43 @@ def _vision_weights(model):
 
 
 @pytest.mark.parametrize("train_vision", [False, True])
+def test_full_fine_tuning_trains_the_language_blocks_and_loads_in_mlx_vlm(tiny, tmp_path, train_vision):
+    """``fine_tune_type: full``: the last ``num_layers`` blocks of the language model train (the vision tower
+    too with ``train_vision``, nothing else), the held-out loss falls, and the adapter directory holds every
+    weight, which ``mlx_vlm.load(base, adapter_path=...)`` loads as the whole model: its logits are the trained
+    model's."""
+    import mlx_vlm
+
+    base, _, base_model, _ = tiny
+    held_out = _batch(_rows(tiny, [vlm_tiny.square_row(c) for c in vlm_tiny.COLOURS]))
+    before = vision_lm_loss(base_model, held_out)[0].item()
+    logs = []
+    result = finetune(_config(tiny, tmp_path, iters=8, learning_rate=2e-3, fine_tune_type="full",
+                              assistant_only_loss=True, train_vision=train_vision), log=logs.append)
+    model = result["model"]
+    model.eval()
+    after = vision_lm_loss(model, held_out)[0].item()
+    assert after < before - 1.0, (before, after)
+    assert any(line.startswith("full: training ") for line in logs)
+    trained, original = dict(tree_flatten(model.parameters())), dict(tree_flatten(base_model.parameters()))
+    changed = {k for k in trained if not mx.array_equal(trained[k], original[k])}
+    blocks = ("language_model.model.layers.0.", "language_model.model.layers.1.")  # the tiny model's 2 blocks
+    assert {k for k in trained if k.startswith(blocks) and k.endswith("proj.weight")} <= changed
+    assert "language_model.model.embed_tokens.weight" not in changed
+    tower = {k for k in changed if k.startswith("vision_tower.")}
+    assert changed == {k for k in trained if k.startswith(blocks)} | tower
+    assert bool(tower) == train_vision and (not train_vision or "vision_tower.merger.mlp.0.weight" in tower)
+
+    adapters = result["adapter_path"]
+    with open(os.path.join(adapters, "adapter_config.json")) as f:
+        facts = json.load(f)
+    assert facts["fine_tune_type"] == "full" and facts["lora_parameters"] is None
+    assert mx.load(os.path.join(adapters, "adapters.safetensors")).keys() == trained.keys()
+    loaded, _ = mlx_vlm.load(base, adapter_path=adapters)
+    assert mx.array_equal(_logits(loaded, held_out), _logits(model, held_out))
+
+
+@pytest.mark.parametrize("train_vision", [False, True])
 def test_the_vision_tower_trains_only_when_asked(tiny, tmp_path, train_vision):
     """``train_vision`` (mlx-vlm's --train-vision): the vision tower and its projector (Qwen2-VL's merger) train
     with the adapters, are saved with them and load with them in mlx-vlm; the language model's own weights stay.
@@ -469,6 +514,30 @@ def test_the_vision_tower_trains_only_when_asked(tiny, tmp_path, train_vision):
     assert facts["train_vision"] is True
     loaded, _ = mlx_vlm.load(tiny[0], adapter_path=result["adapter_path"])
     assert all(mx.array_equal(_vision_weights(loaded)[k], tower[k]) for k in tower)
+
+
+def test_full_fine_tuning_of_a_quantized_base_trains_and_writes_float_weights(tiny, tmp_path):
+    """A 4-bit base is dequantized for full fine-tuning (as mlx-vlm's full training): its weights load over
+    the quantized base in mlx-vlm, and the fused folder is a float model (its config without quantization)."""
+    import mlx_vlm
+
+    from mlx_train.llm.finetune import fuse_model
+    from mlx_train.llm.models import is_quantized
+
+    base = vlm_tiny.write_model_dir(str(tmp_path / "q4"), bits=4)
+    config = _config(tiny, tmp_path, model=base, iters=2, fine_tune_type="full")
+    # a GPU keeps a quantized base quantized by default (QLoRA): not for full fine-tuning
+    assert not is_quantized(task_for(config).load_model(True, False, lambda line: None)[0])
+    result = finetune(config, log=lambda line: None)
+    trained = dict(tree_flatten(result["model"].parameters()))
+    assert not is_quantized(result["model"])
+    loaded, _ = mlx_vlm.load(base, adapter_path=result["adapter_path"])
+    fused = fuse_model(base, result["adapter_path"], str(tmp_path / "fused"), dequantize=True)
+    with open(os.path.join(fused, "config.json")) as f:
+        assert "quantization" not in json.load(f)
+    for model in (loaded, mlx_vlm.load(fused)[0]):
+        weights = dict(tree_flatten(model.parameters()))
+        assert weights.keys() == trained.keys() and all(mx.array_equal(weights[k], trained[k]) for k in trained)
 
 
 def test_train_vision_is_refused_for_a_text_model(tmp_path):

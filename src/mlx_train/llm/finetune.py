@@ -92,18 +92,24 @@ class AdapterWriter(Callback):
     rank takes part in gathering them; at a checkpoint (where only rank 0 is called) rank 0 gets them
     from ``split.whole_at_checkpoint``.
 
+    ``weights`` gives the arrays to write from the model (None: its trainable parameters; a vision-language
+    model's full fine-tuning writes every weight, ``Task.adapter_weights``).
+
     Example: ``AdapterWriter(spec, "runs/a/adapters", {"model": "base"})`` among a Trainer's callbacks.
     """
 
-    def __init__(self, spec: Any, directory: str, extra: dict[str, Any], split: AdapterSplit | None = None) -> None:
+    def __init__(self, spec: Any, directory: str, extra: dict[str, Any], split: AdapterSplit | None = None,
+                 weights: Any = None) -> None:
         self.spec, self.directory, self.extra, self.split = spec, directory, extra, split
+        self.weights = weights or (lambda model: None)
 
     def on_checkpoint(self, trainer: Any, path: str) -> None:
         from mlx_train.llm.adapters import save_adapters
 
         if not trainer.is_main:
             return
-        weights = self.split.whole_at_checkpoint(trainer.model, path, trainer.step) if self.split else None
+        weights = self.split.whole_at_checkpoint(trainer.model, path, trainer.step) if self.split else \
+            self.weights(trainer.model)
         save_adapters(trainer.model, self.spec, self.directory, self.extra, weights=weights)
 
     def on_fit_end(self, trainer: Any, history: dict[str, Any]) -> None:
@@ -112,7 +118,7 @@ class AdapterWriter(Callback):
         if self.split is not None:  # every rank gathers; rank 0 writes
             self.split.save(trainer.model, self.spec, self.directory, self.extra)
         elif trainer.is_main:
-            save_adapters(trainer.model, self.spec, self.directory, self.extra)
+            save_adapters(trainer.model, self.spec, self.directory, self.extra, weights=self.weights(trainer.model))
 
 
 def check_before_loading(config: FinetuneConfig, resume: str | None = None, overwrite: bool = False,
@@ -395,7 +401,7 @@ def finetune(config: FinetuneConfig, callbacks: list[Any] | None = None, resume:
     adapter_dir = path_in_run(config, config.adapter_path)
     extra = {"model": config.model, "data": config.dataset, "max_seq_length": config.max_seq_length,
              "seed": config.seed, "mask_prompt": config.mask_prompt, "pack": config.pack, **task.adapter_facts()}
-    writer = AdapterWriter(parts["spec"], adapter_dir, extra, split)
+    writer = AdapterWriter(parts["spec"], adapter_dir, extra, split, task.adapter_weights)
     val = None
     eval_rows = config.eval_batch_size or config.batch_size
     if valid_rows is not None:  # the same collate (padding to a multiple of 8) as training, in file order

@@ -173,6 +173,10 @@ class Task:
         """What the task adds to the adapters' ``adapter_config.json``."""
         return {}
 
+    def adapter_weights(self, model: Any) -> dict[str, Any] | None:
+        """The arrays the adapters' ``adapters.safetensors`` holds; None: the trainable parameters (mlx-lm's)."""
+        return None
+
     def card_hyperparameters(self) -> dict[str, Any]:
         """The task's own hyper-parameters on the model card."""
         return {}
@@ -508,7 +512,8 @@ class _Vision:
     def load_model(self, quantized: bool, lazy: bool, log: Callable[[str], None]) -> tuple[Any, Any, dict[str, Any]]:
         from mlx_train.llm.vision.models import load
 
-        return load(self.config.model or "", quantized, log)
+        # full fine-tuning trains float weights: a quantized base is dequantized (as mlx-vlm's full training)
+        return load(self.config.model or "", quantized and self.config.fine_tune_type != "full", log)
 
     def adapter_spec(self, model: Any, spec: Any) -> Any:
         """The adapters' layers by full name (``mlx_vlm.load`` adds adapters where they say); with
@@ -525,6 +530,13 @@ class _Vision:
     def adapter_facts(self) -> dict[str, Any]:
         facts: dict[str, Any] = super().adapter_facts()  # type: ignore[misc]
         return {**facts, "train_vision": True} if self.config.train_vision else facts
+
+    def adapter_weights(self, model: Any) -> dict[str, Any] | None:
+        """With full fine-tuning every weight of the model, trained or not: ``mlx_vlm.load(base,
+        adapter_path=...)`` loads a full fine-tuning's file as the whole model (as mlx-vlm's trainer writes it)."""
+        from mlx.utils import tree_flatten
+
+        return dict(tree_flatten(model.parameters())) if self.config.fine_tune_type == "full" else None
 
 
 class VisionSFT(_Vision, SFT):
@@ -579,6 +591,10 @@ class VisionPreference(_Vision, Preference):
                 raise ConfigError(f"--{name.replace('_', '-')} is not supported for vision-language models yet: the "
                                   "DPO reference is the model with its adapters off, computed in each step; leave it "
                                   "out")
+        if cfg.fine_tune_type == "full" and self.options.needs_reference:
+            raise ConfigError("--fine-tune-type full with --train-mode dpo: the DPO reference of a vision-language "
+                              "model is the model with its adapters off, and full fine-tuning has none; use "
+                              "--fine-tune-type lora or dora, --reference-free, or --train-mode orpo or cpo")
         if cfg.train_vision and self.options.needs_reference:
             raise ConfigError("--train-vision with --train-mode dpo: the DPO reference is the model with its adapters "
                               "off, which would see the vision tower as trained so far, not the base's; leave out "

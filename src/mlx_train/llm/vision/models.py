@@ -150,10 +150,9 @@ def check_settings(config: FinetuneConfig, path: str) -> None:
     refused = {
         "pack": (config.pack, "rows with images are not packed; drop --pack"),
         "loss_chunk": (config.loss_chunk is not None, "the vision task projects the whole logits; drop --loss-chunk"),
-        "fine_tune_type": (config.fine_tune_type == "full",
-                           "full fine-tuning of a vision-language model is not supported yet (mlx-vlm reads a full "
-                           "model's weights, not the trained blocks mlx-train writes); use --fine-tune-type lora or "
-                           "dora"),
+        "quantized": (config.fine_tune_type == "full" and config.quantized is True,
+                      "full fine-tuning trains float weights (the base is dequantized, as mlx-vlm's full training "
+                      "does, and mlx-vlm loads the result so); drop --quantized, or use --fine-tune-type lora"),
         "resume_adapter_file": (config.resume_adapter_file,
                                 "continuing from adapter files is not supported yet for vision-language models; "
                                 "continue a run with --resume"),
@@ -210,7 +209,9 @@ def fuse(path: str, adapter_path: str, save_path: str, dequantize: bool = False)
     """Fold the LoRA/DoRA adapters of ``adapter_path`` into the base ``path`` and write a model directory
     that ``mlx_vlm.load`` loads and generates from: the base's files (config, tokenizer, processor, chat
     template) with the fused weights. A quantized base stays quantized unless ``dequantize`` (its config
-    then loses ``quantization``). ``save_path`` is checked by the caller (a new or empty directory).
+    then loses ``quantization``). The weights of a full fine-tuning (``fine_tune_type: full``: every weight,
+    in float) are written as they are, and the config loses ``quantization``. ``save_path`` is checked by the
+    caller (a new or empty directory).
 
     Example: ``fuse("Qwen2-VL-2B-Instruct", "runs/a/adapters", "qwen2-vl-tuned")``.
     """
@@ -222,12 +223,17 @@ def fuse(path: str, adapter_path: str, save_path: str, dequantize: bool = False)
     from mlx_vlm.utils import get_model_path, save_config, save_weights
     from mlx_vlm.utils import load as load_vlm
 
-    model, _ = load_vlm(path, adapter_path=adapter_path)  # the adapters as mlx-vlm adds them
+    from mlx_train.llm.adapters import read_adapter_config
+
+    full = read_adapter_config(adapter_path).fine_tune_type == "full"
+    dequantize = dequantize or full  # mlx-vlm loads a full fine-tuning's weights into the dequantized base
+    model, _ = load_vlm(path, adapter_path=adapter_path)  # the adapters (or full weights) as mlx-vlm adds them
     fused = [(name, module.fuse(dequantize=dequantize)) for name, module in model.named_modules()
              if isinstance(module, (LoRALinear, DoRALinear))]
-    if not fused:
+    if not fused and not full:
         raise ConfigError(f"{adapter_path} adds no LoRA or DoRA layer to {path}: nothing to fuse")
-    model.update_modules(tree_unflatten(fused))
+    if fused:
+        model.update_modules(tree_unflatten(fused))
     source = str(get_model_path(path))
     os.makedirs(save_path, exist_ok=True)
     for name in os.listdir(source):
