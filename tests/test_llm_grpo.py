@@ -361,6 +361,23 @@ def test_compiled_decoding_samples_what_recomputing_the_whole_sequence_samples(t
         assert len({tuple(out.row(r)) for r in range(2 * count)}) > 1
 
 
+def test_a_model_no_longer_sampled_from_is_not_kept_alive_by_its_compiled_step(tokenizer):
+    import gc
+    import weakref
+
+    prompts = [np.array(tokenizer.encode(llm_tiny.SENTENCES[0]), np.int32)]
+    sampling = Sampling(temperature=1.0, max_tokens=3)
+    first = _lora_model(tokenizer)
+    out = generate_groups(first, prompts, 2, sampling, rollout_key(0, [0], 0), set())
+    gone = weakref.ref(first)
+    del first
+    second = _lora_model(tokenizer)  # the same weights: the same completions from its own compiled step
+    again = generate_groups(second, prompts, 2, sampling, rollout_key(0, [0], 0), set())
+    gc.collect()
+    assert gone() is None
+    assert np.array_equal(out.tokens, again.tokens)
+
+
 @pytest.mark.parametrize("row,message", [
     ({"answer": "4"}, "train.jsonl:2: the row has no \"prompt\""),
     ({"prompt": "2+2?"}, "train.jsonl:2: the row has no \"answer\""),

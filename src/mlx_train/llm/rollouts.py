@@ -155,13 +155,16 @@ def _check_plain_cache(model: nn.Module) -> None:
                           "with full attention in every layer (llama, qwen2, qwen3, mistral, ...)")
 
 
-def _hidden_to_logits(model: nn.Module, hidden: mx.array) -> mx.array:
+def _last_logits(model: nn.Module, tokens: mx.array, caches: list[Any]) -> mx.array:
+    """Float32 logits of the last position only: the prompt's other positions are never projected."""
     from mlx_train.llm.loss import output_head
 
     found = output_head(model)
     if found is None:
-        raise ConfigError("GRPO's sampling needs an mlx-lm model (model.model and an output head)")
-    return found[1](hidden).astype(mx.float32)
+        logits: mx.array = model(tokens, cache=caches)
+        return logits[:, -1, :].astype(mx.float32)
+    hidden = model["model"](tokens, caches)
+    return found[1](hidden[:, -1, :]).astype(mx.float32)
 
 
 def _logprobs(logits: mx.array) -> mx.array:
@@ -180,8 +183,7 @@ class _Decoder:
         def step(token: mx.array, key: mx.array, done: mx.array, index: mx.array, left_padding: mx.array,
                  keys: list[mx.array], values: list[mx.array]) -> tuple[Any, ...]:
             caches = [_FixedCache(k, v, left_padding, index) for k, v in zip(keys, values, strict=True)]
-            hidden = self.model["model"](token[:, None], caches)
-            logits = _hidden_to_logits(self.model, hidden[:, -1, :])
+            logits = _last_logits(self.model, token[:, None], caches)
             drawn = self.sampling.sample(_logprobs(logits), key).astype(mx.int32)
             drawn = mx.where(done, 0, drawn)
             done = done | (drawn[:, None] == self.ends).any(axis=-1)
@@ -190,19 +192,18 @@ class _Decoder:
         self.step = mx.compile(step, inputs=[model.state])
 
 
-_DECODERS: dict[tuple[int, Sampling, tuple[int, ...]], tuple[Any, _Decoder]] = {}
+#: The last decoder made, ``((model id, sampling, end ids), decoder)``: one at a time, so that a model no longer
+#: sampled from is not kept alive by its compiled step (a run samples from one model with one setting).
+_LAST_DECODER: list[tuple[tuple[int, Sampling, tuple[int, ...]], _Decoder]] = []
 
 
 def _decoder(model: nn.Module, sampling: Sampling, eos_ids: tuple[int, ...]) -> _Decoder:
-    """The compiled decoding step of ``model`` with these settings, made once (kept for the model's life)."""
-    import weakref
-
-    found = _DECODERS.get((id(model), sampling, eos_ids))
-    if found is not None and found[0]() is model:
-        return found[1]
-    decoder = _Decoder(model, sampling, eos_ids)
-    _DECODERS[(id(model), sampling, eos_ids)] = (weakref.ref(model), decoder)
-    return decoder
+    """The compiled decoding step of ``model`` with these settings (the last one's, when it is the same)."""
+    key = (id(model), sampling, eos_ids)
+    if _LAST_DECODER and _LAST_DECODER[0][0] == key and _LAST_DECODER[0][1].model is model:
+        return _LAST_DECODER[0][1]
+    _LAST_DECODER[:] = [(key, _Decoder(model, sampling, eos_ids))]
+    return _LAST_DECODER[0][1]
 
 
 def generate_groups(model: nn.Module, prompts: Sequence[np.ndarray], group_size: int, sampling: Sampling,
@@ -223,8 +224,7 @@ def generate_groups(model: nn.Module, prompts: Sequence[np.ndarray], group_size:
     left_padding = mx.array([width - len(p) for p in prompts], dtype=mx.int32)
     zero = mx.array(0, dtype=mx.int32)
     caches = [_FixedCache(None, None, left_padding, zero, length) for _ in model.layers]
-    hidden = model["model"](mx.array(padded), caches)  # the prefill: each prompt once
-    logits = _hidden_to_logits(model, hidden[:, -1, :])
+    logits = _last_logits(model, mx.array(padded), caches)  # the prefill: each prompt once
     repeat = mx.array(np.repeat(np.arange(len(prompts)), group_size))
     keys_ = [c.keys[repeat] for c in caches if c.keys is not None]
     values_ = [c.values[repeat] for c in caches if c.values is not None]
