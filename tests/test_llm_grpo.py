@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from functools import partial
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -202,6 +203,52 @@ def test_micro_batches_weighted_by_their_items_give_the_whole_batch_loss(tokeniz
     assert combined.item() == pytest.approx(whole, rel=1e-5)
 
 
+@pytest.mark.parametrize("layers,beta", [(2, 0.1), (4, 0.1), (4, 0.0)])
+def test_each_groups_prompt_run_once_scores_what_whole_rows_score(tokenizer, layers, beta):
+    """The policy's and the reference's log-probabilities and the gradient are those of whole rows (prompt and
+    completion in one sequence), for the whole rollout and for cuts that start and end inside groups."""
+    model = _lora_model(tokenizer, layers=layers, adapted=2)
+    _, _, batch = _rollout(tokenizer, seed=3)
+    batch["old_logps"] = np.zeros(batch["positions"].shape, np.float32)  # ratios away from 1: a gradient
+    loss = GRPOLoss(GRPOConfig(group_size=3, sampling=Sampling(max_tokens=8), beta=beta), None, [], tokenizer, [])
+    arrays = {k: mx.array(v) for k, v in batch.items()}
+    for a, b in ((0, 9), (1, 8), (2, 4), (4, 5)):
+        part = {k: v[a:b] for k, v in arrays.items()}
+        whole = {k: v for k, v in part.items() if k != "prompts"}  # no prompts column: whole rows
+
+        def scored(params, rows=part):
+            model.update(params)
+            logps, ref = loss._shared_prompts(model, rows) if "prompts" in rows else loss._whole_rows(model, rows)
+            return loss(model, rows)[0], (logps, ref)
+
+        (value, (logps, ref)), grads = mx.value_and_grad(scored)(model.trainable_parameters())
+        (expected, (logps_w, ref_w)), grads_w = mx.value_and_grad(partial(scored, rows=whole))(
+            model.trainable_parameters())
+        mask = np.array(part["positions"]) >= 0
+        assert np.allclose(np.array(logps)[mask], np.array(logps_w)[mask], rtol=1e-5, atol=1e-5), (a, b)
+        assert (ref is None) == (beta == 0) and (ref is None or np.allclose(
+            np.array(ref)[mask], np.array(ref_w)[mask], rtol=1e-5, atol=1e-5)), (a, b)
+        assert value.item() == pytest.approx(expected.item(), rel=1e-5, abs=1e-7)
+        flat, flat_w = dict(tree_flatten(grads)), dict(tree_flatten(grads_w))
+        assert b - a < 3 or any(np.abs(np.array(g)).max() > 0 for g in flat.values())  # (a row may be clipped)
+        for name, g in flat_w.items():
+            assert np.allclose(np.array(flat[name]), np.array(g), rtol=1e-4, atol=1e-6), (a, b, name)
+
+
+def test_grpo_recomputes_whole_blocks_unless_told_otherwise():
+    from mlx_train.llm.finetune import recompute_setting
+
+    model, _ = llm_tiny.make_model(300)
+    grpo = FineTuneConfig(model="base", data="data", train_mode="grpo")
+    assert grpo.gradient_checkpointing == "auto"
+    assert recompute_setting(grpo, model, log=print).gradient_checkpointing is True
+    for setting in (False, "attention"):
+        assert recompute_setting(grpo.replace(gradient_checkpointing=setting), model,
+                                 log=print).gradient_checkpointing == setting
+    sft = FineTuneConfig(model="base", data="data")
+    assert recompute_setting(sft, model, log=print).gradient_checkpointing == "auto"
+
+
 def test_phases_split_the_steps_time_and_leave_out_evaluations():
     ticks = iter(range(0, 1000, 1))
     phases = Phases(clock=lambda: float(next(ticks)))
@@ -290,6 +337,45 @@ def test_shared_prefill_samples_what_one_sequence_at_a_time_generation_does(toke
         assert out.row(2 * i) == alone and out.row(2 * i + 1) == alone
         assert out.ended[2 * i] == (alone[-1] in eos)
     assert len(set(map(tuple, (out.row(i) for i in range(6))))) == 3
+
+
+def test_compiled_decoding_samples_what_recomputing_the_whole_sequence_samples(tokenizer):
+    """Sampled (temperature, top-p, top-k), not greedy: each token drawn with its step's key from the logits of
+    the whole sequence so far, recomputed without a cache, is the token the compiled step drew; a second
+    rollout of another width (another trace) too."""
+    model = _lora_model(tokenizer)
+    model.eval()
+    sampling = Sampling(temperature=1.0, top_p=0.9, top_k=30, max_tokens=9)
+    for count, seed in ((2, 0), (3, 1)):
+        prompts = [np.array(tokenizer.encode(s), np.int32) for s in llm_tiny.SENTENCES[seed:seed + count]]
+        key = rollout_key(seed, list(range(count)), 0)
+        out = generate_groups(model, prompts, 2, sampling, key, set())
+        keys = mx.random.split(key, sampling.max_tokens)
+        for r in range(2 * count):
+            sequence = [int(t) for t in prompts[r // 2]]
+            for t in range(sampling.max_tokens):
+                logits = model(mx.array([sequence] * (2 * count)))[:, -1, :].astype(mx.float32)
+                logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+                sequence.append(int(sampling.sample(logprobs, keys[t])[r]))
+            assert out.row(r) == sequence[len(prompts[r // 2]):], r
+        assert len({tuple(out.row(r)) for r in range(2 * count)}) > 1
+
+
+def test_a_model_no_longer_sampled_from_is_not_kept_alive_by_its_compiled_step(tokenizer):
+    import gc
+    import weakref
+
+    prompts = [np.array(tokenizer.encode(llm_tiny.SENTENCES[0]), np.int32)]
+    sampling = Sampling(temperature=1.0, max_tokens=3)
+    first = _lora_model(tokenizer)
+    out = generate_groups(first, prompts, 2, sampling, rollout_key(0, [0], 0), set())
+    gone = weakref.ref(first)
+    del first
+    second = _lora_model(tokenizer)  # the same weights: the same completions from its own compiled step
+    again = generate_groups(second, prompts, 2, sampling, rollout_key(0, [0], 0), set())
+    gc.collect()
+    assert gone() is None
+    assert np.array_equal(out.tokens, again.tokens)
 
 
 @pytest.mark.parametrize("row,message", [

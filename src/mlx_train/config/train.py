@@ -299,8 +299,8 @@ class TrainConfig:
                "whole (least memory, about a third more compute for the blocks that train); attention: only "
                "each block's attention module (its attention probabilities are most of a block's activations "
                "at long sequences; a fraction of the blocks' recomputation); auto: attention, on rows of at "
-               "least 1024 tokens only (shorter rows recompute nothing); false: nothing. mlx-train finetune's "
-               "default: auto. Which blocks: "
+               "least 1024 tokens only (shorter rows recompute nothing), and whole blocks with --train-mode grpo "
+               "(TRL's GRPOTrainer's default); false: nothing. mlx-train finetune's default: auto. Which blocks: "
                "checkpoint_modules (YAML alias: grad_checkpoint, mlx_lm.lora's name; --grad-checkpoint alone "
                "is blocks).", parse=_checkpointing, aliases={"grad_checkpoint": None})
     checkpoint_modules: list = in_memory([], "Blocks gradient_checkpointing recomputes: dotted paths to a module "  # type: ignore[type-arg]

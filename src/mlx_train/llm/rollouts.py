@@ -2,10 +2,12 @@
 
 ``generate_groups`` samples ``group_size`` completions of each prompt of a batch at once: the prompts,
 left-padded to one length, are run through the model once (each prompt's prefill is computed once, not
-once per completion), then each prompt's KV cache is repeated along the batch axis for its group
-(``BatchKVCache.filter`` with repeated rows) and every completion is decoded one token at a time
-together. A completion ends at its first end-of-sequence token (kept: it is part of what the policy
-chose) or after ``max_tokens`` tokens.
+once per completion), then each prompt's keys and values are repeated along the batch axis for its group
+and every completion is decoded one token at a time together. The key/value caches are allocated once
+for the whole rollout (``_FixedCache``: written at an array index, the rest masked), so every decoding
+step has the same shapes and runs as one compiled function (``_Decoder``: the model's step, the
+sampling and the end-of-sequence check), traced once per model and cache length. A completion ends at
+its first end-of-sequence token (kept: it is part of what the policy chose) or after ``max_tokens`` tokens.
 
 Sampling is reproducible: every token draws from a key split off one ``key`` (``rollout_key``: from the
 run's seed, the step and the prompts' rows), never from MLX's global random state, so a resumed run
@@ -102,34 +104,106 @@ class Completions:
         return [int(t) for t in self.tokens[i, :n]]
 
 
-def _caches(model: nn.Module, left_padding: list[int], length: int) -> list[Any]:
-    """One ``BatchKVCache`` per layer, its keys and values allocated once for ``length`` positions (the prompts'
-    width and the most tokens a completion has) instead of mlx-lm's 256 at a time: a rollout of 8 short
-    completions of SmolLM2-135M held 94 MB of cache for 20 MB of keys and values."""
-    from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
+#: The key/value caches of a rollout hold the prompts' width plus the completion length, rounded up to a
+#: multiple of this many positions: few shapes for the compiled decoding step to trace.
+CACHE_MULTIPLE = 32
+
+
+class _FixedCache:
+    """A layer's keys and values for a whole rollout, ``[rows, heads, length, dim]``, allocated once; each call
+    writes its tokens at ``index`` (an array, so that every decoding step has the same shapes and compiles
+    once) and attends over all ``length`` positions, those before a row's ``left_padding`` or after the
+    written ones masked. mlx-lm's models call ``update_and_fetch``, read ``offset`` (each row's position, for
+    the rotary embedding) and ``make_mask`` (through ``create_attention_mask``)."""
+
+    def __init__(self, keys: mx.array | None, values: mx.array | None, left_padding: mx.array, index: mx.array,
+                 length: int = 0) -> None:
+        self.keys, self.values, self.left_padding, self.index = keys, values, left_padding, index
+        self.length = length  # positions to allocate on the first call (when ``keys`` is None)
+
+    @property
+    def offset(self) -> mx.array:
+        return self.index - self.left_padding
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        if self.keys is None or self.values is None:  # the prefill: allocated for the whole rollout
+            rows, heads, _, dim = keys.shape
+            self.keys = mx.zeros((rows, heads, self.length, dim), keys.dtype)
+            self.values = mx.zeros((rows, heads, self.length, values.shape[3]), values.dtype)
+        at = self.index.reshape(1)
+        self.keys = mx.slice_update(self.keys, keys.astype(self.keys.dtype), at, axes=(2,))
+        self.values = mx.slice_update(self.values, values.astype(self.values.dtype), at, axes=(2,))
+        return self.keys, self.values
+
+    def make_mask(self, n: int, **_: Any) -> mx.array:
+        """``[rows, 1, n, length]``: query ``i`` (at ``index + i``) sees its row's positions from
+        ``left_padding`` to itself."""
+        columns = mx.arange(self.length if self.keys is None else self.keys.shape[2])
+        queries = self.index + mx.arange(n)
+        mask = (columns[None, :] <= queries[:, None])[None, None]
+        return mask & (columns >= self.left_padding[:, None, None, None])
+
+
+def _check_plain_cache(model: nn.Module) -> None:
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
 
     kinds = {type(c).__name__ for c in make_prompt_cache(model)}
     if kinds != {KVCache.__name__}:
-        raise ConfigError(f"GRPO samples completions with a plain key/value cache per layer (mlx-lm's BatchKVCache); "
+        raise ConfigError(f"GRPO samples completions with a plain key/value cache per layer; "
                           f"{type(model).__module__}.{type(model).__name__} uses {', '.join(sorted(kinds))} (sliding "
                           "windows or recurrent state), which this sampling does not handle yet; fine-tune a model "
                           "with full attention in every layer (llama, qwen2, qwen3, mistral, ...)")
-    caches = [BatchKVCache(left_padding) for _ in model.layers]
-    for cache in caches:
-        cache.step = length  # the allocation granularity (a class attribute, 256, in mlx-lm)
-    return caches
 
 
-def _last_logits(model: nn.Module, tokens: mx.array, cache: list[Any]) -> mx.array:
+def _last_logits(model: nn.Module, tokens: mx.array, caches: list[Any]) -> mx.array:
     """Float32 logits of the last position only: the prompt's other positions are never projected."""
     from mlx_train.llm.loss import output_head
 
     found = output_head(model)
     if found is None:
-        logits: mx.array = model(tokens, cache=cache)
+        logits: mx.array = model(tokens, cache=caches)
         return logits[:, -1, :].astype(mx.float32)
-    hidden = model["model"](tokens, cache)
+    hidden = model["model"](tokens, caches)
     return found[1](hidden[:, -1, :]).astype(mx.float32)
+
+
+def _logprobs(logits: mx.array) -> mx.array:
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+class _Decoder:
+    """One model's compiled decoding step: ``(token, key, done, index, left_padding, keys, values) -> (next token,
+    done, keys, values)``: the model runs the previous tokens at ``index`` with the caches, the next ones are
+    sampled (0 for rows already done) and ``done`` marks rows that drew an end-of-sequence token. The model's
+    parameters are an input of the trace (the adapters change every step); it is traced once per shape."""
+
+    def __init__(self, model: nn.Module, sampling: Sampling, eos_ids: tuple[int, ...]) -> None:
+        self.model, self.sampling, self.ends = model, sampling, mx.array(eos_ids)
+
+        def step(token: mx.array, key: mx.array, done: mx.array, index: mx.array, left_padding: mx.array,
+                 keys: list[mx.array], values: list[mx.array]) -> tuple[Any, ...]:
+            caches = [_FixedCache(k, v, left_padding, index) for k, v in zip(keys, values, strict=True)]
+            logits = _last_logits(self.model, token[:, None], caches)
+            drawn = self.sampling.sample(_logprobs(logits), key).astype(mx.int32)
+            drawn = mx.where(done, 0, drawn)
+            done = done | (drawn[:, None] == self.ends).any(axis=-1)
+            return drawn, done, [c.keys for c in caches], [c.values for c in caches]
+
+        self.step = mx.compile(step, inputs=[model.state])
+
+
+#: The last decoder made, ``((model id, sampling, end ids), decoder)``: one at a time, so that a model no longer
+#: sampled from is not kept alive by its compiled step (a run samples from one model with one setting).
+_LAST_DECODER: list[tuple[tuple[int, Sampling, tuple[int, ...]], _Decoder]] = []
+
+
+def _decoder(model: nn.Module, sampling: Sampling, eos_ids: tuple[int, ...]) -> _Decoder:
+    """The compiled decoding step of ``model`` with these settings (the last one's, when it is the same)."""
+    key = (id(model), sampling, eos_ids)
+    if _LAST_DECODER and _LAST_DECODER[0][0] == key and _LAST_DECODER[0][1].model is model:
+        return _LAST_DECODER[0][1]
+    _LAST_DECODER[:] = [(key, _Decoder(model, sampling, eos_ids))]
+    return _LAST_DECODER[0][1]
 
 
 def generate_groups(model: nn.Module, prompts: Sequence[np.ndarray], group_size: int, sampling: Sampling,
@@ -140,38 +214,41 @@ def generate_groups(model: nn.Module, prompts: Sequence[np.ndarray], group_size:
 
     Example: ``generate_groups(model, [np.array([1, 5, 9])], 2, Sampling(temperature=0), key, {2})``.
     """
+    _check_plain_cache(model)
+    ends = tuple(sorted({int(e) for e in eos_ids}))
     width = max(len(p) for p in prompts)
     padded = np.zeros((len(prompts), width), dtype=np.int32)
     for i, prompt in enumerate(prompts):
         padded[i, width - len(prompt):] = prompt
-    cache = _caches(model, [width - len(p) for p in prompts], width + sampling.max_tokens)
-    logits = _last_logits(model, mx.array(padded), cache)
+    length = -(-(width + sampling.max_tokens) // CACHE_MULTIPLE) * CACHE_MULTIPLE
+    left_padding = mx.array([width - len(p) for p in prompts], dtype=mx.int32)
+    zero = mx.array(0, dtype=mx.int32)
+    caches = [_FixedCache(None, None, left_padding, zero, length) for _ in model.layers]
+    logits = _last_logits(model, mx.array(padded), caches)  # the prefill: each prompt once
     repeat = mx.array(np.repeat(np.arange(len(prompts)), group_size))
-    for layer in cache:  # each prompt's keys and values, once per completion of its group
-        layer.filter(repeat)
-    logits = logits[repeat]
-    ends = mx.array(sorted({int(e) for e in eos_ids}))
+    keys_ = [c.keys[repeat] for c in caches if c.keys is not None]
+    values_ = [c.values[repeat] for c in caches if c.values is not None]
+    left_padding, logits = left_padding[repeat], logits[repeat]
     keys = mx.random.split(key, sampling.max_tokens)
-    done = mx.zeros((logits.shape[0],), dtype=mx.bool_)
-    steps: list[mx.array] = []
+    token = sampling.sample(_logprobs(logits), keys[0]).astype(mx.int32)
+    done = (token[:, None] == mx.array(ends)).any(axis=-1)
+    steps = [token]
+    step = _decoder(model, sampling, ends).step
     all_done: mx.array | None = None
-    for t in range(sampling.max_tokens):
-        token = sampling.sample(logits - mx.logsumexp(logits, axis=-1, keepdims=True), keys[t]).astype(mx.int32)
-        token = mx.where(done, 0, token)
+    for t in range(1, sampling.max_tokens):
+        token, done, keys_, values_ = step(token, keys[t], done, mx.array(width + t - 1, dtype=mx.int32), left_padding,
+                                           keys_, values_)
         steps.append(token)
-        done = done | (token[:, None] == ends).any(axis=-1)
-        if t + 1 == sampling.max_tokens:
-            break
-        logits = _last_logits(model, token[:, None], cache)
-        mx.async_eval(logits, done)
+        mx.async_eval(token, done)
         # one step behind: the host waits for the previous token only, while this one computes
         if all_done is not None and all_done.item():
             break
         all_done = done.all()
     tokens = np.array(mx.stack(steps, axis=1))
+    del caches, keys_, values_, logits
+    mx.clear_cache()  # the caches' buffers, which the training step's shapes would not reuse
     hits = np.isin(tokens, np.array(ends))  # the first is the end (after it a row holds padding)
     ended = np.asarray(hits.any(axis=1))
     lengths = np.where(ended, hits.argmax(axis=1) + 1, tokens.shape[1]).astype(np.int32)
     out = np.where(np.arange(tokens.shape[1]) < lengths[:, None], tokens, 0).astype(np.int32)
     return Completions(out, lengths, ended)
-
