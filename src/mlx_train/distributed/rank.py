@@ -248,7 +248,7 @@ class RankMonitor:
             self.state = "interrupted"
             if isinstance(error, TrainingInterrupted) and error.received:  # the signal came here, not by the vote
                 self.error = error
-            if self._supervisor is not None:  # a kernel's SIGTERM may come before the thread's look: say why
+            if self._supervisor is not None:  # a SIGTERM may come before the thread's look: say why
                 self._supervisor.check(self.rank, stop=False)
             self.write()
             return
