@@ -16,7 +16,6 @@ A trial's outcome:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import signal
@@ -31,6 +30,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from chaos_cli import STEP_LINE, TRAIN, final_parameters  # noqa: E402  (bench/ is not a package)
+
+from mlx_train import processes, rundir  # noqa: E402
 
 TIMEOUT_SECONDS = 300
 EPOCHS = ["--epochs", "30"]  # ~570 steps: a kill lands in training, not after it
@@ -66,36 +67,20 @@ def train(run_dir: Path, env: dict[str, str], resume: bool = False,
     return "".join(lines), time.perf_counter() - first_step
 
 
-def heartbeats(run_dir: Path) -> dict[int, dict]:
-    beats = {}
-    for rank in (0, 1):
-        try:
-            beats[rank] = json.loads((run_dir / f"heartbeat-{rank}.json").read_text())
-        except (OSError, ValueError):
-            pass
-    return beats
-
-
-def alive(pid: int) -> bool:
-    from mlx_train import processes
-
-    return processes.alive(pid)
-
-
 def trial(work: Path, env: dict[str, str], delay: float, reference: tuple[int, dict[str, np.ndarray]]) -> str:
     run_dir = work / "run"
     train(run_dir, env, kill_after=delay)
-    pids = {rank: beat["pid"] for rank, beat in heartbeats(run_dir).items()}
+    pids = {rank: beat.pid for rank, beat in rundir.read_heartbeats(run_dir).items()}
     deadline = time.monotonic() + TIMEOUT_SECONDS
-    while any(alive(pid) for pid in pids.values()) and time.monotonic() < deadline:
+    while any(processes.alive(pid) for pid in pids.values()) and time.monotonic() < deadline:
         time.sleep(0.1)
-    if len(pids) < 2 or any(alive(pid) for pid in pids.values()):
+    if len(pids) < 2 or any(processes.alive(pid) for pid in pids.values()):
         for pid in pids.values():
-            if alive(pid):
+            if processes.alive(pid):
                 os.kill(pid, signal.SIGKILL)
         return f"FAILED: ranks {pids} did not stop within {TIMEOUT_SECONDS} s of the supervisor's death"
-    beats = heartbeats(run_dir)
-    states, steps = {b["state"] for b in beats.values()}, {b["step"] for b in beats.values()}
+    beats = rundir.read_heartbeats(run_dir).values()
+    states, steps = {b.state for b in beats}, {b.step for b in beats}
     if states == {"finished"}:
         return "not counted: the kill came after the training had ended"
     if states != {"interrupted"} or len(steps) != 1:

@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_train import processes
+from mlx_train import processes, rundir
 from mlx_train.cli.main import main
 from mlx_train.errors import ConfigError, DistributedError
 from mlx_train.launch.supervisor import RecoveryPolicy, supervise
@@ -165,15 +165,10 @@ def test_a_rank_stopped_from_outside_is_the_one_the_restart_names(tmp_path, rank
     try:
         deadline = time.monotonic() + 180
         beats: dict = {}
-        while time.monotonic() < deadline and not (len(beats) == 2 and min(b["step"] for b in beats.values()) >= 3):
+        while time.monotonic() < deadline and not (len(beats) == 2 and min(b.step for b in beats.values()) >= 3):
             time.sleep(0.05)
-            beats = {}
-            for r in (0, 1):
-                try:
-                    beats[r] = json.loads((run_dir / f"heartbeat-{r}.json").read_text())
-                except (OSError, ValueError):
-                    pass
-        os.kill(beats[rank]["pid"], signal.SIGTERM)
+            beats = rundir.read_heartbeats(run_dir)
+        os.kill(beats[rank].pid, signal.SIGTERM)
         while time.monotonic() < deadline and not restarts.exists():
             time.sleep(0.05)
     finally:

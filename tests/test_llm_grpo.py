@@ -237,16 +237,19 @@ def test_each_groups_prompt_run_once_scores_what_whole_rows_score(tokenizer, lay
 
 def test_grpo_recomputes_whole_blocks_unless_told_otherwise():
     from mlx_train.llm.finetune import recompute_setting
+    from mlx_train.llm.tasks import task_for
+
+    def settled(config):  # as finetune() settles it: the task's settings, then the model's
+        return recompute_setting(task_for(config).settings(config, print), model, log=print).gradient_checkpointing
 
     model, _ = llm_tiny.make_model(300)
     grpo = FineTuneConfig(model="base", data="data", train_mode="grpo")
     assert grpo.gradient_checkpointing == "auto"
-    assert recompute_setting(grpo, model, log=print).gradient_checkpointing is True
+    assert settled(grpo) is True
     for setting in (False, "attention"):
-        assert recompute_setting(grpo.replace(gradient_checkpointing=setting), model,
-                                 log=print).gradient_checkpointing == setting
+        assert settled(grpo.replace(gradient_checkpointing=setting)) == setting
     sft = FineTuneConfig(model="base", data="data")
-    assert recompute_setting(sft, model, log=print).gradient_checkpointing == "auto"
+    assert settled(sft) == "auto"
 
 
 def test_phases_split_the_steps_time_and_leave_out_evaluations():

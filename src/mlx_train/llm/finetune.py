@@ -320,17 +320,13 @@ def check_tensor_parallel(config: FinetuneConfig, task: Task | None = None) -> N
 def recompute_setting(config: FinetuneConfig, model: Any, log: Any = print) -> FinetuneConfig:
     """``config``, with attention recomputation (``gradient_checkpointing: attention``, or ``auto``, finetune's
     default) turned off where ``model`` has no block with an attention module to recompute (said in the log).
-    With ``--train-mode grpo``, ``auto`` recomputes whole blocks (TRL's GRPOTrainer's default): its step
-    scores a few short completions, whose blocks' activations are most of the step's memory above the
-    weights, and recomputing them costs less than the prompts' positions the step no longer computes.
+    A task may have settled ``auto`` already (``Task.settings``: GRPO recomputes whole blocks).
 
     Example: ``recompute_setting(FineTuneConfig(model="base", data="data"), model).gradient_checkpointing``
-    -> ``"auto"`` for an mlx-lm llama (``True`` with ``train_mode="grpo"``).
+    -> ``"auto"`` for an mlx-lm llama.
     """
     from mlx_train.training.recompute import find_attention, find_blocks
 
-    if config.gradient_checkpointing == "auto" and config.train_mode == "grpo":
-        return config.replace(gradient_checkpointing=True)
     if config.gradient_checkpointing not in ("attention", "auto"):
         return config
     try:

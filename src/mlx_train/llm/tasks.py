@@ -397,6 +397,12 @@ class GRPO(Task):
         self._parts: dict[str, Any] = {}
         self._loss: Any = None
 
+    def settings(self, config: FinetuneConfig, log: Callable[[str], None]) -> FinetuneConfig:
+        """``gradient_checkpointing: auto`` recomputes whole blocks here (TRL's GRPOTrainer's default): the step
+        scores a few short completions, whose blocks' activations are most of its memory above the weights,
+        and recomputing them costs less than the prompts' positions the step no longer computes."""
+        return config.replace(gradient_checkpointing=True) if config.gradient_checkpointing == "auto" else config
+
     def check(self) -> None:
         super().check()
         cfg = self.config
@@ -627,6 +633,15 @@ TASKS: dict[str, Callable[[FinetuneConfig], Task]] = {
 }
 
 
+#: train_mode -> its task for a vision-language model (``task_for``); a mode missing here is refused for them.
+VISION_TASKS: dict[str, Callable[[FinetuneConfig, str], Task]] = {
+    "sft": VisionSFT,
+    "dpo": VisionPreference,
+    "orpo": VisionPreference,
+    "cpo": VisionPreference,
+}
+
+
 def task_for(config: FinetuneConfig) -> Task:
     """The task of a fine-tuning run, from its ``train_mode``; its settings are checked here.
 
@@ -647,7 +662,8 @@ def task_for(config: FinetuneConfig) -> Task:
             raise ConfigError(f"--train-vision trains the vision tower of a vision-language model, but {config.model} "
                               "is a text-only model (its config.json has no vision_config); leave it out")
         return TASKS[config.train_mode](config)
-    if config.train_mode == "grpo":
-        raise ConfigError(f"--train-mode grpo is not supported for vision-language models yet: {config.model} is "
-                          f"one ({model_type}); fine-tune it with --train-mode sft, dpo, orpo or cpo")
-    return VisionSFT(config, model_type) if config.train_mode == "sft" else VisionPreference(config, model_type)
+    if config.train_mode not in VISION_TASKS:
+        raise ConfigError(f"--train-mode {config.train_mode} is not supported for vision-language models yet: "
+                          f"{config.model} is one ({model_type}); fine-tune it with --train-mode "
+                          f"{', '.join(VISION_TASKS)}")
+    return VISION_TASKS[config.train_mode](config, model_type)
