@@ -342,6 +342,29 @@ def test_shared_prefill_samples_what_one_sequence_at_a_time_generation_does(toke
     assert len(set(map(tuple, (out.row(i) for i in range(6))))) == 3
 
 
+@pytest.mark.parametrize("top_p,top_k", [(0.95, 20), (0.5, 20), (1.0, 20), (0.9, 0), (0.3, 5), (0.999, 7)])
+def test_sampling_keeps_the_tokens_and_odds_of_mlx_lms_filters(top_p, top_k):
+    """Top-p then top-k as mlx-lm filters them (the same tokens, the same probabilities after the temperature),
+    and draws over many keys come out at those probabilities."""
+    from mlx_lm.sample_utils import apply_top_k, apply_top_p
+
+    logits = mx.random.normal((4, 300), key=mx.random.key(3)) * mx.array([[1.0], [2.0], [4.0], [8.0]])
+    sampling = Sampling(temperature=0.7, top_p=top_p, top_k=top_k)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    reference = apply_top_p(logprobs, top_p) if top_p < 1 else logprobs
+    reference = apply_top_k(reference, top_k) if top_k else reference
+    expected = np.array(mx.softmax(reference / 0.7, axis=-1))
+    index, kept = sampling.candidates(logits)
+    dense = kept if index is None else mx.put_along_axis(mx.full(logits.shape, -mx.inf), index, kept, axis=-1)
+    assert np.allclose(np.array(mx.softmax(dense / 0.7, axis=-1)), expected, atol=1e-6)
+    assert ((expected > 0).sum(axis=1) > 1).any()  # a choice to draw from
+    draws = 4000
+    tokens = np.array(sampling.sample(mx.repeat(logits, draws, axis=0), mx.random.key(11))).reshape(4, draws)
+    seen = np.stack([np.bincount(row, minlength=logits.shape[1]) / draws for row in tokens])
+    assert (seen[expected == 0] == 0).all()
+    assert np.abs(seen - expected).max() < 0.035
+
+
 def test_compiled_decoding_samples_what_recomputing_the_whole_sequence_samples(tokenizer):
     """Sampled (temperature, top-p, top-k), not greedy: each token drawn with its step's key from the logits of
     the whole sequence so far, recomputed without a cache, is the token the compiled step drew; a second

@@ -12,8 +12,9 @@ its first end-of-sequence token (kept: it is part of what the policy chose) or a
 Sampling is reproducible: every token draws from a key split off one ``key`` (``rollout_key``: from the
 run's seed, the step and the prompts' rows), never from MLX's global random state, so a resumed run
 samples exactly what the uninterrupted run sampled, and the training step's own randomness (dropout)
-is untouched. The filters are mlx-lm's (``apply_top_p``, then ``apply_top_k``, on the log-probabilities
-before the temperature, as its ``make_sampler``).
+is untouched. The filters keep the tokens and odds of mlx-lm's (``apply_top_p``, then ``apply_top_k``,
+on the log-probabilities before the temperature, as its ``make_sampler``); with top-k the draw runs over
+the ``top_k`` candidates, not the whole vocabulary.
 
 Example::
 
@@ -48,32 +49,37 @@ class Sampling:
     top_k: int = 20
     max_tokens: int = 512
 
-    def sample(self, logprobs: mx.array, key: mx.array) -> mx.array:
-        """One token per row of ``logprobs`` (``[rows, vocabulary]``, normalised), drawn with ``key``."""
-        from mlx_lm.sample_utils import apply_top_k, apply_top_p
-
+    def sample(self, logits: mx.array, key: mx.array) -> mx.array:
+        """One token per row of ``logits`` (``[rows, vocabulary]``, log-probabilities or unnormalised), drawn
+        with ``key``."""
         if self.temperature == 0:
-            return mx.argmax(logprobs, axis=-1)
-        top_k = 0 < self.top_k < logprobs.shape[-1]
-        if 0 < self.top_p < 1:
-            logprobs = _top_p_among(logprobs, self.top_p, self.top_k) if top_k else apply_top_p(logprobs, self.top_p)
-        if top_k:
-            logprobs = apply_top_k(logprobs, self.top_k)
-        return mx.random.categorical(logprobs * (1 / self.temperature), key=key)
+            return mx.argmax(logits, axis=-1)
+        index, kept = self.candidates(logits)
+        choice = mx.random.categorical(kept * (1 / self.temperature), key=key)
+        return choice if index is None else mx.take_along_axis(index, choice[..., None], axis=-1)[..., 0]
 
+    def candidates(self, logits: mx.array) -> tuple[mx.array | None, mx.array]:
+        """``(index, kept)``: the tokens a draw chooses among and their logits, ``-inf`` where top-p drops one
+        (``index`` None: the whole vocabulary, ``kept`` in its order). The tokens and their odds are those
+        of mlx-lm's ``apply_top_p`` then ``apply_top_k``; with top-k the draw runs over the ``top_k``
+        candidates only (the whole vocabulary is neither sorted nor drawn over: most of a decoding step's
+        sampling time at 49k tokens)."""
+        from mlx_lm.sample_utils import apply_top_p
 
-def _top_p_among(logprobs: mx.array, top_p: float, top_k: int) -> mx.array:
-    """mlx-lm's ``apply_top_p`` where ``apply_top_k`` follows: the nucleus is looked for among the ``top_k``
-    most likely tokens only (a larger one is cut to them anyway), so the vocabulary is never sorted (a sort
-    of 49k tokens per row was most of a decoding step's sampling time). The same tokens are kept: the
-    probability mass above each candidate is summed from the most likely down, as there."""
-    top = mx.sort(mx.topk(logprobs, top_k, axis=-1), axis=-1)
-    probs = mx.exp(top.astype(mx.float32))
-    mass_above = mx.cumsum(probs, axis=-1, reverse=True, inclusive=False)
-    total = mx.exp(logprobs.astype(mx.float32)).sum(axis=-1, keepdims=True)
-    dropped = (mass_above >= top_p * total).sum(axis=-1, keepdims=True)
-    threshold = mx.where(dropped > 0, mx.take_along_axis(top, mx.minimum(dropped, top_k - 1), axis=-1), -mx.inf)
-    return mx.where(logprobs < threshold, -mx.inf, logprobs)
+        logits = logits.astype(mx.float32)
+        nucleus = 0 < self.top_p < 1
+        if not 0 < self.top_k < logits.shape[-1]:
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            return None, apply_top_p(logprobs, self.top_p) if nucleus else logprobs
+        index = mx.argpartition(-logits, self.top_k - 1, axis=-1)[..., :self.top_k]
+        kept = mx.take_along_axis(logits, index, axis=-1)
+        if nucleus:  # the probability mass above each candidate, summed from the most likely down
+            top = mx.sort(kept, axis=-1)
+            probs = mx.exp(top - mx.logsumexp(logits, axis=-1, keepdims=True))
+            above = mx.cumsum(probs, axis=-1, reverse=True, inclusive=False)
+            dropped = (above >= self.top_p).sum(axis=-1, keepdims=True)  # (the whole vocabulary's mass is 1)
+            kept = mx.where(kept < mx.take_along_axis(top, dropped, axis=-1), -mx.inf, kept)
+        return index, kept
 
 
 def rollout_key(seed: int, rows: Iterable[int], step: int | None) -> mx.array:
@@ -167,10 +173,6 @@ def _last_logits(model: nn.Module, tokens: mx.array, caches: list[Any]) -> mx.ar
     return found[1](hidden[:, -1, :]).astype(mx.float32)
 
 
-def _logprobs(logits: mx.array) -> mx.array:
-    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-
-
 class _Decoder:
     """One model's compiled decoding step: ``(token, key, done, index, left_padding, keys, values) -> (next token,
     done, keys, values)``: the model runs the previous tokens at ``index`` with the caches, the next ones are
@@ -184,7 +186,7 @@ class _Decoder:
                  keys: list[mx.array], values: list[mx.array]) -> tuple[Any, ...]:
             caches = [_FixedCache(k, v, left_padding, index) for k, v in zip(keys, values, strict=True)]
             logits = _last_logits(self.model, token[:, None], caches)
-            drawn = self.sampling.sample(_logprobs(logits), key).astype(mx.int32)
+            drawn = self.sampling.sample(logits, key).astype(mx.int32)
             drawn = mx.where(done, 0, drawn)
             done = done | (drawn[:, None] == self.ends).any(axis=-1)
             return drawn, done, [c.keys for c in caches], [c.values for c in caches]
@@ -230,7 +232,7 @@ def generate_groups(model: nn.Module, prompts: Sequence[np.ndarray], group_size:
     values_ = [c.values[repeat] for c in caches if c.values is not None]
     left_padding, logits = left_padding[repeat], logits[repeat]
     keys = mx.random.split(key, sampling.max_tokens)
-    token = sampling.sample(_logprobs(logits), keys[0]).astype(mx.int32)
+    token = sampling.sample(logits, keys[0]).astype(mx.int32)
     done = (token[:, None] == mx.array(ends)).any(axis=-1)
     steps = [token]
     step = _decoder(model, sampling, ends).step
