@@ -14,6 +14,7 @@ from mlx_train.data import (
     THREAD_PREFIX,
     DataLoader,
     LengthBucketing,
+    RepeatedBatches,
     TokenBudget,
     default_collate,
     pad_collate,
@@ -392,6 +393,34 @@ def test_length_bucketing_wastes_less_padding_and_is_deterministic_and_resumable
     resumed = make()
     resumed.load_state_dict(loader.state_dict())
     assert ids(resumed) == ids(bucketed[5:])
+
+
+@pytest.mark.parametrize("inner", [None, "bucketed"])
+def test_repeated_batches_hand_each_batch_out_times_in_a_row_and_resume_inside_a_repeat(inner):
+    rows = sequence_rows(50)
+
+    def make(times: int, world_size: int = 1, rank: int = 0, batch_size: int = 4) -> DataLoader:
+        batching = None if inner is None else LengthBucketing("tokens")
+        loader = DataLoader(rows, batch_size=batch_size, num_workers=0, seed=2, drop_last=True,
+                            batching=RepeatedBatches(batching, times) if times > 1 else batching)
+        if world_size > 1:
+            loader.set_shard(rank, world_size)
+        return loader
+
+    once, thrice = list(make(1)), list(make(3))
+    assert len(thrice) == 3 * len(once) == 3 * 12
+    assert [ids([b]) for b in thrice] == [ids([b]) for b in once for _ in range(3)]
+    loader = make(3)
+    it = iter(loader)
+    for _ in range(7):  # inside the third batch's repeats
+        next(it)
+    resumed = make(3)
+    resumed.load_state_dict(loader.state_dict())
+    assert [ids([b]) for b in resumed] == [ids([b]) for b in thrice[7:]]
+    halves = [[ids([b]) for b in make(3, 2, r)] for r in range(2)]  # two ranks: each its half, repeated alike
+    assert [a + b for a, b in zip(*halves, strict=True)] == [ids([b]) for b in make(3, batch_size=8)]
+    with pytest.raises(DataError, match="batching"):
+        make(2).load_state_dict(loader.state_dict())
 
 
 def test_token_budget_batches_fit_the_budget_and_cover_every_sample():

@@ -20,8 +20,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))
 
 import llm_tiny  # noqa: E402
 
+from mlx_train.checkpointing import load_checkpoint  # noqa: E402
 from mlx_train.config import FinetuneConfig  # noqa: E402
-from mlx_train.errors import ConfigError, DataError  # noqa: E402
+from mlx_train.errors import CheckpointError, ConfigError, DataError  # noqa: E402
 from mlx_train.llm import FineTuneConfig, finetune  # noqa: E402
 from mlx_train.llm.adapters import AdapterConfig, apply_adapters  # noqa: E402
 from mlx_train.llm.data import collate  # noqa: E402
@@ -319,6 +320,44 @@ def test_rollouts_are_reproducible_from_seed_step_and_rows(tokenizer):
     assert not mx.array_equal(rollout_key(0, [1, 2], 3), rollout_key(0, [1, 3], 3))
 
 
+def test_num_iterations_trains_each_rollout_batch_that_many_steps_against_its_sampling_weights(tokenizer):
+    """num_iterations 3: the rollouts of step 3 are the batch of steps 3-5 (sampled with step 3's key and weights,
+    their log-probabilities under those kept); step 6 samples anew; at the first step the objective is the one
+    num_iterations 1 computes, later ones compare the moved policy with the kept log-probabilities. A run
+    resumed at step 4 (its weights moved on) samples step 3's rollouts again from the weights in the checkpoint."""
+    model = _lora_model(tokenizer)
+    prompts = _prompts(tokenizer)
+    batch = {k: mx.array(v) for k, v in collate(prompts.samples()).items()}
+    loss = _loss_for(tokenizer, prompts, beta=0.1, num_iterations=3)
+    trained = loss.prepare(model, batch, 3)
+    once = _loss_for(tokenizer, prompts, beta=0.1).prepare(model, batch, 3)
+    assert trained.keys() == once.keys()  # its first step: num_iterations 1's batch, the same rollouts
+    assert all(np.array_equal(np.array(trained[k]), np.array(once[k]), equal_nan=True) for k in once)
+    first = loss._pending[1]  # kept for the next steps, with the sampling policy's log-probabilities
+    expected = loss(model, trained)
+    got = loss(model, first)
+    assert abs(float(got[0]) - float(expected[0])) < 1e-6
+    saved = loss.anchor_state(4)  # a checkpoint after step 3 (4 steps taken)
+    assert saved["step"] == 3 and loss.anchor_state(3) == {} and loss.anchor_state(6) == {}
+    sampled_with = dict(tree_flatten(model.trainable_parameters()))
+    model.update(tree_map(lambda p: p * 1.5, model.trainable_parameters()))  # the update of step 3
+    second = loss.prepare(model, batch, 4)
+    assert second is first
+    moved = loss(model, second)
+    assert abs(float(moved[0]) - float(got[0])) > 1e-4 and float(moved[2]["clip_ratio"]) > 0
+    resumed = _loss_for(tokenizer, prompts, beta=0.1, num_iterations=3)
+    resumed.load_anchor_state({"step": saved["step"], "weights": dict(saved["weights"])})
+    current = dict(tree_flatten(model.trainable_parameters()))
+    again = resumed.prepare(model, batch, 5)
+    assert all(np.array_equal(np.array(first[k]), np.array(again[k]), equal_nan=True) for k in first)
+    assert all(v is current[k] for k, v in tree_flatten(model.trainable_parameters()))  # put back
+    assert not any(v is sampled_with[k] for k, v in current.items())
+    later = loss.prepare(model, batch, 6)
+    assert not np.array_equal(np.array(later["inputs"]), np.array(first["inputs"]))
+    with pytest.raises(CheckpointError, match="holds no weights of step 3 .* num_iterations"):
+        _loss_for(tokenizer, prompts, num_iterations=3).prepare(model, batch, 4)
+
+
 def test_shared_prefill_samples_what_one_sequence_at_a_time_generation_does(tokenizer):
     """Greedy: each prompt's prefill computed once, left-padded beside the others and repeated for its group,
     gives the tokens mlx-lm's generate_step gives for that prompt alone; a completion stops at its EOS."""
@@ -429,7 +468,7 @@ def test_bad_rows_name_the_file_line_and_fix(setup, tmp_path, row, message):
     ({"train_mode": "grpo", "dpo_loss_type": "ipo"}, "--dpo-loss-type 'ipo' does not apply to --train-mode grpo"),
     ({"train_mode": "grpo", "fine_tune_type": "full"}, "full and --beta 0.1: the KL penalty's reference"),
     ({"train_mode": "grpo", "max_completion_length": 2048}, "leaves no room for a prompt"),
-    ({"train_mode": "grpo", "num_iterations": 2}, "num_iterations is 2, but only 1 is supported"),
+    ({"train_mode": "sft", "num_iterations": 2}, "--num-iterations 2 does not apply to --train-mode sft"),
     ({"train_mode": "grpo", "group_size": 1}, "group_size must be at least 2"),
     ({"train_mode": "dpo", "beta": 0}, "beta must be above 0 for --train-mode dpo"),
 ])
@@ -485,15 +524,23 @@ def _resume_run(base, data, run_dir, out, *extra, check=True):
 
 
 @pytest.mark.slow
-def test_sigkill_then_resume_is_bit_exact(setup, tmp_path):
+@pytest.mark.parametrize("iterations", [1, 3])
+def test_sigkill_then_resume_is_bit_exact(setup, tmp_path, iterations):
     """Rollouts sampled with LoRA dropout on in the step, gradient accumulation and a KL penalty: a run killed
     after step 5 and resumed from its step-4 checkpoint ends with the adapters and optimizer state of the
-    uninterrupted run, bit for bit (the completions are drawn from the step, not from a saved random state)."""
+    uninterrupted run, bit for bit (the completions are drawn from the step, not from a saved random state).
+    With num_iterations 3 that checkpoint falls inside the rollout batch of steps 3-5, sampled again on resume
+    from the weights the checkpoint keeps."""
     base, data = str(setup / "base"), str(setup / "data")
-    _resume_run(base, data, tmp_path / "full", tmp_path / "full.safetensors")
-    killed = _resume_run(base, data, tmp_path / "cut", tmp_path / "unused.safetensors", "--kill-at", "5", check=False)
+    flags = ("--num-iterations", str(iterations))
+    _resume_run(base, data, tmp_path / "full", tmp_path / "full.safetensors", *flags)
+    killed = _resume_run(base, data, tmp_path / "cut", tmp_path / "unused.safetensors", "--kill-at", "5", *flags,
+                         check=False)
     assert killed.returncode == -9, killed.stdout[-3000:]
-    resumed = _resume_run(base, data, tmp_path / "cut", tmp_path / "resumed.safetensors")
+    if iterations > 1:
+        saved = load_checkpoint(str(tmp_path / "cut" / "checkpoints" / "step-00000004"))[0]
+        assert any(k.startswith("RolloutAnchor/") for k in saved["callbacks"]), sorted(saved)
+    resumed = _resume_run(base, data, tmp_path / "cut", tmp_path / "resumed.safetensors", *flags)
     assert "resumed from" in resumed.stdout
     full, again = mx.load(str(tmp_path / "full.safetensors")), mx.load(str(tmp_path / "resumed.safetensors"))
     assert full.keys() == again.keys() and any(k.startswith("optimizer.") for k in full)

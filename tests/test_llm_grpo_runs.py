@@ -101,19 +101,21 @@ def test_an_out_of_memory_step_trains_the_same_completions_to_the_same_adapters(
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_two_data_parallel_ranks_train_what_one_process_trains_with_accumulation(setup, tmp_path):
+@pytest.mark.parametrize("iterations", [1, 2])
+def test_two_data_parallel_ranks_train_what_one_process_trains_with_accumulation(setup, tmp_path, iterations):
     """2 ranks launched for real on 127.0.0.1, 2 prompts each per step, against one process taking the same 4
     prompts a step as 2 micro-batches of 2: each rank samples whole groups of its own prompts, which are the
     completions the one process samples (the key comes from the seed, the step and the prompts' rows); the
     reported reward is the mean over both ranks' completions; the ranks end with bit-identical adapters, equal
-    to the one process's to float rounding."""
+    to the one process's to float rounding. With num_iterations 2 each rank trains step 2 on step 1's rollouts."""
     launcher = shutil.which("mlx.launch") or os.path.join(os.path.dirname(sys.executable), "mlx.launch")
     scripts = os.path.join(os.path.dirname(__file__), "scripts")
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([SRC, scripts, os.environ.get("PYTHONPATH", "")])}
     script = [sys.executable, os.path.join(scripts, "grpo_dp_run.py"), str(setup / "base"), str(setup / "data")]
     for name, launch in (("one", []), ("two", [launcher, "-n", "2", "--"])):
-        ran = subprocess.run([*launch, *script, str(tmp_path / name), str(tmp_path / name)], env=env, timeout=600,
+        ran = subprocess.run([*launch, *script, str(tmp_path / name), str(tmp_path / name), str(iterations)], env=env,
+                             timeout=600,
                              capture_output=True, text=True)
         assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-3000:]
     rows = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in ("one.rank0", "two.rank0",
@@ -134,6 +136,8 @@ def test_two_data_parallel_ranks_train_what_one_process_trains_with_accumulation
         assert two["reward_mean"] == pytest.approx(one["reward_mean"], rel=1e-6, abs=1e-9)
         assert two["loss"] == pytest.approx(one["loss"], rel=1e-4, abs=1e-9)
     assert any(r[3] for rank in ("two.rank0", "two.rank1") for step in rows[rank].values() for r in step)  # scored
+    for run in rows.values():  # the rollouts of a step trained again at the next one, with num_iterations 2
+        assert (run["2"] == run["1"]) == (iterations == 2) and run["3"] != run["2"]
     rank0, rank1, one = (mx.load(str(tmp_path / f"{name}.safetensors")) for name in ("two.rank0", "two.rank1",
                                                                                      "one.rank0"))
     assert rank0.keys() == rank1.keys() == one.keys()

@@ -2,6 +2,7 @@
 
     mlx.launch -n 2 -- python grpo_dp_run.py BASE DATA RUN_DIR OUT      # 2 prompts per rank and step
     python grpo_dp_run.py BASE DATA RUN_DIR OUT                         # 2 prompts x accumulation 2
+    python grpo_dp_run.py BASE DATA RUN_DIR OUT 2                       # num_iterations 2
 
 Each process writes OUT.rank<R>.safetensors (its trainable parameters) and OUT.rank<R>.json (the rows of every
 micro-batch it trained on: prompt and completion tokens, prompt length, advantage and reward of each completion,
@@ -56,12 +57,13 @@ class Rollouts(Callback, StepObserver):
 
 def main():
     base, data, run_dir, out = sys.argv[1:5]
+    iterations = int(sys.argv[5]) if len(sys.argv) > 5 else 1
     group = mx.distributed.init()
     world, rank = group.size(), group.rank()
     config = FineTuneConfig(model=base, data=data, run_dir=run_dir, train_mode="grpo", iters=3 * (2 // world),
                             batch_size=2, grad_accumulation_steps=2 // world, group_size=3, max_completion_length=8,
                             max_seq_length=128, num_layers=2, learning_rate=1e-3, beta=0.05, reward_functions=REWARDS,
-                            steps_per_report=1, steps_per_eval=100, num_workers=0)
+                            steps_per_report=1, steps_per_eval=100, num_workers=0, num_iterations=iterations)
     rollouts = Rollouts()
     result = finetune(config, callbacks=[rollouts], trainer_class=DistributedTrainer if world > 1 else None,
                       log=lambda line: None)

@@ -7,7 +7,7 @@ accumulation, clipping and a warmup + cosine schedule; ``--train-mode vision-dpo
 pictures, with gradient accumulation.
 
     python llm_resume_run.py BASE_DIR DATA_DIR RUN_DIR OUT.safetensors [--kill-at STEP] [--train-mode dpo]
-        [--quantized]
+        [--quantized] [--num-iterations N]
 
 --kill-at sends SIGKILL to the process itself after that optimizer step (no warning, no cleanup).
 OUT holds the trained parameters and the optimizer state (``optimizer.*``); OUT.json the step,
@@ -63,12 +63,14 @@ def main():
     parser.add_argument("--train-mode", choices=sorted(SETTINGS), default="sft")
     parser.add_argument("--fine-tune-type", default="lora")
     parser.add_argument("--quantized", action="store_true", help="keep a quantized base quantized (QLoRA)")
+    parser.add_argument("--num-iterations", type=int, default=1, help="GRPO: optimizer steps per rollout batch")
     args = parser.parse_args()
+    extra = {"num_iterations": args.num_iterations} if args.num_iterations > 1 else {}
     cfg = FineTuneConfig(model=args.base, data=args.data, run_dir=args.run_dir, num_layers=2,
                          learning_rate=3e-3, fine_tune_type=args.fine_tune_type,
                          lora_parameters={"rank": 4, "scale": 10.0, "dropout": 0.1},
                          steps_per_report=2, steps_per_eval=3, save_every=2, val_batches=2,
-                         quantized=args.quantized or None, **SETTINGS[args.train_mode])
+                         quantized=args.quantized or None, **SETTINGS[args.train_mode], **extra)
     result = finetune(cfg, callbacks=[KillAt(args.kill_at)] if args.kill_at else [], resume="auto")
     trainer = result["trainer"]
     arrays = dict(tree_flatten(result["model"].trainable_parameters()))

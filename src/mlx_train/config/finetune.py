@@ -179,14 +179,6 @@ def _probability(value: float, values: Mapping[str, Any]) -> str | None:
     return None if 0 < value <= 1 else f"must be in (0, 1] (1: no nucleus filter), got {value}"
 
 
-def _one_iteration(value: int, values: Mapping[str, Any]) -> str | None:
-    if value == 1:
-        return None
-    return (f"is {value}, but only 1 is supported: each rollout batch is used for one optimizer step (TRL's "
-            "num_iterations > 1 reuses one for several, with its log-probabilities kept). Sample more completions "
-            "per step instead (group_size, batch_size); leave num_iterations out")
-
-
 @extends("fine-tuning", "mlx-train finetune")
 @dataclass
 class FinetuneConfig(LaunchConfig):
@@ -295,8 +287,8 @@ class FinetuneConfig(LaunchConfig):
     reward_functions_file: str | None = in_llm(None, "GRPO: a Python file defining reward functions.")
     reward_weights: list | None = in_llm(None, "GRPO: weight of each reward function in the total, comma-separated "  # type: ignore[type-arg]
                                                "(null: 1 each).", parse=_weights)
-    num_iterations: int = in_llm(1, "GRPO: optimizer steps per rollout batch (TRL's name; only 1).", minimum=1,
-                                 check=_one_iteration)
+    num_iterations: int = in_llm(1, "GRPO: optimizer steps on each batch of rollouts, its log-probabilities under "
+                                    "the sampling weights kept (TRL's name).", minimum=1)
 
 
     @classmethod

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from mlx_train._lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from mlx_train.data.batching import EpochPlan, LengthBucketing, TokenBudget, plan_epoch
+    from mlx_train.data.batching import EpochPlan, LengthBucketing, RepeatedBatches, TokenBudget, plan_epoch
     from mlx_train.data.collate import default_collate, pad_collate, round_up, to_mx
     from mlx_train.data.loader import DataLoader
     from mlx_train.data.prefetch import THREAD_PREFIX
@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 _LAZY = {
     "EpochPlan": "mlx_train.data.batching",
     "LengthBucketing": "mlx_train.data.batching",
+    "RepeatedBatches": "mlx_train.data.batching",
     "TokenBudget": "mlx_train.data.batching",
     "plan_epoch": "mlx_train.data.batching",
     "default_collate": "mlx_train.data.collate",
@@ -43,6 +44,7 @@ __getattr__, __dir__ = lazy_exports(__name__, _LAZY)
 __all__ = [
     "DataLoader",
     "LengthBucketing",
+    "RepeatedBatches",
     "TokenBudget",
     "default_collate",
     "pad_collate",

@@ -26,7 +26,8 @@ from mlx_train.errors import DataError
 
 from .collate import round_up
 
-__all__ = ["EpochPlan", "LengthBucketing", "TokenBudget", "plan_epoch", "fixed_bounds", "fixed_layout"]
+__all__ = ["EpochPlan", "LengthBucketing", "RepeatedBatches", "TokenBudget", "plan_epoch", "fixed_bounds",
+           "fixed_layout"]
 
 LengthSpec = Sequence[int] | np.ndarray | str | int | None
 
@@ -243,3 +244,43 @@ class TokenBudget:
         if rng is not None:
             order, bounds = _shuffle_batches(order, bounds, rng)
         return order, bounds
+
+
+class RepeatedBatches:
+    """Every batch of ``batching`` (fixed-size batches when None) handed out ``times`` times in a row: several
+    optimizer steps on one batch, as GRPO's ``num_iterations`` trains on one batch of rollouts. An epoch has
+    ``times`` times as many batches; a position in it (a repeat included) is restored like any other.
+
+    Example: ``DataLoader(rows, batch_size=2, batching=RepeatedBatches(LengthBucketing(lengths=n), times=2))``.
+    """
+
+    def __init__(self, batching: Any = None, times: int = 2) -> None:
+        _check_positive(times, "RepeatedBatches times")
+        self.batching, self.times = batching, int(times)
+
+    @property
+    def lengths(self) -> LengthSpec:
+        return getattr(self.batching, "lengths", None)
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": "RepeatedBatches", "times": self.times,
+                "batching": None if self.batching is None else self.batching.describe()}
+
+    def arrange(
+        self,
+        order: np.ndarray,
+        lengths: np.ndarray | None,
+        rng: np.random.Generator | None,
+        batch_size: int,
+        world_size: int,
+        drop_last: bool,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        if self.batching is None:
+            bounds = fixed_bounds(len(order), batch_size * world_size, world_size, drop_last)
+        else:
+            order, bounds = self.batching.arrange(order, lengths, rng, batch_size, world_size, drop_last)
+        batches = [order[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+        repeated = [batch for batch in batches for _ in range(self.times)]
+        sizes = np.repeat(np.diff(bounds), self.times)
+        return (np.concatenate(repeated) if repeated else order[:0],
+                np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64))

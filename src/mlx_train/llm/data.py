@@ -471,17 +471,18 @@ def _stack_padded(arrays: Sequence[np.ndarray]) -> np.ndarray:
 
 def make_loader(dataset: Any, batch_size: int, seed: int = 0, shuffle: bool = True,
                 num_workers: int = 1, multiple: int = PAD_MULTIPLE, drop_last: bool = True,
-                positions: bool = False) -> Any:
+                positions: bool = False, repeat: int = 1) -> Any:
     """A DataLoader over ``dataset`` (a :class:`SequenceDataset`, or preference pairs): batches of rows
     of similar token length, padded to ``multiple``. A dataset built with ``pack="by_length"`` gets
     batches of as many rows as fit in ``batch_size x max_seq_length`` padded tokens instead.
-    ``positions``: batches carry the trained positions (see :func:`collate`; for prompt-masked rows).
+    ``positions``: batches carry the trained positions (see :func:`collate`; for prompt-masked rows);
+    ``repeat``: each batch handed out that many times in a row (GRPO's ``num_iterations``).
 
     Example: ``loader = make_loader(train_rows, batch_size=4, seed=0)``.
     """
     from functools import partial
 
-    from mlx_train.data import DataLoader, LengthBucketing, TokenBudget
+    from mlx_train.data import DataLoader, LengthBucketing, RepeatedBatches, TokenBudget
 
     if len(dataset) < batch_size and drop_last:
         raise DataError(f"the training set has {len(dataset)} rows, fewer than one batch of {batch_size}; "
@@ -490,6 +491,8 @@ def make_loader(dataset: Any, batch_size: int, seed: int = 0, shuffle: bool = Tr
     if getattr(dataset, "packing", None) == "by_length":
         budget = batch_size * -(-dataset.max_seq_length // multiple) * multiple
         batching = TokenBudget(max_tokens=budget, lengths=dataset.lengths, multiple=multiple)
+    if repeat > 1:
+        batching = RepeatedBatches(batching, repeat)
     return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, num_workers=num_workers, drop_last=drop_last,
                       seed=seed, collate_fn=partial(collate, multiple=multiple, positions=positions),
                       batching=batching)

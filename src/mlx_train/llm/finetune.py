@@ -386,7 +386,7 @@ def finetune(config: FinetuneConfig, callbacks: list[Any] | None = None, resume:
     # A loader batch is a micro-batch; the Trainer takes gradient_accumulation of them per optimizer step.
     gather = task.gathers_positions()
     loader = data.make_loader(train_rows, config.batch_size, seed=config.seed, num_workers=config.num_workers,
-                              positions=gather)
+                              positions=gather, repeat=task.batch_repeats())
     options = {"strategy": config.distributed_strategy} if trainer_class is not Trainer else {}
     transforms.apply_fast_paths(model, log)  # blocked attention, a lean SwiGLU where validated; logged
     config = recompute_setting(config, model, log)
@@ -410,7 +410,7 @@ def finetune(config: FinetuneConfig, callbacks: list[Any] | None = None, resume:
         val = data.make_loader(rows, eval_rows, shuffle=False, num_workers=0, drop_last=False, positions=gather)
     # epochs: null (mlx_lm.lora's iters) -> the Trainer passes over the data as often as max_steps needs
     history = trainer.train(train_dataset=loader, val_dataset=val, resume=resume,
-                            callbacks=[counter, writer, *(callbacks or [])])
+                            callbacks=[counter, writer, *task.callbacks(), *(callbacks or [])])
     result: dict[str, Any] = {"trainer": trainer, "model": model, "tokenizer": parts["tokenizer"], "history": history,
                               "adapter_path": adapter_dir, "task": task, **task.result_counts(counter)}
     if val is not None:

@@ -18,10 +18,13 @@ The loss, per completion token ``t`` of completion ``i`` (``m`` = 1 on its token
 token included): ``-min(w A_i, clip(w, 1 - clip_epsilon, 1 + epsilon_high) A_i) + beta KL``, with ``w`` the
 ratio to the sampling policy (per token, or per sequence: the exp of the completion's mean log-ratio,
 GSPO) and ``KL = exp(ref - logp) - (ref - logp) - 1`` against the model with its adapters off (no
-reference pass when ``beta`` is 0). Each rollout batch is used for one optimizer step, right after it
-was sampled with the same weights, so the sampling policy's log-probabilities are the step's own,
-detached (``w`` is 1 in value and carries the policy gradient; what mlx-lm-lora and TRL do with one
-iteration): no extra forward pass. A batch may carry them as ``old_logps`` instead. The
+reference pass when ``beta`` is 0). By default each rollout batch is used for one optimizer step, right
+after it was sampled with the same weights, so the sampling policy's log-probabilities are the step's
+own, detached (``w`` is 1 in value and carries the policy gradient; what mlx-lm-lora and TRL do with one
+iteration): no extra forward pass. With ``num_iterations`` > 1 (TRL's) the loader hands each batch of
+prompts out that many times in a row; its first step samples, its next steps train on the same rollouts,
+which carry the sampling policy's log-probabilities as ``old_logps`` (``RolloutAnchor`` keeps the weights
+that sampled them in checkpoints, so a resumed run samples them again). The
 normalisations: ``grpo`` the mean over each completion's tokens, then over completions (items:
 completions); ``bnpo`` the sum over all tokens over their count (items: tokens); ``dr_grpo`` the sum
 over completions x ``max_completion_length`` (items: completions).
@@ -50,9 +53,11 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
 
-from mlx_train.errors import DataError
+from mlx_train.errors import CheckpointError, DataError
 from mlx_train.llm.rollouts import Sampling, generate_groups, rollout_key
+from mlx_train.training.callbacks import Callback
 
 #: Rollout rows are padded to a multiple of this many tokens, and their completion slots (where the output
 #: projection runs, three times a step with a KL penalty) to a multiple of ``COMPLETION_MULTIPLE`` or the
@@ -71,7 +76,8 @@ STD_EPSILON = 1e-4
 class GRPOConfig:
     """What GRPO samples and optimises (the GRPO settings of ``FinetuneConfig``, see its help).
 
-    ``generation_batch``: prompts sampled together (the rest of a step's prompts after them).
+    ``generation_batch``: prompts sampled together (the rest of a step's prompts after them);
+    ``num_iterations``: optimizer steps on each rollout batch (TRL's name).
 
     Example: ``GRPOConfig.from_finetune(FinetuneConfig(train_mode="grpo", group_size=8)).group_size`` -> ``8``.
     """
@@ -86,6 +92,7 @@ class GRPOConfig:
     scale_rewards: str = "group"
     seed: int = 0
     generation_batch: int = 4
+    num_iterations: int = 1
 
     @classmethod
     def from_finetune(cls, cfg: Any) -> GRPOConfig:
@@ -93,7 +100,8 @@ class GRPOConfig:
         sampling = Sampling(float(cfg.temperature), float(cfg.top_p), int(cfg.top_k), int(cfg.max_completion_length))
         return cls(int(cfg.group_size), sampling, float(cfg.beta), float(cfg.clip_epsilon),
                    None if cfg.epsilon_high is None else float(cfg.epsilon_high), cfg.grpo_loss_type,
-                   cfg.importance_sampling_level, cfg.scale_rewards, int(cfg.seed), int(cfg.batch_size))
+                   cfg.importance_sampling_level, cfg.scale_rewards, int(cfg.seed), int(cfg.batch_size),
+                   int(cfg.num_iterations))
 
     @property
     def upper(self) -> float:
@@ -261,6 +269,28 @@ def rollout_batch(prompts: Sequence[np.ndarray], completions: Any, group_size: i
     return {"inputs": inputs[:, :-1], "targets": inputs[:, 1:], "positions": positions, "prompts": heads}
 
 
+class RolloutAnchor(Callback):
+    """Keeps in each checkpoint what a run with ``num_iterations`` > 1 needs to resume part-way through a rollout
+    batch: the trainable weights that sampled it (``GRPOLoss.anchor_state``), so that the resumed run samples
+    it again, bit for bit, instead of the uninterrupted run's later steps training on other rollouts.
+
+    Example: ``trainer.train(loader, callbacks=[RolloutAnchor(loss)])``.
+    """
+
+    def __init__(self, loss: GRPOLoss) -> None:
+        self.loss = loss
+        self.trainer: Any = None
+
+    def on_fit_start(self, trainer: Any) -> None:
+        self.trainer = trainer
+
+    def state_dict(self) -> dict[str, Any]:
+        return {} if self.trainer is None else self.loss.anchor_state(self.trainer.step)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loss.load_anchor_state(state)
+
+
 class Phases:
     """Where GRPO's training steps spend their time, in seconds per rollout since the last ``read``:
     ``generation`` (sampling the completions), ``rewards`` (their text, the reward functions, the advantages,
@@ -319,12 +349,66 @@ class GRPOLoss:
                    "completion_length", "completion_length_max", "clip_ratio_low", "clip_ratio_high", "clip_ratio"]
         self.metric_names = tuple(metrics + (["kl"] if config.beta > 0 else []))
         self.phases = Phases()
+        #: With num_iterations > 1: the rollout batch of the step that sampled it (``(step, batch)``), and the
+        #: trainable weights it was sampled with (``(step, {name: array})``), which a checkpoint keeps.
+        self._pending: tuple[int, dict[str, mx.array]] | None = None
+        self._anchor: tuple[int, dict[str, mx.array]] | None = None
 
     # -- the rollout batch (main thread, before the step) ---------------------------------
 
     def prepare(self, model: nn.Module, batch: dict[str, Any], step: int | None) -> dict[str, mx.array]:
         """Sample ``group_size`` completions of each prompt of ``batch`` with ``model`` as it is now, score
-        them and return the rollout batch the step trains on (``step`` None: an evaluation batch)."""
+        them and return the rollout batch the step trains on (``step`` None: an evaluation batch). With
+        ``num_iterations`` > 1 the loader hands each batch of prompts out that many times in a row
+        (``batch_repeats``): its first step samples the rollouts and keeps them with their log-probabilities
+        under the weights they were sampled with (``old_logps``), the next steps train on them again."""
+        cfg = self.config
+        if step is None or cfg.num_iterations == 1:
+            return self._rollouts(model, batch, step)
+        start = step - step % cfg.num_iterations
+        if self._pending is not None and self._pending[0] == start:
+            return self._pending[1]
+        if step != start:  # a run resumed part-way through one: sampled again from the weights that sampled it
+            self._pending = (start, self._resampled(model, batch, step, start))
+            return self._pending[1]
+        # a new rollout batch: these weights sample it, and are kept until its last step
+        self._anchor = (start, dict(tree_flatten(model.trainable_parameters())))
+        out = self._rollouts(model, batch, start, old=True)
+        self._pending = (start, out)
+        # its first step is num_iterations 1's: the step's own log-probabilities are the sampling policy's
+        return {k: v for k, v in out.items() if k != "old_logps"}
+
+    def _resampled(self, model: nn.Module, batch: dict[str, Any], step: int, start: int) -> dict[str, mx.array]:
+        if self._anchor is None or self._anchor[0] != start:
+            raise CheckpointError(f"step {step} trains on the rollouts of step {start} (num_iterations "
+                                  f"{self.config.num_iterations}), but the checkpoint holds no weights of step {start} "
+                                  "to sample them again: resume with the num_iterations the run was started with")
+        current = model.trainable_parameters()
+        model.update(tree_unflatten(list(self._anchor[1].items())))
+        try:
+            return self._rollouts(model, batch, start, old=True)
+        finally:
+            model.update(current)
+
+    def anchor_state(self, step: int) -> dict[str, Any]:
+        """What a checkpoint after ``step`` optimizer steps needs to train the rest of its rollout batch: the
+        weights that sampled it (none at a rollout's first step)."""
+        if self._anchor is None or step % self.config.num_iterations == 0 or step - self._anchor[0] >= \
+                self.config.num_iterations:
+            return {}
+        return {"step": self._anchor[0], "weights": {k.replace(".", "/"): v for k, v in self._anchor[1].items()}}
+
+    def load_anchor_state(self, state: dict[str, Any]) -> None:
+        """Put back what ``anchor_state`` saved (a resumed run samples its rollout batch again from them)."""
+        self._pending = None
+        self._anchor = None
+        if state:
+            self._anchor = (int(state["step"]), {k.replace("/", "."): v for k, v in state["weights"].items()})
+
+    def _rollouts(self, model: nn.Module, batch: dict[str, Any], step: int | None,
+                  old: bool = False) -> dict[str, mx.array]:
+        """Sampled, scored rollouts of ``batch`` with ``model`` now, drawn with ``step``'s key; ``old``: with
+        their log-probabilities under these weights (``old_logps``)."""
         cfg, phases = self.config, self.phases
         if step is None:
             phases.forget()  # an evaluation batch: the time since the last rollout is no step's update
@@ -353,10 +437,32 @@ class GRPOLoss:
         out["rewards"] = total.astype(np.float32)
         out["function_rewards"] = np.stack([np.asarray(scores.per_function[n], np.float32) for n in self.names],
                                            axis=1) if self.names else np.zeros((len(total), 0), np.float32)
+        arrays = {k: mx.array(v) for k, v in out.items()}
+        if old:
+            arrays["old_logps"] = self.sampled_logprobs(model, arrays)
         phases.mark("rewards", measured=step is not None)
         if step is None:
             phases.forget()  # the evaluation's own step comes next: no training step's update
-        return {k: mx.array(v) for k, v in out.items()}
+        return arrays
+
+    def sampled_logprobs(self, model: nn.Module, batch: dict[str, mx.array]) -> mx.array:
+        """The log-probabilities of a rollout batch's completion tokens under ``model`` as it is (evaluation
+        mode, no gradient): the sampling policy's, which later steps on the same rollouts compare with."""
+        from mlx_train.llm.loss import output_head, target_logprobs
+
+        was_training = model.training
+        model.eval()
+        try:
+            if "prompts" in batch and output_head(model) is not None:
+                logps = Rollout(batch, self.config.group_size).logprobs(model, 0, None, self.chunk, grad=False,
+                                                                        precompute=False)
+            else:
+                logps = target_logprobs(model, batch, self.chunk, grad=False)[0]
+            logps = mx.stop_gradient(logps)
+            mx.eval(logps)
+        finally:
+            model.train(was_training)
+        return logps
 
     def _sample(self, model: nn.Module, prompts: list[np.ndarray], numbers: np.ndarray, step: int | None) -> Any:
         key = rollout_key(self.config.seed, numbers.tolist(), step)

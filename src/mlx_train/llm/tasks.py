@@ -169,6 +169,14 @@ class Task:
         """The callback that counts what the run trains on and prints its report lines."""
         return TokenCounter()
 
+    def callbacks(self) -> list[Callback]:
+        """The task's own callbacks, beside the counter (made after ``loss``)."""
+        return []
+
+    def batch_repeats(self) -> int:
+        """How many optimizer steps in a row each loader batch is trained on (1: one)."""
+        return 1
+
     def adapter_facts(self) -> dict[str, Any]:
         """What the task adds to the adapters' ``adapter_config.json``."""
         return {}
@@ -454,12 +462,22 @@ class GRPO(Task):
     def counter(self) -> Counter:
         return CompletionCounter(self.unit, self._loss.phases if self._loss is not None else None)
 
+    def callbacks(self) -> list[Callback]:
+        """With ``num_iterations`` > 1, the one that keeps a rollout batch's weights in checkpoints."""
+        from mlx_train.llm import grpo
+
+        return [grpo.RolloutAnchor(self._loss)] if self.config.num_iterations > 1 and self._loss is not None else []
+
+    def batch_repeats(self) -> int:
+        """``num_iterations``: each batch of prompts is sampled once and trained on that many steps."""
+        return int(self.config.num_iterations)
+
     def adapter_facts(self) -> dict[str, Any]:
         return {"train_mode": "grpo", **self.card_hyperparameters()}
 
     def card_hyperparameters(self) -> dict[str, Any]:
         cfg = self.config
-        facts = {k: getattr(cfg, k) for k in ("beta", *_GRPO_SETTINGS) if k != "num_iterations"}
+        facts = {k: getattr(cfg, k) for k in ("beta", *_GRPO_SETTINGS)}
         if self._parts:  # the functions and weights in use (a null setting: the defaults or the file's)
             facts["reward_functions"] = self._parts["rewards"].names
             facts["reward_weights"] = self._parts["rewards"].weights
