@@ -227,8 +227,10 @@ def test_fuse_writes_a_model_that_mlx_vlm_loads_and_generates_from(tiny, tmp_pat
                  "--learning-rate", "5e-3", "--fine-tune-type", method, "--run-dir", str(run), "--fuse", fused])
     out = capsys.readouterr().out
     assert code == 0 and f"fused model: {fused} (mlx_vlm.load" in out, out[-2000:]
+    assert f"adapters: {run / 'adapters'} (mlx-vlm format" in out
     assert os.path.isfile(os.path.join(fused, "preprocessor_config.json"))
-    assert os.path.isfile(os.path.join(fused, "README.md"))  # the adapters' card, for the fused model
+    card = open(os.path.join(fused, "README.md")).read()  # the adapters' card, for the fused model
+    assert 'model, processor = load("path/to/this/directory")' in card and "adapter_path" not in card
     batch = _batch(_rows(tiny, [vlm_tiny.square_row(c) for c in vlm_tiny.COLOURS]))
     with_adapters, _ = mlx_vlm.load(base, adapter_path=str(run / "adapters"))
     model, processor = mlx_vlm.load(fused)

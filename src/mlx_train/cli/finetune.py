@@ -159,7 +159,7 @@ def main(args: argparse.Namespace) -> int:
     if not is_main_process():
         return 0
     lines = result["task"].summary(result)
-    lines.append(f"  adapters: {result['adapter_path']} (mlx-lm format, model card README.md)")
+    lines.append(f"  adapters: {result['adapter_path']} ({result['task'].library} format, model card README.md)")
     library = result["task"].library.replace("-", "_")  # mlx_lm, or mlx_vlm for a vision-language model
     if args.fuse:
         fuse_model(cfg.model, result["adapter_path"], args.fuse, dequantize=not is_quantized(result["model"]))

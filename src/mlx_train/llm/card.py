@@ -65,7 +65,8 @@ def model_card(facts: dict[str, Any], fused: bool = False) -> str:
     lines += [f"| {k} | `{v}` |" for k, v in facts["hyperparameters"].items()]
     lines += ["", "## Final metrics", "", "| metric | value |", "| --- | --- |"]
     lines += [f"| {k} | {v} |" for k, v in facts["metrics"].items()]
-    lines += ["", "## Use", "", *(_vision_usage(base) if facts.get("library") == "mlx-vlm" else _usage(base, fused))]
+    usage = _vision_usage(base, fused) if facts.get("library") == "mlx-vlm" else _usage(base, fused)
+    lines += ["", "## Use", "", *usage]
     return "\n".join(lines)
 
 
@@ -91,10 +92,10 @@ def _usage(base: str, fused: bool) -> list[str]:
     return code
 
 
-def _vision_usage(base: str) -> list[str]:
-    """How to load adapters of a vision-language model: mlx_vlm.load reads them."""
-    return ["```python", "from mlx_vlm import generate, load", "",
-            f'model, processor = load("{base}", adapter_path="path/to/this/directory")',
+def _vision_usage(base: str, fused: bool) -> list[str]:
+    """How to load a vision-language model's adapters (or the model fused from them): mlx_vlm.load reads them."""
+    load = 'load("path/to/this/directory")' if fused else f'load("{base}", adapter_path="path/to/this/directory")'
+    return ["```python", "from mlx_vlm import generate, load", "", f"model, processor = {load}",
             'print(generate(model, processor, "Describe the picture.", image=["picture.png"]))', "```", ""]
 
 
