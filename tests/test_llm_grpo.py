@@ -515,6 +515,25 @@ def test_cli_grpo_end_to_end_metrics_card_and_mlx_lm_loads_the_adapters(setup, t
     assert isinstance(model, nn.Module) and tokenizer is not None
 
 
+def test_num_iterations_cannot_change_on_resume(setup, tmp_path, capsys):
+    """The loader's order repeats each batch num_iterations times, so a resume keeps the run's own: another one
+    is refused from Python and from the command line, before anything is loaded or changed."""
+    from mlx_train.cli.main import main
+
+    run = tmp_path / "run"
+    cfg = FineTuneConfig(model=str(setup / "base"), data=str(setup / "data"), train_mode="grpo", max_seq_length=128,
+                         max_completion_length=6, group_size=2, reward_functions=REWARDS, run_dir=str(run), iters=2,
+                         num_layers=2, num_iterations=2, save_every=2)
+    finetune(cfg, log=lambda line: None)
+    with pytest.raises(ConfigError, match=r"num_iterations 2 -> 3: cannot change on resume .*repeated "
+                                          r"num_iterations times"):
+        finetune(cfg.replace(num_iterations=3, max_steps=4), resume="auto", log=lambda line: None)
+    capsys.readouterr()
+    assert main(["finetune", "--run-dir", str(run), "--resume", "--num-iterations", "3", "--iters", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "num_iterations cannot change on resume" in err and "Traceback" not in err
+
+
 def _resume_run(base, data, run_dir, out, *extra, check=True):
     proc = subprocess.run([sys.executable, SCRIPT, base, data, str(run_dir), str(out), "--train-mode", "grpo", *extra],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)

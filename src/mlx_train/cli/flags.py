@@ -143,6 +143,7 @@ FIXED_ON_RESUME: dict[str, str] = {
     "reward_functions": _SCORED,
     "reward_functions_file": _SCORED,
     "reward_weights": _SCORED,
+    "num_iterations": _DATA_ORDER + ", each batch of prompts handed out that many times in a row",
 }
 
 

@@ -228,13 +228,15 @@ def _check_resume(config: FinetuneConfig, resume: str, log: Any = print) -> None
         log(f"{path} is at step {step} = max_steps: nothing is left to train; {train_longer}")
     saved = state.get("config") or {}
     was = {"rows per step": saved.get("batch_size", 0) * saved.get("gradient_accumulation", 1),
-           "seed": saved.get("seed")}
-    now = {"rows per step": config.batch_size * config.gradient_accumulation, "seed": config.seed}
+           "seed": saved.get("seed"), "num_iterations": saved.get("num_iterations", 1)}
+    now = {"rows per step": config.batch_size * config.gradient_accumulation, "seed": config.seed,
+           "num_iterations": config.num_iterations}
     changed = [name for name in was if saved and was[name] != now[name]]
     if changed:
         settings = ", ".join(f"{name} {was[name]} -> {now[name]}" for name in changed)
         raise ConfigError(f"{settings}: cannot change on resume (the data order and the position in the epoch are "
-                          f"restored from {path}, counted in its batches and drawn with its seed). To resume, give "
+                          f"restored from {path}, counted in its batches, each repeated num_iterations times, and "
+                          "drawn with its seed). To resume, give "
                           "the run's own values; to train with others, start a new run without --resume")
 
 
