@@ -26,6 +26,9 @@ OpenBLAS that mlx-train loads (LD_PRELOAD), so both multiply with the same libra
       8-token completions; then each run's adapters, loaded with mlx_lm.load(base, adapter_path=...),
       sample --samples completions per prompt (temperature 1, fixed seed) and the mean reward is
       compared with the base model's, for each of --learn-seeds seeds.
+  (c) --parts iterations (not by default; ours alone): the runs of (a) at the last --lengths with
+      --num-iterations 1, 2 and 3 (each rollout batch trained on that many optimizer steps), 12 steps, the
+      seconds per optimizer step over the last 6 (a multiple of each N), and each N's steps/s over N = 1's.
 
 mlx-lm-lora 5.10.2 samples its rollouts with top_k 20 and top_p 0.95 (GRPOTrainingArgs' defaults; its
 CLI has no flag for them), so its training rewards read higher than the full distribution's that (b)
@@ -43,6 +46,7 @@ The rival's venv, outside the repository:
     python bench/grpo.py --ours /path/to/src      # another checkout's mlx-train (its src folder)
     python bench/grpo.py --parts speed --rounds 3 --lengths 16
     python bench/grpo.py --parts learning --learn-seeds 3
+    python bench/grpo.py --parts iterations --lengths 32 --rounds 2    # ours: --num-iterations 1, 2, 3
 """
 
 from __future__ import annotations
@@ -262,7 +266,8 @@ def mean_reward(model_dir: str, adapters: str | None, prompts: list[str], sample
 # -- the driver -------------------------------------------------------------------------------
 
 
-def speed(args: argparse.Namespace, work: str, sides: list[str]) -> dict:
+def smollm2(args: argparse.Namespace, work: str) -> tuple[str, str]:
+    """SmolLM2-135M written once as an mlx-lm directory in ``work``, and the rows' folder."""
     import mlx_train  # noqa: F401
 
     # isort: split
@@ -279,7 +284,11 @@ def speed(args: argparse.Namespace, work: str, sides: list[str]) -> dict:
     subprocess.run([sys.executable, "-c", "import sys; from mlx_train.llm.gguf import load_gguf; "
                     "from mlx_train.llm.models import save_model; save_model(*load_gguf(sys.argv[1]), sys.argv[2])",
                     gguf, model_dir], check=True, env={**os.environ, "PYTHONPATH": args.ours})
-    data = write_rows(os.path.join(work, "questions"), rows(QUESTIONS))
+    return model_dir, write_rows(os.path.join(work, "questions"), rows(QUESTIONS))
+
+
+def speed(args: argparse.Namespace, work: str, sides: list[str]) -> dict:
+    model_dir, data = smollm2(args, work)
     results: dict = {}
     for length in args.lengths:
         for r in range(args.rounds):
@@ -292,6 +301,39 @@ def speed(args: argparse.Namespace, work: str, sides: list[str]) -> dict:
                       f"{run['seconds']:.2f} s/iteration, peak resident {run['rss_gb']:.2f} GB", file=sys.stderr,
                       flush=True)
     return results
+
+
+def iterations(args: argparse.Namespace, work: str) -> dict:
+    """Ours alone with --num-iterations N for each N of ``args.num_iterations``, alternating the order over rounds:
+    seconds per optimizer step over the second half of --iteration-iters steps (a multiple of every N)."""
+    model_dir, data = smollm2(args, work)
+    length, steps = args.lengths[-1], args.iteration_iters
+    results: dict = {}
+    for r in range(args.rounds):
+        for n in args.num_iterations if r % 2 == 0 else args.num_iterations[::-1]:
+            flags = grpo_flags(model_dir, data, steps, length, 1e-5, 8, r) + ["--num-iterations", str(n)]
+            run = summarise(run_side("ours", flags, os.path.join(work, f"iterations-{n}-{length}-{r}"), args),
+                            steps // 2)
+            results.setdefault(n, []).append(run)
+            print(f"  [{time.perf_counter() - START:5.0f}s] {length} tokens, round {r + 1}, --num-iterations {n}: "
+                  f"{run['seconds']:.2f} s per optimizer step", file=sys.stderr, flush=True)
+    return results
+
+
+def report_iterations(args: argparse.Namespace, results: dict) -> None:
+    """The table of --parts iterations: each N's medians over rounds, and its optimizer steps/s over N = 1's."""
+    counts = sorted(results)
+    print(f"\n| mlx-train, SmolLM2-135M, 2 prompts x 4, {args.lengths[-1]} tokens | "
+          + " | ".join(f"--num-iterations {n}" for n in counts) + " |")
+    print("|---|" + "---|" * len(counts))
+    seconds = {n: statistics.median(r["seconds"] for r in results[n]) for n in counts}
+    first = seconds[counts[0]]
+    label = f"steps {args.iteration_iters // 2 + 1}-{args.iteration_iters}, median of {args.rounds} rounds"
+    print(f"| seconds per optimizer step ({label}) | " + " | ".join(f"{seconds[n]:.2f}" for n in counts) + " |")
+    print(f"| optimizer steps/s over --num-iterations {counts[0]}'s | "
+          + " | ".join(f"{first / seconds[n]:.2f}" for n in counts) + " |")
+    print("| MLX peak memory (GB) | " + " | ".join(
+        f"{statistics.median(r['peak_mlx_gb'] for r in results[n]):.3f}" for n in counts) + " |")
 
 
 def learning(args: argparse.Namespace, work: str, sides: list[str]) -> dict:
@@ -373,7 +415,9 @@ START = time.perf_counter()
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", choices=["ours", "theirs"], help="run one side (no ratios)")
-    parser.add_argument("--parts", default="speed,learning", help="speed, learning or both (comma-separated)")
+    parser.add_argument("--parts", default="speed,learning",
+                        help="speed, learning, iterations (ours alone: --num-iterations N against N = 1); "
+                             "comma-separated")
     parser.add_argument("--ours", default=os.path.join(HERE, "..", "src"),
                         help="the src folder of the mlx-train checkout to run (default: this one's)")
     parser.add_argument("--their-python", default=THEIR_PYTHON, help="python of the venv with mlx-lm-lora 5.10.2")
@@ -382,6 +426,10 @@ def main() -> int:
     parser.add_argument("--skip", type=int, default=2, help="first iterations of a speed run left out of the timing")
     parser.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[16, 32],
                         help="completion lengths of the speed runs (comma-separated)")
+    parser.add_argument("--num-iterations", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 3],
+                        help="--parts iterations: the values of ours' --num-iterations compared (the first: baseline)")
+    parser.add_argument("--iteration-iters", type=int, default=12,
+                        help="--parts iterations: steps per run, the second half timed (a multiple of each N, twice)")
     parser.add_argument("--learn-iters", type=int, default=40)
     parser.add_argument("--learn-length", type=int, default=8)
     parser.add_argument("--learn-lr", type=float, default=1e-4)
@@ -406,7 +454,11 @@ def main() -> int:
         print(f"GRPO, {', '.join(SIDES[s] for s in sides)}; ours from {args.ours}; work in {work}", flush=True)
         fast = speed(args, work, sides) if "speed" in parts else {}
         learned = learning(args, work, sides) if "learning" in parts else {}
-    report(args, sides, fast, learned)
+        repeated = iterations(args, work) if "iterations" in parts else {}
+    if fast or learned:
+        report(args, sides, fast, learned)
+    if repeated:
+        report_iterations(args, repeated)
     return 0
 
 
