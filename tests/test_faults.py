@@ -4,8 +4,10 @@ process on one run, failed and damaged checkpoints. Each test fails without the 
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
 import warnings
 
 import mlx.core as mx
@@ -17,7 +19,7 @@ from mlx.utils import tree_flatten
 
 from mlx_train.checkpointing import CheckpointManager, CheckpointWarning
 from mlx_train.checkpointing.lock import LOCK_FILE, RunLock
-from mlx_train.errors import CheckpointError, DataError, NonFiniteError, OutOfMemoryError
+from mlx_train.errors import CheckpointError, DataError, NonFiniteError, OutOfMemoryError, TrainingInterrupted
 from mlx_train.training import Callback, EarlyStopping, ModelCheckpoint, Trainer
 from mlx_train.training.oom import CPU_MESSAGE
 
@@ -75,6 +77,37 @@ def test_a_second_signal_stops_at_once(tmp_path):
     stopped = _script(run, tmp_path / "x.safetensors", "--signal-at", "7", "--signal", "TERM", "--twice")
     assert stopped.returncode == 143
     assert "SIGTERM again: stopped at once at step 7" in stopped.stdout + stopped.stderr
+
+
+def test_a_stop_at_once_lets_the_checkpoint_being_written_finish_and_says_so(tmp_path, monkeypatch, capsys):
+    """Two SIGTERMs while the step-2 checkpoint is still being written (its writer held until the run has stopped):
+    the run says it waits for that checkpoint, which is then complete, and stops with "stopped at once"."""
+    from mlx_train.checkpointing import manager as manager_module
+
+    release, paused = threading.Event(), threading.Event()
+
+    def held(point, where):
+        if point == "model.safetensors" and "step-00000002" in where:
+            paused.set()
+            release.wait(120)
+
+    class StopTwice(Callback):
+        def on_batch_end(self, trainer, step):
+            if step == 3:
+                assert paused.wait(120)
+                os.kill(os.getpid(), signal.SIGTERM)
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        def on_exception(self, trainer, error):  # after the run has said it waits
+            release.set()
+
+    monkeypatch.setattr(manager_module, "_pause_point", held)
+    trainer = Trainer(_mlp(), optim.SGD(0.1), batch_size=8, num_workers=0, checkpoint_every="2 steps")
+    with pytest.raises(TrainingInterrupted, match="SIGTERM again: stopped at once at step 3"):
+        trainer.train(_nan_data(bad=()), epochs=1, checkpoint_dir=str(tmp_path), callbacks=[StopTwice()])
+    out = capsys.readouterr().out
+    assert f"waiting for the checkpoint being written, {tmp_path / 'step-00000002'}, to be complete" in out, out
+    assert [info.step for info in CheckpointManager(str(tmp_path)).checkpoints()] == [2]
 
 
 # -- NaN / Inf ------------------------------------------------------------------------------

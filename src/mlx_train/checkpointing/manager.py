@@ -240,6 +240,7 @@ class CheckpointManager:
         self._store = open_store(directory)
         self._executor: ThreadPoolExecutor | None = None
         self._pending: Future[Any] | None = None
+        self._pending_path = ""  # where the pending save goes
         self._inflight: str | None = None  # temporary directory of the save in flight: not a leftover
         self._lock = threading.Lock()  # directory scans never interleave with a commit or a deletion
         self._reported: set[str] = set()
@@ -268,6 +269,7 @@ class CheckpointManager:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="mlx-train-checkpoint")
             self._pending = self._executor.submit(self._write, job)
+            self._pending_path = self._store.url(step_name(step))
         return self._store.url(step_name(step))
 
     def wait(self, raise_error: bool = True) -> None:
@@ -275,6 +277,11 @@ class CheckpointManager:
         pending, self._pending = self._pending, None
         if pending is not None and (raise_error or pending.exception() is None):
             pending.result()
+
+    def writing(self) -> str | None:
+        """The checkpoint a background save is still writing (its path); None when no save is under way."""
+        pending = self._pending
+        return self._pending_path if pending is not None and not pending.done() else None
 
     def raise_failed_save(self) -> None:
         """Re-raise the error of a background save that has already failed (a cheap check, no waiting)."""

@@ -257,6 +257,10 @@ class Trainer:
                     raise self._interruption(signals.requested or signal.SIGTERM, checkpoints,
                                              received=signals.received is not None)
             except BaseException as error:
+                writing = checkpoints.writing() if checkpoints else None
+                if writing:  # a stop, even "at once", or a failure first lets the save under way finish
+                    self.log(f"waiting for the checkpoint being written, {writing}, to be complete before stopping "
+                             "(SIGKILL stops without it; the checkpoints before it stay)")
                 callbacks.call("on_exception", self, error)
                 raise
             finally:
