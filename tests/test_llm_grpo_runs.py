@@ -64,11 +64,11 @@ def test_grpo_settings_cannot_change_on_resume_but_max_steps_can(setup, tmp_path
     assert "max_steps 2 -> 3 (--max-steps 3)" in out and "finetune grpo: 3 steps" in out
 
 
-def _grpo_run(setup, run, callbacks):
+def _grpo_run(setup, run, callbacks, iterations=1):
     config = FineTuneConfig(model=str(setup / "base"), data=str(setup / "data"), train_mode="grpo", iters=3,
                             batch_size=2, group_size=3, max_completion_length=8, max_seq_length=128, num_layers=2,
                             learning_rate=1e-3, beta=0.05, reward_functions=REWARDS, steps_per_report=1,
-                            steps_per_eval=100, run_dir=str(run))
+                            steps_per_eval=100, run_dir=str(run), num_iterations=iterations)
     result = finetune(config, callbacks=callbacks, log=lambda line: None)
     reports = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     return dict(tree_flatten(result["model"].trainable_parameters())), result["trainer"], \
@@ -76,21 +76,24 @@ def _grpo_run(setup, run, callbacks):
 
 
 @pytest.mark.slow
-def test_an_out_of_memory_step_trains_the_same_completions_to_the_same_adapters(setup, tmp_path):
+@pytest.mark.parametrize("iterations", [1, 2])
+def test_an_out_of_memory_step_trains_the_same_completions_to_the_same_adapters(setup, tmp_path, iterations):
     """Step 2 runs out of memory after its update was dispatched: it is undone and redone as two micro-batches of
     the same rollout (not sampled again), and the run (3 steps) ends with the unsplit run's adapters to float
-    rounding. (At a learning rate that makes this tiny model's steps chaotic, e.g. adam at 5e-3 or sgd at 0.5,
+    rounding. With num_iterations 2 step 2 trains on step 1's rollouts: their kept log-probabilities are cut
+    with them. (At a learning rate that makes this tiny model's steps chaotic, e.g. adam at 5e-3 or sgd at 0.5,
     the rounding differences of step 2 grow to 1-2% by step 3 in both directions: a property of the
     optimisation, not of the split, whose gradients agree to 1e-6.)"""
     recorded, plain = Rollouts(), Rollouts()
     simulated = SimulatedOutOfMemory(steps=[2])
-    split, trainer, split_reports = _grpo_run(setup, tmp_path / "split", [simulated, recorded])
-    whole, _, whole_reports = _grpo_run(setup, tmp_path / "whole", [plain])
+    split, trainer, split_reports = _grpo_run(setup, tmp_path / "split", [simulated, recorded], iterations)
+    whole, _, whole_reports = _grpo_run(setup, tmp_path / "whole", [plain], iterations)
     assert simulated.failures == [2] and trainer.memory_guard.events[0]["step"] == 2
     assert [recorded.micro_batches[s] for s in "123"] == [1, 3, 2]  # one failed attempt, then halves
     assert [plain.micro_batches[s] for s in "123"] == [1, 1, 1]
     for step in "123":  # the last attempt's rows: the same completions, advantages and rewards
         assert recorded.rows[step][-6:] == plain.rows[step], step
+    assert (plain.rows["2"] == plain.rows["1"]) == (iterations == 2)
     assert [r["reward_mean"] for r in split_reports] == pytest.approx([r["reward_mean"] for r in whole_reports],
                                                                       rel=1e-6)
     assert split.keys() == whole.keys()
