@@ -234,10 +234,10 @@ def _check_resume(config: FinetuneConfig, resume: str, log: Any = print) -> None
     changed = [name for name in was if saved and was[name] != now[name]]
     if changed:
         settings = ", ".join(f"{name} {was[name]} -> {now[name]}" for name in changed)
+        repeated = ", each repeated num_iterations times," if "num_iterations" in changed else ""
         raise ConfigError(f"{settings}: cannot change on resume (the data order and the position in the epoch are "
-                          f"restored from {path}, counted in its batches, each repeated num_iterations times, and "
-                          "drawn with its seed). To resume, give "
-                          "the run's own values; to train with others, start a new run without --resume")
+                          f"restored from {path}, counted in its batches{repeated} and drawn with its seed). To "
+                          "resume, give the run's own values; to train with others, start a new run without --resume")
 
 
 def _check_one_step(config: FinetuneConfig, rows: Any, distributed: bool) -> None:

@@ -393,8 +393,8 @@ class GRPOLoss:
     def anchor_state(self, step: int) -> dict[str, Any]:
         """What a checkpoint after ``step`` optimizer steps needs to train the rest of its rollout batch: the
         weights that sampled it (none at a rollout's first step)."""
-        if self._anchor is None or step % self.config.num_iterations == 0 or step - self._anchor[0] >= \
-                self.config.num_iterations:
+        if self._anchor is None or step % self.config.num_iterations == 0 or \
+                self._anchor[0] != step - step % self.config.num_iterations:
             return {}
         return {"step": self._anchor[0], "weights": {k.replace(".", "/"): v for k, v in self._anchor[1].items()}}
 
